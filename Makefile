@@ -1,0 +1,41 @@
+# The two commands of README.md. Each sets itself up on a fresh machine.
+#   make test   ruff + the whole suite: pure and gloo tiers, then the mpiexec tier on 1-4 ranks
+#   make bench  benchmarks/collectives.py (results under benchmarks/results/)
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch that lies on the machine; torch_xla needs its own venv (see docs).
+TORCH ?= torch==2.13.0
+# Ranks oversubscribe the cores: one thread each.
+export OMP_NUM_THREADS := 1
+# A stuck MPI collective aborts the job after this many seconds (tests only).
+MPI_TEST_ENV := PARALLELKIT_TIMEOUT=120 MPIEXEC_TIMEOUT=600
+
+.PHONY: test lint test-py test-mpi bench clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[mpi,dev]" mpich
+	touch $@
+
+test: lint test-py test-mpi
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check parallelkit tests benchmarks
+
+test-py: $(VENV)/.installed
+	$(PY) -m pytest -q tests
+
+test-mpi: $(VENV)/.installed
+	for n in 1 2 3 4; do \
+	  echo "== mpiexec -n $$n pytest tests/mpi"; \
+	  $(MPI_TEST_ENV) $(VENV)/bin/mpiexec -n $$n $(PY) -m pytest -q -p no:cacheprovider tests/mpi \
+	    || exit 1; \
+	done
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/collectives.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,84 @@
+"""Communicators: move tensors between ranks, one small class per backend.
+
+``init()`` is the factory. It imports a backend's library only when that backend is chosen, so
+``mpi4py`` (or ``torch_xla``) need not be installed to use the others.
+"""
+
+from __future__ import annotations
+
+import os
+
+from parallelkit.comm.base import (
+    DEFAULT_TIMEOUT_S,
+    CommError,
+    Communicator,
+    Op,
+    Work,
+    tensor_split_sizes,
+)
+
+BACKENDS = ("auto", "gloo", "nccl", "mpi", "xla", "local")
+
+# Variables that mpiexec / srun launchers set for each rank (MPICH/Hydra, Open MPI, Slurm).
+_MPI_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
+
+
+def detect_backend() -> str:
+    """What ``init("auto")`` picks, from the launcher's environment variables.
+
+    torchrun (``WORLD_SIZE`` set) -> nccl when CUDA is available, else gloo; mpiexec/srun ->
+    mpi; otherwise one local process. (XLA is chosen by name until its backend lands.)
+    """
+    if "WORLD_SIZE" in os.environ and "MASTER_PORT" in os.environ:
+        import torch
+
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if any(v in os.environ for v in _MPI_VARS) or (
+        "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1
+    ):
+        return "mpi"
+    return "local"
+
+
+def init(
+    backend: str = "auto", *, timeout: float | None = None, debug: bool | None = None
+) -> Communicator:
+    """The world communicator of this job.
+
+    backend: "auto" | "gloo" | "nccl" | "mpi" | "xla" | "local". gloo/nccl read the torchrun
+    variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR defaulting to 127.0.0.1, MASTER_PORT);
+    mpi works under mpiexec/srun; "local" is one process.
+    timeout: seconds before a stuck collective raises (torch) or aborts the job (MPI); default
+        ``PARALLELKIT_TIMEOUT`` or 1800.
+    debug: check before each collective that all ranks agree (default ``PARALLELKIT_DEBUG``).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"pk.init: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        backend = detect_backend()
+    if backend in ("gloo", "nccl"):
+        from parallelkit.comm.torch_dist import TorchCommunicator
+
+        return TorchCommunicator.init(backend, timeout=timeout, debug=debug)
+    if backend == "mpi":
+        from parallelkit.comm.mpi import MPICommunicator
+
+        return MPICommunicator.init(timeout=timeout, debug=debug)
+    if backend == "xla":
+        raise NotImplementedError("the XLA backend is not written yet (see the TPU issue)")
+    from parallelkit.comm.local import LocalCommunicator
+
+    return LocalCommunicator(timeout=timeout, debug=debug)
+
+
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_TIMEOUT_S",
+    "CommError",
+    "Communicator",
+    "Op",
+    "Work",
+    "detect_backend",
+    "init",
+    "tensor_split_sizes",
+]

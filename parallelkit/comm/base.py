@@ -1,0 +1,412 @@
+"""The communicator interface that every backend implements.
+
+A communicator is a group of ranks that move tensors between them. It is named after the MPI
+operations it offers and knows nothing of autograd (that lives in ``parallelkit.functional``).
+
+Every public method here checks its arguments the same way on every rank, optionally checks in
+debug mode that all ranks called the same collective with agreeing shapes, takes the size-1
+fast path, and then hands a contiguous tensor to the backend's underscore method. Backends
+therefore implement a handful of short primitives on contiguous tensors along dimension 0:
+
+    _all_reduce, _all_reduce_async, _all_gather, _reduce_scatter, _broadcast, _reduce,
+    _exchange, _barrier, _split
+
+All operations are out of place: they return new tensors and never modify their inputs.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Literal, Protocol
+
+import torch
+
+Op = Literal["sum", "mean", "max", "min"]
+OPS: tuple[str, ...] = ("sum", "mean", "max", "min")
+DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int32,
+    torch.int64,
+)
+DEFAULT_TIMEOUT_S = 1800.0
+"""Collectives that have not finished after this many seconds raise (torch) or abort (MPI)."""
+
+# A message of a neighbour exchange: (peer rank in this communicator, tensor).
+Message = tuple[int, torch.Tensor]
+
+
+class CommError(RuntimeError):
+    """A collective failed or timed out, usually because another rank failed."""
+
+
+class Work(Protocol):
+    """Handle of an asynchronous operation."""
+
+    def wait(self) -> torch.Tensor:
+        """Block until the operation is done and return its result."""
+        ...
+
+
+class DoneWork:
+    """A handle whose result is already there (size-1 communicators, fast paths)."""
+
+    def __init__(self, result: torch.Tensor) -> None:
+        self._result = result
+
+    def wait(self) -> torch.Tensor:
+        return self._result
+
+
+def env_timeout() -> float:
+    """Timeout from ``PARALLELKIT_TIMEOUT`` (seconds), else :data:`DEFAULT_TIMEOUT_S`."""
+    return float(os.environ.get("PARALLELKIT_TIMEOUT", DEFAULT_TIMEOUT_S))
+
+
+def env_debug() -> bool:
+    """Debug mode from ``PARALLELKIT_DEBUG`` (any of 1/true/yes)."""
+    return os.environ.get("PARALLELKIT_DEBUG", "").lower() in ("1", "true", "yes")
+
+
+def tensor_split_sizes(total: int, parts: int) -> list[int]:
+    """Block sizes of ``torch.tensor_split(range(total), parts)``: the first blocks one larger."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+class Communicator(ABC):
+    """A group of ``size`` ranks; this process is ``rank``.
+
+    Subclasses set ``rank``, ``size``, ``backend``, ``timeout`` and ``debug`` and implement the
+    underscore primitives. ``debug=True`` (or ``PARALLELKIT_DEBUG=1``) makes every collective
+    first compare a small signature (operation, shape, dtype, root) across ranks and raise the
+    same ``ValueError`` on every rank when they disagree, instead of hanging or corrupting memory.
+    """
+
+    rank: int
+    size: int
+    backend: str
+    timeout: float
+    debug: bool
+
+    def __repr__(self) -> str:
+        name = type(self).__name__
+        return f"{name}(backend={self.backend!r}, rank={self.rank}, size={self.size})"
+
+    # ------------------------------------------------------------------ public operations
+    def all_reduce(self, t: torch.Tensor, op: Op = "sum") -> torch.Tensor:
+        """Elementwise reduction over all ranks; every rank gets the result."""
+        t = self._reduce_input(t, op, "all_reduce")
+        if self.size == 1:
+            return t.clone()
+        return self._finish(self._all_reduce(t, _backend_op(op)), op)
+
+    def all_reduce_async(self, t: torch.Tensor, op: Op = "sum") -> Work:
+        """Start :meth:`all_reduce`; ``handle.wait()`` returns the result.
+
+        The input must not be modified before ``wait()`` returns.
+        """
+        t = self._reduce_input(t, op, "all_reduce")
+        if self.size == 1:
+            return DoneWork(t.clone())
+        return _ThenWork(self._all_reduce_async(t, _backend_op(op)), lambda r: self._finish(r, op))
+
+    def all_gather(
+        self, t: torch.Tensor, dim: int = 0, sizes: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """Concatenation along ``dim`` of every rank's tensor, in rank order.
+
+        Ranks may hold different sizes along ``dim``. ``sizes`` (every rank's size along
+        ``dim``), when the caller knows it, saves the small collective that otherwise learns it.
+        """
+        t = self._contiguous(t, "all_gather")
+        dim = _check_dim(dim, t, "all_gather")
+        self._debug_check("all_gather", t, masked_dim=dim)
+        if self.size == 1:
+            return t.clone()
+        if sizes is None:
+            sizes = self._exchange_sizes(t.shape[dim])
+        sizes = self._check_sizes(sizes, t.shape[dim], "all_gather", dim)
+        out = self._all_gather(t.movedim(dim, 0).contiguous(), sizes)
+        return out.movedim(0, dim).contiguous() if dim else out
+
+    def reduce_scatter(
+        self,
+        t: torch.Tensor,
+        dim: int = 0,
+        op: Op = "sum",
+        sizes: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Reduce over ranks, then keep this rank's block along ``dim``.
+
+        Blocks follow ``torch.tensor_split`` (the first ones one larger) unless ``sizes`` gives
+        each rank's block size; ``sizes`` must add up to ``t.shape[dim]``.
+        """
+        t = self._reduce_input(t, op, "reduce_scatter", check=False)
+        dim = _check_dim(dim, t, "reduce_scatter")
+        if sizes is None:
+            sizes = tensor_split_sizes(t.shape[dim], self.size)
+        sizes = [int(s) for s in sizes]
+        if len(sizes) != self.size or sum(sizes) != t.shape[dim] or min(sizes) < 0:
+            raise ValueError(
+                f"reduce_scatter: sizes {sizes} must be {self.size} non-negative block sizes "
+                f"adding up to the input's size {t.shape[dim]} along dim {dim}"
+            )
+        self._debug_check("reduce_scatter", t, extra=OPS.index(op))
+        if self.size == 1:
+            return t.clone()
+        out = self._reduce_scatter(t.movedim(dim, 0).contiguous(), sizes, _backend_op(op))
+        out = self._finish(out, op)
+        return out.movedim(0, dim).contiguous() if dim else out
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank ``src``'s tensor on every rank; the others pass a tensor of the same shape."""
+        t = self._contiguous(t, "broadcast")
+        self._check_rank(src, "broadcast", "src")
+        self._debug_check("broadcast", t, extra=src)
+        if self.size == 1:
+            return t.clone()
+        return self._broadcast(t, src)
+
+    def reduce(self, t: torch.Tensor, dst: int = 0, op: Op = "sum") -> torch.Tensor:
+        """Reduction over ranks, returned on ``dst``; the other ranks get zeros.
+
+        Zeros (rather than undefined memory) make this the exact adjoint of :meth:`broadcast`.
+        """
+        self._check_rank(dst, "reduce", "dst")
+        t = self._reduce_input(t, op, "reduce", check=False)
+        self._debug_check("reduce", t, extra=dst * len(OPS) + OPS.index(op))
+        if self.size == 1:
+            return t.clone()
+        return self._finish(self._reduce(t, dst, _backend_op(op)), op)
+
+    def neighbor_exchange(
+        self, send: Sequence[Message], recv: Sequence[Message]
+    ) -> list[torch.Tensor]:
+        """Point-to-point exchange that every rank of the group calls at once.
+
+        ``send`` lists ``(peer, tensor)`` messages to post, ``recv`` lists ``(peer, buffer)``
+        buffers to fill; all are posted together and waited on, so no ordering of the calls can
+        deadlock (what halo exchange needs). Several messages between the same two ranks are
+        matched in the order they are listed. A peer may be this rank itself (periodic chains of
+        one rank): the data is copied. Returns the filled receive buffers in ``recv`` order.
+        """
+        for peer, _ in (*send, *recv):
+            self._check_rank(peer, "neighbor_exchange", "peer")
+        for _, buf in recv:
+            if not buf.is_contiguous():
+                raise ValueError("neighbor_exchange: receive buffers must be contiguous")
+        send = [(p, self._contiguous(t, "neighbor_exchange")) for p, t in send]
+        if self.debug:
+            self._debug_check_exchange(send, recv)
+        own = [t for p, t in send if p == self.rank]
+        own_bufs = [b for p, b in recv if p == self.rank]
+        if len(own) != len(own_bufs):
+            raise ValueError(
+                f"neighbor_exchange: rank {self.rank} sends {len(own)} messages to itself "
+                f"but receives {len(own_bufs)}"
+            )
+        for t, buf in zip(own, own_bufs, strict=True):
+            buf.copy_(t.view(buf.shape))
+        remote_send = [(p, t) for p, t in send if p != self.rank]
+        remote_recv = [(p, b) for p, b in recv if p != self.rank]
+        if remote_send or remote_recv:
+            self._exchange(_tagged(remote_send), _tagged(remote_recv))
+        return [buf for _, buf in recv]
+
+    def barrier(self) -> None:
+        """Wait until every rank has called ``barrier``."""
+        if self.size > 1:
+            self._barrier()
+
+    def split(self, color: int, key: int = 0) -> Communicator:
+        """Sub-communicator of the ranks that pass the same ``color`` (``MPI_Comm_split``).
+
+        Ranks are ordered by ``key``, then by their rank here. Every rank must call it.
+        """
+        if int(color) < 0:
+            raise ValueError(f"split: color must be >= 0, got {color}")
+        return self._split(int(color), int(key))
+
+    # ------------------------------------------------------------------ backend primitives
+    # ``op`` is "sum", "max" or "min" here: the base class turns "mean" into a sum and a division.
+    @abstractmethod
+    def _all_reduce(self, t: torch.Tensor, op: Op) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _all_reduce_async(self, t: torch.Tensor, op: Op) -> Work: ...
+
+    @abstractmethod
+    def _all_gather(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Concatenate along dim 0; ``sizes[r]`` is rank r's size along dim 0."""
+
+    @abstractmethod
+    def _reduce_scatter(self, t: torch.Tensor, sizes: list[int], op: Op) -> torch.Tensor:
+        """Reduce, then this rank's block of dim 0 (``sizes`` gives every block)."""
+
+    @abstractmethod
+    def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _reduce(self, t: torch.Tensor, dst: int, op: Op) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _exchange(
+        self, send: list[tuple[int, int, torch.Tensor]], recv: list[tuple[int, int, torch.Tensor]]
+    ) -> None:
+        """Post ``(peer, tag, tensor)`` sends and receives together, wait for all."""
+
+    @abstractmethod
+    def _barrier(self) -> None: ...
+
+    @abstractmethod
+    def _split(self, color: int, key: int) -> Communicator: ...
+
+    # ------------------------------------------------------------------ shared helpers
+    def _contiguous(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in DTYPES:
+            supported = ", ".join(str(d).removeprefix("torch.") for d in DTYPES)
+            raise ValueError(f"{name}: dtype {t.dtype} is not supported; use one of {supported}")
+        return t.contiguous()
+
+    def _reduce_input(
+        self, t: torch.Tensor, op: str, name: str, check: bool = True
+    ) -> torch.Tensor:
+        t = self._contiguous(t, name)
+        _check_op(op, t.dtype, name)
+        if check:
+            self._debug_check(name, t, extra=OPS.index(op))
+        return t
+
+    def _finish(self, result: torch.Tensor, op: str) -> torch.Tensor:
+        """Turn a sum into a mean where asked."""
+        return result.div_(self.size) if op == "mean" else result
+
+    def _check_rank(self, r: int, name: str, what: str) -> None:
+        if not 0 <= int(r) < self.size:
+            raise ValueError(f"{name}: {what}={r} is not a rank of this group of size {self.size}")
+
+    def _check_sizes(self, sizes: Sequence[int], own: int, name: str, dim: int) -> list[int]:
+        sizes = [int(s) for s in sizes]
+        if len(sizes) != self.size or sizes[self.rank] != own or min(sizes) < 0:
+            raise ValueError(
+                f"{name}: sizes {sizes} must list {self.size} sizes along dim {dim}, "
+                f"this rank's ({self.rank}) being {own}"
+            )
+        return sizes
+
+    def _exchange_sizes(self, n: int) -> list[int]:
+        """Every rank's ``n``, by one small all-gather."""
+        sizes = self._all_gather(torch.tensor([n], dtype=torch.int64), [1] * self.size)
+        return sizes.tolist()
+
+    def _debug_check(
+        self, name: str, t: torch.Tensor, masked_dim: int | None = None, extra: int = 0
+    ) -> None:
+        """In debug mode, raise on every rank unless all ranks call ``name`` alike."""
+        if not self.debug or self.size == 1:
+            return
+        shape = [-1 if d == masked_dim else s for d, s in enumerate(t.shape)]
+        local = [_OP_CODES[name], DTYPES.index(t.dtype), extra, t.dim(), *shape]
+        rows = self._gather_rows(local)
+        if any(row != rows[0] for row in rows):
+            calls = "\n".join(f"  rank {r}: {_describe(row)}" for r, row in enumerate(rows))
+            raise ValueError(
+                f"ranks disagree on a collective (debug mode, {self.backend}); "
+                f"each rank called:\n{calls}"
+            )
+
+    def _debug_check_exchange(self, send: Sequence[Message], recv: Sequence[Message]) -> None:
+        """In debug mode, check that every message sent matches a receive of the same shape."""
+        self._debug_check("neighbor_exchange", torch.empty(0))
+        local = [len(send), len(recv)]
+        for peer, t in (*send, *recv):
+            local += [peer, DTYPES.index(t.dtype), t.numel()]
+        rows = self._gather_rows(local)
+        sent: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        received: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for r, row in enumerate(rows):
+            n_send = row[0]
+            messages = [row[2 + 3 * i : 5 + 3 * i] for i in range(row[0] + row[1])]
+            for i, (peer, dtype, numel) in enumerate(messages):
+                if i < n_send:
+                    sent.setdefault((r, peer), []).append((dtype, numel))
+                else:
+                    received.setdefault((peer, r), []).append((dtype, numel))
+        bad = [
+            f"  {src} -> {dst}: sends {sent.get((src, dst), [])}, "
+            f"receives {received.get((src, dst), [])} (dtype index, elements)"
+            for src, dst in sorted(set(sent) | set(received))
+            if sent.get((src, dst), []) != received.get((src, dst), [])
+        ]
+        if bad:
+            raise ValueError(
+                "neighbor_exchange: sends and receives do not match (debug mode):\n"
+                + "\n".join(bad)
+            )
+
+    def _gather_rows(self, local: list[int]) -> list[list[int]]:
+        """All ranks' integer lists (of any length), without debug checks."""
+        lengths = self._exchange_sizes(len(local))
+        width = max(lengths)
+        row = torch.tensor([*local, *[0] * (width - len(local))], dtype=torch.int64)
+        table = self._all_gather(row, [width] * self.size).view(self.size, width)
+        return [table[r, : lengths[r]].tolist() for r in range(self.size)]
+
+
+_OP_CODES = {
+    name: i
+    for i, name in enumerate(
+        ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "neighbor_exchange"]
+    )
+}
+
+
+def _describe(row: list[int]) -> str:
+    name = next(k for k, v in _OP_CODES.items() if v == row[0])
+    shape = tuple("*" if s == -1 else s for s in row[4:])
+    return f"{name}(shape={shape}, dtype={DTYPES[row[1]]}, arg={row[2]})"
+
+
+class _ThenWork:
+    """A backend handle whose result is post-processed on ``wait()``."""
+
+    def __init__(self, work: Work, then: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self._work, self._then = work, then
+
+    def wait(self) -> torch.Tensor:
+        return self._then(self._work.wait())
+
+
+def _backend_op(op: str) -> Op:
+    return "sum" if op == "mean" else op  # type: ignore[return-value]
+
+
+def _check_op(op: str, dtype: torch.dtype, name: str) -> None:
+    if op not in OPS:
+        raise ValueError(f"{name}: op must be one of {OPS}, got {op!r}")
+    if op == "mean" and not dtype.is_floating_point:
+        raise ValueError(f"{name}: op='mean' needs a floating-point tensor, got {dtype}")
+
+
+def _check_dim(dim: int, t: torch.Tensor, name: str) -> int:
+    if not -t.dim() <= dim < max(t.dim(), 1) or t.dim() == 0:
+        shape = tuple(t.shape)
+        raise ValueError(f"{name}: dim={dim} is out of range for a tensor of shape {shape}")
+    return dim % t.dim()
+
+
+def _tagged(messages: Sequence[Message]) -> list[tuple[int, int, torch.Tensor]]:
+    """Number the messages to each peer so that both sides match them in listed order."""
+    count: dict[int, int] = {}
+    out = []
+    for peer, t in messages:
+        out.append((peer, count.get(peer, 0), t))
+        count[peer] = count.get(peer, 0) + 1
+    return out

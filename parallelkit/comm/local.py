@@ -1,0 +1,47 @@
+"""The size-1 communicator: one process, no communication.
+
+With one rank every collective is a copy. The base class already takes that fast path for any
+size-1 group; the primitives below say the same for completeness.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from parallelkit.comm.base import Communicator, DoneWork, Op, Work, env_debug, env_timeout
+
+
+class LocalCommunicator(Communicator):
+    """A group of one rank (``pk.init("local")``): what single-device code runs on."""
+
+    def __init__(self, *, timeout: float | None = None, debug: bool | None = None) -> None:
+        self.rank, self.size, self.backend = 0, 1, "local"
+        self.timeout = env_timeout() if timeout is None else timeout
+        self.debug = env_debug() if debug is None else debug
+
+    def _all_reduce(self, t: torch.Tensor, op: Op) -> torch.Tensor:
+        return t.clone()
+
+    def _all_reduce_async(self, t: torch.Tensor, op: Op) -> Work:
+        return DoneWork(t.clone())
+
+    def _all_gather(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        return t.clone()
+
+    def _reduce_scatter(self, t: torch.Tensor, sizes: list[int], op: Op) -> torch.Tensor:
+        return t.clone()
+
+    def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        return t.clone()
+
+    def _reduce(self, t: torch.Tensor, dst: int, op: Op) -> torch.Tensor:
+        return t.clone()
+
+    def _exchange(self, send: list, recv: list) -> None:
+        assert not send and not recv, "a single rank only exchanges with itself"
+
+    def _barrier(self) -> None:
+        pass
+
+    def _split(self, color: int, key: int) -> LocalCommunicator:
+        return LocalCommunicator(timeout=self.timeout, debug=self.debug)

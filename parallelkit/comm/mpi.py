@@ -1,0 +1,260 @@
+"""MPI backend through mpi4py, for ``mpiexec`` / ``srun`` launched jobs.
+
+Tensors travel through mpi4py's buffer interface as zero-copy NumPy views of contiguous CPU
+tensors (never pickled). MPI has no 16-bit float types: float16 and bfloat16 are moved as
+16-bit integers (bit-exact) and reduced in float32, then rounded once. CUDA tensors are passed
+straight to a CUDA-aware MPI when the library reports one (or ``PARALLELKIT_MPI_CUDA_AWARE=1``),
+otherwise staged through host memory explicitly.
+
+MPI collectives cannot time out, so a watchdog thread aborts the whole job (``MPI_Abort``) when
+one has not finished within the communicator's timeout, and an except hook aborts the job when
+any rank dies of an uncaught exception (as ChainerMN's global except hook does); without them,
+the other ranks would wait forever.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from mpi4py import MPI
+
+from parallelkit.comm.base import Communicator, Op, Work, env_debug, env_timeout
+
+_MPI_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+_MPI_TYPES = {
+    torch.float32: MPI.FLOAT,
+    torch.float64: MPI.DOUBLE,
+    torch.int32: MPI.INT32_T,
+    torch.int64: MPI.INT64_T,
+    torch.float16: MPI.INT16_T,  # moved as bits; reduced in float32 (see _reducible)
+    torch.bfloat16: MPI.INT16_T,
+}
+_HALF = (torch.float16, torch.bfloat16)
+_TAG_BASE = 1000  # neighbour exchange tags start here
+
+
+def _cuda_aware() -> bool:
+    if os.environ.get("PARALLELKIT_MPI_CUDA_AWARE") is not None:
+        return os.environ["PARALLELKIT_MPI_CUDA_AWARE"] == "1"
+    query = getattr(MPI, "Query_cuda_support", None)
+    return bool(query and query())
+
+
+def _buf(t: torch.Tensor, count: Any = None) -> list[Any]:
+    """mpi4py buffer spec viewing ``t``'s memory (no copy)."""
+    data = t if t.is_cuda else t.view(torch.int16).numpy() if t.dtype in _HALF else t.numpy()
+    if count is None:
+        return [data, _MPI_TYPES[t.dtype]]
+    return [data, count, _MPI_TYPES[t.dtype]]
+
+
+class MPICommunicator(Communicator):
+    """A communicator over an mpi4py ``Comm`` (``MPI.COMM_WORLD`` by default)."""
+
+    def __init__(
+        self,
+        comm: MPI.Comm | None = None,
+        *,
+        timeout: float | None = None,
+        debug: bool | None = None,
+    ) -> None:
+        self.comm = comm if comm is not None else MPI.COMM_WORLD
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        self.backend = "mpi"
+        self.timeout = env_timeout() if timeout is None else timeout
+        self.debug = env_debug() if debug is None else debug
+        self.cuda_aware = _cuda_aware()
+
+    @classmethod
+    def init(cls, *, timeout: float | None = None, debug: bool | None = None) -> MPICommunicator:
+        """The world communicator, with the abort-on-exception hook installed.
+
+        ``PARALLELKIT_MPI_ABORT_ON_EXCEPTION=0`` leaves ``sys.excepthook`` alone.
+        """
+        if os.environ.get("PARALLELKIT_MPI_ABORT_ON_EXCEPTION", "1") != "0":
+            install_abort_hook()
+        return cls(timeout=timeout, debug=debug)
+
+    # Every blocking MPI call runs under the watchdog; CUDA tensors go through the host unless
+    # the MPI library can read device memory.
+    @contextlib.contextmanager
+    def _guard(self, name: str) -> Iterator[None]:
+        with _WATCHDOG.watch(f"mpi {name} (rank {self.rank} of {self.size})", self.timeout):
+            yield
+
+    def _host(self, t: torch.Tensor) -> torch.Tensor:
+        return t.cpu() if t.is_cuda and not self.cuda_aware else t
+
+    def _reducible(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor MPI can reduce: 16-bit floats are reduced in float32."""
+        t = self._host(t)
+        return t.float() if t.dtype in _HALF else t
+
+    def _all_reduce(self, t: torch.Tensor, op: Op) -> torch.Tensor:
+        src = self._reducible(t)
+        out = torch.empty_like(src)
+        with self._guard("all_reduce"):
+            self.comm.Allreduce(_buf(src), _buf(out), op=_MPI_OPS[op])
+        return out.to(t.device, t.dtype)
+
+    def _all_reduce_async(self, t: torch.Tensor, op: Op) -> Work:
+        src = self._reducible(t)
+        out = torch.empty_like(src)
+        request = self.comm.Iallreduce(_buf(src), _buf(out), op=_MPI_OPS[op])
+        return _MPIWork(self, request, out, (src,), t)
+
+    def _all_gather(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        src = self._host(t)
+        row = math.prod(src.shape[1:])
+        out = src.new_empty(sum(sizes), *src.shape[1:])
+        with self._guard("all_gather"):
+            if min(sizes) == max(sizes):
+                self.comm.Allgather(_buf(src), _buf(out))
+            else:
+                counts = [n * row for n in sizes]
+                displs = list(itertools.accumulate([0, *counts[:-1]]))
+                self.comm.Allgatherv(_buf(src), _buf(out, (counts, displs)))
+        return out.to(t.device)
+
+    def _reduce_scatter(self, t: torch.Tensor, sizes: list[int], op: Op) -> torch.Tensor:
+        src = self._reducible(t)
+        row = math.prod(src.shape[1:])
+        out = src.new_empty(sizes[self.rank], *src.shape[1:])
+        with self._guard("reduce_scatter"):
+            if min(sizes) == max(sizes):
+                self.comm.Reduce_scatter_block(_buf(src), _buf(out), op=_MPI_OPS[op])
+            else:
+                counts = [n * row for n in sizes]
+                self.comm.Reduce_scatter(_buf(src), _buf(out), counts, op=_MPI_OPS[op])
+        return out.to(t.device, t.dtype)
+
+    def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        out = self._host(t).clone()
+        with self._guard("broadcast"):
+            self.comm.Bcast(_buf(out), root=src)
+        return out.to(t.device)
+
+    def _reduce(self, t: torch.Tensor, dst: int, op: Op) -> torch.Tensor:
+        src = self._reducible(t)
+        out = torch.zeros_like(src)
+        with self._guard("reduce"):
+            self.comm.Reduce(_buf(src), _buf(out), op=_MPI_OPS[op], root=dst)
+        return out.to(t.device, t.dtype)
+
+    def _exchange(
+        self, send: list[tuple[int, int, torch.Tensor]], recv: list[tuple[int, int, torch.Tensor]]
+    ) -> None:
+        host_send = [(p, tag, self._host(t)) for p, tag, t in send]
+        host_recv = [(p, tag, self._host(t)) for p, tag, t in recv]
+        requests = [self.comm.Isend(_buf(t), p, _TAG_BASE + tag) for p, tag, t in host_send]
+        requests += [self.comm.Irecv(_buf(t), p, _TAG_BASE + tag) for p, tag, t in host_recv]
+        with self._guard("neighbor_exchange"):
+            MPI.Request.Waitall(requests)
+        for (_, _, buf), (_, _, host) in zip(recv, host_recv, strict=True):
+            if host is not buf:
+                buf.copy_(host)
+
+    def _barrier(self) -> None:
+        with self._guard("barrier"):
+            self.comm.Barrier()
+
+    def _split(self, color: int, key: int) -> MPICommunicator:
+        with self._guard("split"):
+            sub = self.comm.Split(color, key)
+        return MPICommunicator(sub, timeout=self.timeout, debug=self.debug)
+
+
+class _MPIWork:
+    """An ``Iallreduce`` in flight; keeps its buffers alive until ``wait()``."""
+
+    def __init__(
+        self,
+        comm: MPICommunicator,
+        request: MPI.Request,
+        out: torch.Tensor,
+        keep: tuple[torch.Tensor, ...],
+        like: torch.Tensor,
+    ) -> None:
+        self._comm, self._request, self._out = comm, request, out
+        self._keep, self._like = keep, like
+
+    def wait(self) -> torch.Tensor:
+        with self._comm._guard("all_reduce (async)"):
+            self._request.Wait()
+        self._keep = ()
+        return self._out.to(self._like.device, self._like.dtype)
+
+
+class _Watchdog:
+    """One daemon thread per process that aborts the MPI job when a call overruns its timeout."""
+
+    def __init__(self) -> None:
+        self._active: dict[int, tuple[float, str, float]] = {}
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def watch(self, what: str, timeout: float) -> Iterator[None]:
+        if self._thread is None:
+            self._start()
+        token = next(self._ids)
+        self._active[token] = (time.monotonic() + timeout, what, timeout)
+        try:
+            yield
+        finally:
+            del self._active[token]
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="parallelkit-mpi-watchdog")
+                self._thread.daemon = True
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(0.2)
+            now = time.monotonic()
+            for deadline, what, timeout in list(self._active.values()):
+                if now > deadline:
+                    sys.stderr.write(
+                        f"\nparallelkit: {what} did not finish within {timeout:g} s; another rank "
+                        "has probably failed or called a different collective. Aborting the MPI "
+                        "job (set the limit with pk.init(timeout=...) or PARALLELKIT_TIMEOUT).\n"
+                    )
+                    sys.stderr.flush()
+                    MPI.COMM_WORLD.Abort(1)
+
+
+_WATCHDOG = _Watchdog()
+_original_hook = None
+
+
+def install_abort_hook() -> None:
+    """Make an uncaught exception on any rank abort the whole MPI job instead of hanging it."""
+    global _original_hook
+    if _original_hook is not None:
+        return
+    _original_hook = sys.excepthook
+
+    def hook(exc_type, value, tb):  # type: ignore[no-untyped-def]
+        try:
+            _original_hook(exc_type, value, tb)
+        finally:
+            rank = MPI.COMM_WORLD.Get_rank()
+            sys.stderr.write(f"\nparallelkit: uncaught exception on rank {rank}; MPI_Abort.\n")
+            sys.stderr.flush()
+            MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = hook

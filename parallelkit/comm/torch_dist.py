@@ -1,0 +1,165 @@
+"""torch.distributed backend: gloo on CPUs, NCCL on GPUs (the same code path).
+
+Collectives run on a ``ProcessGroup``; ranks given to and returned by this communicator are
+ranks within that group. torch.distributed has no way to abort a peer, so a failed rank is
+noticed through gloo's connection errors or, at worst, through the collective timeout given to
+``init_process_group``; errors are re-raised as :class:`CommError` saying so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import inspect
+import os
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from parallelkit.comm.base import CommError, Communicator, Op, Work, env_debug, env_timeout
+
+# torch 2.13 renamed the single-tensor collectives; older releases (torch_xla's) have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_NEW_GROUP_ARGS = inspect.signature(dist.new_group).parameters
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class TorchCommunicator(Communicator):
+    """A communicator over a torch.distributed process group (the world group by default)."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        timeout: float | None = None,
+        debug: bool | None = None,
+    ) -> None:
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.size = dist.get_world_size(self.group)
+        self.backend = str(dist.get_backend(self.group))
+        self.timeout = env_timeout() if timeout is None else timeout
+        self.debug = env_debug() if debug is None else debug
+        self._global = [dist.get_global_rank(self.group, r) for r in range(self.size)]
+
+    @classmethod
+    def init(
+        cls, backend: str, *, timeout: float | None = None, debug: bool | None = None
+    ) -> TorchCommunicator:
+        """Join (or create) the default process group from the torchrun environment."""
+        if not dist.is_initialized():
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_PORT") if v not in os.environ]
+            if missing:
+                raise ValueError(
+                    f"pk.init({backend!r}) reads the torchrun variables; {', '.join(missing)} "
+                    "not set. Launch with torchrun, or use backend='local' for one process."
+                )
+            seconds = env_timeout() if timeout is None else timeout
+            kwargs = {}
+            if backend == "nccl":
+                local_rank = int(os.environ.get("LOCAL_RANK", 0))
+                torch.cuda.set_device(local_rank)
+                kwargs["device_id"] = torch.device("cuda", local_rank)
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=seconds), **kwargs)
+        return cls(timeout=timeout, debug=debug)
+
+    @contextlib.contextmanager
+    def _errors(self, name: str) -> Iterator[None]:
+        try:
+            yield
+        except (RuntimeError, dist.DistError) as e:
+            if isinstance(e, CommError):
+                raise
+            raise CommError(
+                f"{self.backend} {name} failed on rank {self.rank} of {self.size}: {e}\n"
+                f"A peer rank has probably failed. torch.distributed collectives time out after "
+                f"{self.timeout:g} s (pk.init(timeout=...) or PARALLELKIT_TIMEOUT)."
+            ) from e
+
+    def _all_reduce(self, t: torch.Tensor, op: Op) -> torch.Tensor:
+        out = t.clone()
+        with self._errors("all_reduce"):
+            dist.all_reduce(out, op=_OPS[op], group=self.group)
+        return out
+
+    def _all_reduce_async(self, t: torch.Tensor, op: Op) -> Work:
+        out = t.clone()
+        with self._errors("all_reduce"):
+            work = dist.all_reduce(out, op=_OPS[op], group=self.group, async_op=True)
+        return _TorchWork(self, work, out)
+
+    def _all_gather(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        # Ranks of unequal size are padded to the largest: gloo gathers equal sizes only.
+        block = max(sizes)
+        if t.shape[0] < block:
+            t = torch.cat([t, t.new_zeros(block - t.shape[0], *t.shape[1:])])
+        out = t.new_empty(self.size * block, *t.shape[1:])
+        with self._errors("all_gather"):
+            _all_gather_single(out, t, group=self.group)
+        if min(sizes) == block:
+            return out
+        return torch.cat([out[r * block : r * block + n] for r, n in enumerate(sizes)])
+
+    def _reduce_scatter(self, t: torch.Tensor, sizes: list[int], op: Op) -> torch.Tensor:
+        block = max(sizes)
+        if min(sizes) != block:  # pad every block to the largest
+            padded = t.new_zeros(self.size * block, *t.shape[1:])
+            for r, piece in enumerate(torch.split(t, sizes)):
+                padded[r * block : r * block + sizes[r]] = piece
+            t = padded
+        out = t.new_empty(block, *t.shape[1:])
+        with self._errors("reduce_scatter"):
+            _reduce_scatter_single(out, t, op=_OPS[op], group=self.group)
+        return out[: sizes[self.rank]]
+
+    def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        out = t.clone()
+        with self._errors("broadcast"):
+            dist.broadcast(out, src=self._global[src], group=self.group)
+        return out
+
+    def _reduce(self, t: torch.Tensor, dst: int, op: Op) -> torch.Tensor:
+        out = t.clone()
+        with self._errors("reduce"):
+            dist.reduce(out, dst=self._global[dst], op=_OPS[op], group=self.group)
+        return out if self.rank == dst else out.zero_()
+
+    def _exchange(
+        self, send: list[tuple[int, int, torch.Tensor]], recv: list[tuple[int, int, torch.Tensor]]
+    ) -> None:
+        ops = [dist.P2POp(dist.isend, t, self._global[p], self.group, tag) for p, tag, t in send]
+        ops += [dist.P2POp(dist.irecv, t, self._global[p], self.group, tag) for p, tag, t in recv]
+        with self._errors("neighbor_exchange"):
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+    def _barrier(self) -> None:
+        with self._errors("barrier"):
+            dist.barrier(group=self.group)
+
+    def _split(self, color: int, key: int) -> TorchCommunicator:
+        # torch has no comm_split for gloo: learn every rank's (color, key), then each new group
+        # is created by its own members only (use_local_synchronization).
+        mine = torch.tensor([[color, key]], dtype=torch.int64)
+        table = self._all_gather(mine, [1] * self.size).view(self.size, 2).tolist()
+        members = sorted((k, r) for r, (c, k) in enumerate(table) if c == color)
+        ranks = [self._global[r] for _, r in members]
+        kwargs = {"sort_ranks": False} if "sort_ranks" in _NEW_GROUP_ARGS else {}
+        if not kwargs and ranks != sorted(ranks):
+            raise ValueError("split: this torch sorts group ranks; order keys like ranks")
+        with self._errors("split"):
+            group = dist.new_group(ranks, use_local_synchronization=True, **kwargs)
+        return TorchCommunicator(group, timeout=self.timeout, debug=self.debug)
+
+
+class _TorchWork:
+    def __init__(self, comm: TorchCommunicator, work: dist.Work, out: torch.Tensor) -> None:
+        self._comm, self._work, self._out = comm, work, out
+
+    def wait(self) -> torch.Tensor:
+        with self._comm._errors("all_reduce"):
+            self._work.wait()
+        return self._out
