@@ -30,7 +30,14 @@ GRACE_S = 2.0
 
 
 class RankError(AssertionError):
-    """A rank raised, died, or did not finish in time."""
+    """A rank raised, died, or did not finish in time.
+
+    ``results`` holds what the ranks that did finish returned, by rank.
+    """
+
+    def __init__(self, message: str, results: dict[int, Any]) -> None:
+        super().__init__(message)
+        self.results = results
 
 
 def free_port() -> int:
@@ -151,7 +158,8 @@ class Ranks:
                 results[rank] = None
         if failure is not None:
             self.close()  # the survivors may be stuck in a collective: start afresh next time
-            raise RankError(f"{fn.__qualname__} on {self.size} ranks: {failure}")
+            done = {r: v for r, v in results.items() if v is not None}
+            raise RankError(f"{fn.__qualname__} on {self.size} ranks: {failure}", done)
         return [results[r] for r in range(self.size)]
 
 

@@ -125,12 +125,13 @@ class Communicator(ABC):
         """
         t = self._contiguous(t, "all_gather")
         dim = _check_dim(dim, t, "all_gather")
+        if sizes is not None:
+            sizes = self._check_sizes(sizes, t.shape[dim], "all_gather", dim)
         self._debug_check("all_gather", t, masked_dim=dim)
         if self.size == 1:
             return t.clone()
         if sizes is None:
             sizes = self._exchange_sizes(t.shape[dim])
-        sizes = self._check_sizes(sizes, t.shape[dim], "all_gather", dim)
         out = self._all_gather(t.movedim(dim, 0).contiguous(), sizes)
         return out.movedim(0, dim).contiguous() if dim else out
 

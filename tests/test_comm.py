@@ -1,0 +1,77 @@
+"""Communicators on gloo, 1-4 ranks: every operation and dtype against NumPy (see cases.py)."""
+
+from __future__ import annotations
+
+import cases
+import pytest
+import torch
+from conftest import WORLD_SIZES
+
+from parallelkit.comm.base import DTYPES
+
+DTYPE_IDS = [str(d).removeprefix("torch.") for d in DTYPES]
+COLLECTIVES = [
+    cases.all_reduce,
+    cases.all_gather,
+    cases.reduce_scatter,
+    cases.broadcast,
+    cases.reduce,
+]
+
+
+@pytest.mark.parametrize("case", COLLECTIVES, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("size", WORLD_SIZES)
+def test_collective(ranks, size, dtype, case):
+    for triples in ranks(size).run(case, dtype):
+        cases.assert_triples(triples)
+
+
+@pytest.mark.parametrize("size", WORLD_SIZES)
+def test_async_all_reduce_in_flight(ranks, size):
+    for triples in ranks(size).run(cases.many_async):
+        cases.assert_triples(triples)
+
+
+@pytest.mark.parametrize("size", WORLD_SIZES)
+def test_split_grid(ranks, size):
+    for triples in ranks(size).run(cases.grid_split):
+        cases.assert_triples(triples)
+
+
+@pytest.mark.parametrize("periodic", [False, True])
+@pytest.mark.parametrize("size", WORLD_SIZES)
+def test_neighbor_exchange(ranks, size, periodic):
+    for triples in ranks(size).run(cases.neighbor_exchange, periodic):
+        cases.assert_triples(triples)
+
+
+@pytest.mark.parametrize("size", [1, 3])
+def test_bad_input_raises_on_every_rank(ranks, size):
+    per_rank = ranks(size).run(cases.bad_inputs)
+    assert all(m.keys() == per_rank[0].keys() for m in per_rank)
+    messages = per_rank[0]
+    assert "not supported" in messages["bool dtype"] and "float32" in messages["bool dtype"]
+    assert "src=" in messages["src out of range"]
+    assert "dim=2" in messages["dim out of range"]
+    assert "op=" in messages["unknown op"] or "prod" in messages["unknown op"]
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_debug_mode_catches_mismatched_calls(ranks, size):
+    per_rank = ranks(size).run(cases.debug_mismatches)
+    for name, message in per_rank[0].items():
+        # The same diagnosis on every rank, so every rank stops.
+        assert all(m[name] == message for m in per_rank), name
+    assert "rank 0: all_reduce(shape=(4,)" in per_rank[0]["shape"]
+    assert "rank 1: all_reduce(shape=(3,)" in per_rank[0]["shape"]
+    assert "broadcast" in per_rank[0]["collective"]
+    assert "0 -> 1" in per_rank[0]["exchange size"]
+
+
+def test_cases_can_fail():
+    """Negative control: assert_triples rejects a wrong value and a wrong dtype."""
+    with pytest.raises(AssertionError):
+        cases.assert_triples([("x", torch.ones(2), torch.tensor([1.0, 2.0]))])
+    with pytest.raises(AssertionError):
+        cases.assert_triples([("x", torch.ones(2), torch.ones(2, dtype=torch.float64))])

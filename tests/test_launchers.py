@@ -1,0 +1,107 @@
+"""pk.init as users launch it: torchrun picks gloo by itself; bad set-ups raise ValueError."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import parallelkit as pk
+from parallelkit.comm import detect_backend
+from parallelkit.testing import free_port
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def test_torchrun_auto_picks_gloo():
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "3",
+        "--master-port",
+        str(free_port()),
+        str(SCRIPTS / "torchrun_allreduce.py"),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr
+    for rank in range(3):
+        assert f"rank {rank}/3 backend=gloo sum=6" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, "local"),
+        ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_PORT": "1234"}, "gloo"),
+        ({"PMI_RANK": "0", "PMI_SIZE": "2"}, "mpi"),
+        ({"OMPI_COMM_WORLD_SIZE": "2"}, "mpi"),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}, "mpi"),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, "local"),
+    ],
+)
+def test_detect_backend(monkeypatch, env, expected):
+    for var in (
+        "WORLD_SIZE",
+        "RANK",
+        "MASTER_PORT",
+        "PMI_RANK",
+        "PMI_SIZE",
+        "OMPI_COMM_WORLD_SIZE",
+        "PMIX_RANK",
+        "MPI_LOCALNRANKS",
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+    ):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert detect_backend() == expected
+
+
+def test_init_rejects_unknown_backend():
+    with pytest.raises(ValueError, match="backend must be one of"):
+        pk.init("tcp")
+
+
+def test_gloo_without_torchrun_variables_says_what_is_missing(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ValueError, match="RANK, WORLD_SIZE, MASTER_PORT not set"):
+        pk.init("gloo")
+
+
+def test_local_communicator_is_a_copy():
+    comm = pk.init("local")
+    x = torch.arange(6.0).view(2, 3)
+    assert (comm.rank, comm.size, comm.backend) == (0, 1, "local")
+    for y in (
+        comm.all_reduce(x, "mean"),
+        comm.all_gather(x, 1),
+        comm.reduce_scatter(x),
+        comm.broadcast(x),
+        comm.reduce(x),
+        comm.all_reduce_async(x).wait(),
+    ):
+        assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
+    (got,) = comm.neighbor_exchange([(0, x)], [(0, torch.empty(2, 3))])
+    assert torch.equal(got, x)
+    assert comm.split(3).size == 1
+    comm.barrier()
+
+
+def test_cli_info():
+    proc = subprocess.run(
+        [sys.executable, "-m", "parallelkit.cli", "info"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0
+    assert f"torch {torch.__version__}" in proc.stdout and "pk.init('auto')" in proc.stdout
