@@ -1,6 +1,7 @@
 # The two commands of README.md. Each sets itself up on a fresh machine.
+#   make run    the main job: data-parallel training on scikit-learn's digits, 2 ranks (torchrun)
 #   make test   ruff + the whole suite: pure and gloo tiers, then the mpiexec tier on 1-4 ranks
-#   make bench  benchmarks/collectives.py (results under benchmarks/results/)
+# and: make bench (benchmarks/collectives.py, results under benchmarks/results/)
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -11,18 +12,21 @@ export OMP_NUM_THREADS := 1
 # A stuck MPI collective aborts the job after this many seconds (tests only).
 MPI_TEST_ENV := PARALLELKIT_TIMEOUT=120 MPIEXEC_TIMEOUT=600
 
-.PHONY: test lint test-py test-mpi bench clean
+.PHONY: run test lint test-py test-mpi bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)"
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[mpi,dev]" mpich
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[mpi,dev,data]" mpich
 	touch $@
+
+run: $(VENV)/.installed
+	$(VENV)/bin/torchrun --nproc-per-node 2 examples/digits_allreduce/train.py
 
 test: lint test-py test-mpi
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check parallelkit tests benchmarks
+	$(VENV)/bin/ruff check parallelkit tests benchmarks examples
 
 test-py: $(VENV)/.installed
 	$(PY) -m pytest -q tests

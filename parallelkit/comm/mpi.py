@@ -233,8 +233,15 @@ class _Watchdog:
                         "has probably failed or called a different collective. Aborting the MPI "
                         "job (set the limit with pk.init(timeout=...) or PARALLELKIT_TIMEOUT).\n"
                     )
-                    sys.stderr.flush()
-                    MPI.COMM_WORLD.Abort(1)
+                    _abort()
+
+
+def _abort() -> None:
+    """Flush, give the launcher a moment to forward what this rank printed, abort the job."""
+    sys.stderr.flush()
+    sys.stdout.flush()
+    time.sleep(0.5)
+    MPI.COMM_WORLD.Abort(1)
 
 
 _WATCHDOG = _Watchdog()
@@ -249,12 +256,11 @@ def install_abort_hook() -> None:
     _original_hook = sys.excepthook
 
     def hook(exc_type, value, tb):  # type: ignore[no-untyped-def]
+        rank = MPI.COMM_WORLD.Get_rank()
+        sys.stderr.write(f"\nparallelkit: uncaught exception on rank {rank}; MPI_Abort.\n")
         try:
             _original_hook(exc_type, value, tb)
         finally:
-            rank = MPI.COMM_WORLD.Get_rank()
-            sys.stderr.write(f"\nparallelkit: uncaught exception on rank {rank}; MPI_Abort.\n")
-            sys.stderr.flush()
-            MPI.COMM_WORLD.Abort(1)
+            _abort()
 
     sys.excepthook = hook
