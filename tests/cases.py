@@ -17,6 +17,7 @@ import torch
 from parallelkit.comm import Communicator, tensor_split_sizes
 from parallelkit.comm.base import DTYPES
 
+WORLD_SIZES = (1, 2, 3, 4)
 Triple = tuple[str, torch.Tensor, torch.Tensor]
 NP_OPS = {"sum": np.sum, "max": np.max, "min": np.min, "mean": np.mean}
 

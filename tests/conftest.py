@@ -8,8 +8,6 @@ import pytest
 
 from parallelkit.testing import Ranks
 
-WORLD_SIZES = (1, 2, 3, 4)
-
 
 @pytest.fixture(scope="session")
 def ranks() -> Iterator[Callable[[int], Ranks]]:

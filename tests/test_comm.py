@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import cases
 import pytest
 import torch
-from conftest import WORLD_SIZES
 
+import parallelkit as pk
 from parallelkit.comm.base import DTYPES
+
+import cases
+from cases import WORLD_SIZES
 
 DTYPE_IDS = [str(d).removeprefix("torch.") for d in DTYPES]
 COLLECTIVES = [
@@ -75,3 +77,13 @@ def test_cases_can_fail():
         cases.assert_triples([("x", torch.ones(2), torch.tensor([1.0, 2.0]))])
     with pytest.raises(AssertionError):
         cases.assert_triples([("x", torch.ones(2), torch.ones(2, dtype=torch.float64))])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_local_communicator(dtype):
+    """pk.init("local") in this process: the size-1 results of the same cases."""
+    comm = pk.init("local")
+    for case in COLLECTIVES:
+        cases.assert_triples(case(comm, dtype))
+    cases.assert_triples(cases.many_async(comm) + cases.grid_split(comm))
+    cases.assert_triples(cases.neighbor_exchange(comm, True) + cases.neighbor_exchange(comm, False))

@@ -105,3 +105,11 @@ def test_cli_info():
     )
     assert proc.returncode == 0
     assert f"torch {torch.__version__}" in proc.stdout and "pk.init('auto')" in proc.stdout
+
+
+def test_debug_and_timeout_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("PARALLELKIT_DEBUG", "1")
+    monkeypatch.setenv("PARALLELKIT_TIMEOUT", "7.5")
+    comm = pk.init("local")
+    assert comm.debug and comm.timeout == 7.5
+    assert not pk.init("local", debug=False).debug

@@ -6,11 +6,12 @@ leave another rank waiting in a collective.
 
 from __future__ import annotations
 
-import cases
 import pytest
 import torch
 
 from parallelkit.comm.base import DTYPES
+
+import cases
 
 COLLECTIVES = [
     cases.all_reduce,
