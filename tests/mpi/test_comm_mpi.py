@@ -64,3 +64,14 @@ def test_half_precision_reduces_in_float32(comm):
             for row in everyone[1:]:
                 stepwise += row
             assert not torch.equal(stepwise, expected)
+
+
+def test_buffers_are_zero_copy_views():
+    """MPI reads and writes the tensors' own memory: no pickling, no staging on the CPU."""
+    from parallelkit.comm.mpi import _buf
+
+    for dtype in DTYPES:
+        t = torch.zeros(6, dtype=dtype)
+        array = _buf(t)[0]
+        assert array.__array_interface__["data"][0] == t.data_ptr()
+        assert array.nbytes == t.numel() * t.element_size()
