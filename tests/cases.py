@@ -196,11 +196,60 @@ def neighbor_exchange(comm: Communicator, periodic: bool) -> list[Triple]:
     return [(f"{label} #{k}", g, e) for k, (g, e) in enumerate(zip(got, expected, strict=True))]
 
 
+def out_arguments(comm: Communicator, dtype: torch.dtype) -> list[Triple]:
+    """Results written into given buffers, and in place (out=input) for all_reduce/broadcast."""
+    n, r = comm.size, comm.rank
+    xs = np.stack([rank_input(k, (6, 4), dtype, seed=5)[0] for k in range(n)])
+    total = reference(xs.sum(0), dtype)
+    out = []
+
+    def mine() -> torch.Tensor:
+        return rank_input(r, (6, 4), dtype, seed=5)[1]
+
+    def into(label: str, result: torch.Tensor, buf: torch.Tensor, expected: torch.Tensor) -> None:
+        out.append((f"{label} returns the buffer", torch.tensor(result is buf), torch.tensor(True)))
+        out.append((label, result, expected))
+
+    buf = torch.empty(6, 4, dtype=dtype)
+    into("all_reduce out=", comm.all_reduce(mine(), out=buf), buf, total)
+    t = mine()
+    into("all_reduce in place", comm.all_reduce(t, out=t), t, total)
+    t = mine()
+    into("all_reduce_async in place", comm.all_reduce_async(t, "max", out=t).wait(), t,
+         reference(xs.max(0), dtype))  # fmt: skip
+    buf = torch.empty(6, 4 * n, dtype=dtype)
+    into("all_gather dim=1 out=", comm.all_gather(mine(), 1, out=buf), buf,
+         reference(np.concatenate(list(xs), 1), dtype))  # fmt: skip
+    sizes = tensor_split_sizes(6, n)
+    start = sum(sizes[:r])
+    buf = torch.empty(sizes[r], 4, dtype=dtype)
+    into("reduce_scatter out=", comm.reduce_scatter(mine(), out=buf), buf,
+         reference(xs.sum(0)[start : start + sizes[r]], dtype))  # fmt: skip
+    t = mine()
+    into("broadcast in place", comm.broadcast(t, src=n - 1, out=t), t,
+         rank_input(n - 1, (6, 4), dtype, seed=5)[1])  # fmt: skip
+    t = mine()
+    into("reduce in place", comm.reduce(t, dst=0, out=t), t,
+         total if r == 0 else torch.zeros_like(total))  # fmt: skip
+    return out
+
+
+def bad_out(comm: Communicator) -> dict[str, str]:
+    t = torch.ones(4, 3)
+    return _value_errors({
+        "shape": lambda: comm.all_reduce(t, out=torch.empty(3, 4)),
+        "dtype": lambda: comm.all_reduce(t, out=torch.empty(4, 3, dtype=torch.float64)),
+        "non-contiguous": lambda: comm.broadcast(t, out=torch.empty(3, 4).t()),
+        "gather shape": lambda: comm.all_gather(t, out=torch.empty(4, 3)) if comm.size > 1
+        else comm.all_gather(t, out=torch.empty(5, 3)),
+    })  # fmt: skip
+
+
 def all_cases(comm: Communicator) -> list[Triple]:
     """Every case above, for the mpiexec tier's single sweep."""
     out = []
     for dtype in DTYPES:
-        for case in (all_reduce, all_gather, reduce_scatter, broadcast, reduce):
+        for case in (all_reduce, all_gather, reduce_scatter, broadcast, reduce, out_arguments):
             out += [(f"{dtype} {label}", g, e) for label, g, e in case(comm, dtype)]
     out += many_async(comm) + grid_split(comm)
     out += neighbor_exchange(comm, False) + neighbor_exchange(comm, True)

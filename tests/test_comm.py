@@ -18,6 +18,7 @@ COLLECTIVES = [
     cases.reduce_scatter,
     cases.broadcast,
     cases.reduce,
+    cases.out_arguments,
 ]
 
 
@@ -57,6 +58,12 @@ def test_bad_input_raises_on_every_rank(ranks, size):
     assert "src=" in messages["src out of range"]
     assert "dim=2" in messages["dim out of range"]
     assert "op=" in messages["unknown op"] or "prod" in messages["unknown op"]
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_bad_out_buffers_raise(ranks, size):
+    messages = ranks(size).run(cases.bad_out)
+    assert "out must be a contiguous (4, 3) torch.float32 tensor" in messages[0]["shape"]
 
 
 @pytest.mark.parametrize("size", [2, 4])

@@ -98,25 +98,41 @@ class Communicator(ABC):
         return f"{name}(backend={self.backend!r}, rank={self.rank}, size={self.size})"
 
     # ------------------------------------------------------------------ public operations
-    def all_reduce(self, t: torch.Tensor, op: Op = "sum") -> torch.Tensor:
+    # Every operation returns a new tensor unless ``out`` is given: then the result is written
+    # there (it may be the input itself for all_reduce and broadcast, which makes them in place)
+    # and ``out`` is returned. Reusing buffers matters for large messages: a fresh allocation of
+    # tens of MiB is page-faulted in again on every call, which can cost more than the copy.
+    def all_reduce(
+        self, t: torch.Tensor, op: Op = "sum", *, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Elementwise reduction over all ranks; every rank gets the result."""
         t = self._reduce_input(t, op, "all_reduce")
+        out = self._output(out, t.shape, t, "all_reduce")
         if self.size == 1:
-            return t.clone()
-        return self._finish(self._all_reduce(t, _backend_op(op)), op)
+            return _copy_into(out, t)
+        return self._finish(self._all_reduce(t, _backend_op(op), out), op)
 
-    def all_reduce_async(self, t: torch.Tensor, op: Op = "sum") -> Work:
+    def all_reduce_async(
+        self, t: torch.Tensor, op: Op = "sum", *, out: torch.Tensor | None = None
+    ) -> Work:
         """Start :meth:`all_reduce`; ``handle.wait()`` returns the result.
 
-        The input must not be modified before ``wait()`` returns.
+        Neither ``t`` nor ``out`` may be touched before ``wait()`` returns.
         """
         t = self._reduce_input(t, op, "all_reduce")
+        out = self._output(out, t.shape, t, "all_reduce")
         if self.size == 1:
-            return DoneWork(t.clone())
-        return _ThenWork(self._all_reduce_async(t, _backend_op(op)), lambda r: self._finish(r, op))
+            return DoneWork(_copy_into(out, t))
+        work = self._all_reduce_async(t, _backend_op(op), out)
+        return work if op != "mean" else _ThenWork(work, lambda r: self._finish(r, op))
 
     def all_gather(
-        self, t: torch.Tensor, dim: int = 0, sizes: Sequence[int] | None = None
+        self,
+        t: torch.Tensor,
+        dim: int = 0,
+        sizes: Sequence[int] | None = None,
+        *,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Concatenation along ``dim`` of every rank's tensor, in rank order.
 
@@ -128,12 +144,17 @@ class Communicator(ABC):
         if sizes is not None:
             sizes = self._check_sizes(sizes, t.shape[dim], "all_gather", dim)
         self._debug_check("all_gather", t, masked_dim=dim)
-        if self.size == 1:
-            return t.clone()
         if sizes is None:
-            sizes = self._exchange_sizes(t.shape[dim])
-        out = self._all_gather(t.movedim(dim, 0).contiguous(), sizes)
-        return out.movedim(0, dim).contiguous() if dim else out
+            sizes = self._exchange_sizes(t.shape[dim]) if self.size > 1 else [t.shape[dim]]
+        out = self._output(out, _resized(t.shape, dim, sum(sizes)), t, "all_gather")
+        if self.size == 1:
+            return _copy_into(out, t)
+        if dim == 0:
+            return self._all_gather(t, sizes, out)
+        # Gather in dim-0 layout, then one copy into place.
+        moved = t.movedim(dim, 0).contiguous()
+        gathered = self._all_gather(moved, sizes, moved.new_empty(sum(sizes), *moved.shape[1:]))
+        return out.copy_(gathered.movedim(0, dim))
 
     def reduce_scatter(
         self,
@@ -141,6 +162,8 @@ class Communicator(ABC):
         dim: int = 0,
         op: Op = "sum",
         sizes: Sequence[int] | None = None,
+        *,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Reduce over ranks, then keep this rank's block along ``dim``.
 
@@ -157,33 +180,43 @@ class Communicator(ABC):
                 f"reduce_scatter: sizes {sizes} must be {self.size} non-negative block sizes "
                 f"adding up to the input's size {t.shape[dim]} along dim {dim}"
             )
+        out = self._output(out, _resized(t.shape, dim, sizes[self.rank]), t, "reduce_scatter")
         self._debug_check("reduce_scatter", t, extra=OPS.index(op))
         if self.size == 1:
-            return t.clone()
-        out = self._reduce_scatter(t.movedim(dim, 0).contiguous(), sizes, _backend_op(op))
-        out = self._finish(out, op)
-        return out.movedim(0, dim).contiguous() if dim else out
+            return _copy_into(out, t)
+        if dim == 0:
+            return self._finish(self._reduce_scatter(t, sizes, _backend_op(op), out), op)
+        moved = t.movedim(dim, 0).contiguous()
+        block = moved.new_empty(sizes[self.rank], *moved.shape[1:])
+        block = self._finish(self._reduce_scatter(moved, sizes, _backend_op(op), block), op)
+        return out.copy_(block.movedim(0, dim))
 
-    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+    def broadcast(
+        self, t: torch.Tensor, src: int = 0, *, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Rank ``src``'s tensor on every rank; the others pass a tensor of the same shape."""
         t = self._contiguous(t, "broadcast")
         self._check_rank(src, "broadcast", "src")
+        out = self._output(out, t.shape, t, "broadcast")
         self._debug_check("broadcast", t, extra=src)
-        if self.size == 1:
-            return t.clone()
-        return self._broadcast(t, src)
+        if self.size == 1 or self.rank == src:
+            _copy_into(out, t)
+        return out if self.size == 1 else self._broadcast(out, src)
 
-    def reduce(self, t: torch.Tensor, dst: int = 0, op: Op = "sum") -> torch.Tensor:
+    def reduce(
+        self, t: torch.Tensor, dst: int = 0, op: Op = "sum", *, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Reduction over ranks, returned on ``dst``; the other ranks get zeros.
 
         Zeros (rather than undefined memory) make this the exact adjoint of :meth:`broadcast`.
         """
         self._check_rank(dst, "reduce", "dst")
         t = self._reduce_input(t, op, "reduce", check=False)
+        out = self._output(out, t.shape, t, "reduce")
         self._debug_check("reduce", t, extra=dst * len(OPS) + OPS.index(op))
         if self.size == 1:
-            return t.clone()
-        return self._finish(self._reduce(t, dst, _backend_op(op)), op)
+            return _copy_into(out, t)
+        return self._finish(self._reduce(t, dst, _backend_op(op), out), op)
 
     def neighbor_exchange(
         self, send: Sequence[Message], recv: Sequence[Message]
@@ -234,26 +267,32 @@ class Communicator(ABC):
         return self._split(int(color), int(key))
 
     # ------------------------------------------------------------------ backend primitives
-    # ``op`` is "sum", "max" or "min" here: the base class turns "mean" into a sum and a division.
+    # Inputs are contiguous, outputs are contiguous buffers of the result's shape and dtype that
+    # the primitive fills and returns (``out`` may be ``t`` itself for an all-reduce). ``op`` is
+    # "sum", "max" or "min": the base class turns "mean" into a sum and a division.
     @abstractmethod
-    def _all_reduce(self, t: torch.Tensor, op: Op) -> torch.Tensor: ...
+    def _all_reduce(self, t: torch.Tensor, op: Op, out: torch.Tensor) -> torch.Tensor: ...
 
     @abstractmethod
-    def _all_reduce_async(self, t: torch.Tensor, op: Op) -> Work: ...
+    def _all_reduce_async(self, t: torch.Tensor, op: Op, out: torch.Tensor) -> Work: ...
 
     @abstractmethod
-    def _all_gather(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    def _all_gather(self, t: torch.Tensor, sizes: list[int], out: torch.Tensor) -> torch.Tensor:
         """Concatenate along dim 0; ``sizes[r]`` is rank r's size along dim 0."""
 
     @abstractmethod
-    def _reduce_scatter(self, t: torch.Tensor, sizes: list[int], op: Op) -> torch.Tensor:
+    def _reduce_scatter(
+        self, t: torch.Tensor, sizes: list[int], op: Op, out: torch.Tensor
+    ) -> torch.Tensor:
         """Reduce, then this rank's block of dim 0 (``sizes`` gives every block)."""
 
     @abstractmethod
-    def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor: ...
+    def _broadcast(self, out: torch.Tensor, src: int) -> torch.Tensor:
+        """Broadcast ``out`` in place: it holds the data on ``src``."""
 
     @abstractmethod
-    def _reduce(self, t: torch.Tensor, dst: int, op: Op) -> torch.Tensor: ...
+    def _reduce(self, t: torch.Tensor, dst: int, op: Op, out: torch.Tensor) -> torch.Tensor:
+        """The reduction into ``out`` on ``dst``; zeros in ``out`` elsewhere."""
 
     @abstractmethod
     def _exchange(
@@ -289,6 +328,26 @@ class Communicator(ABC):
         """Turn a sum into a mean where asked."""
         return result.div_(self.size) if op == "mean" else result
 
+    def _output(
+        self, out: torch.Tensor | None, shape: Sequence[int], like: torch.Tensor, name: str
+    ) -> torch.Tensor:
+        """``out`` checked against the result's shape, dtype and device, or a new buffer."""
+        if out is None:
+            return like.new_empty(shape)
+        if (
+            not isinstance(out, torch.Tensor)
+            or out.shape != torch.Size(shape)
+            or out.dtype != like.dtype
+            or out.device != like.device
+            or not out.is_contiguous()
+        ):
+            got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else out
+            raise ValueError(
+                f"{name}: out must be a contiguous {tuple(shape)} {like.dtype} tensor on "
+                f"{like.device}, got {got}"
+            )
+        return out
+
     def _check_rank(self, r: int, name: str, what: str) -> None:
         if not 0 <= int(r) < self.size:
             raise ValueError(f"{name}: {what}={r} is not a rank of this group of size {self.size}")
@@ -304,8 +363,8 @@ class Communicator(ABC):
 
     def _exchange_sizes(self, n: int) -> list[int]:
         """Every rank's ``n``, by one small all-gather."""
-        sizes = self._all_gather(torch.tensor([n], dtype=torch.int64), [1] * self.size)
-        return sizes.tolist()
+        mine = torch.tensor([n], dtype=torch.int64)
+        return self._all_gather(mine, [1] * self.size, mine.new_empty(self.size)).tolist()
 
     def _debug_check(
         self, name: str, t: torch.Tensor, masked_dim: int | None = None, extra: int = 0
@@ -357,7 +416,8 @@ class Communicator(ABC):
         lengths = self._exchange_sizes(len(local))
         width = max(lengths)
         row = torch.tensor([*local, *[0] * (width - len(local))], dtype=torch.int64)
-        table = self._all_gather(row, [width] * self.size).view(self.size, width)
+        table = self._all_gather(row, [width] * self.size, row.new_empty(self.size * width))
+        table = table.view(self.size, width)
         return [table[r, : lengths[r]].tolist() for r in range(self.size)]
 
 
@@ -383,6 +443,14 @@ class _ThenWork:
 
     def wait(self) -> torch.Tensor:
         return self._then(self._work.wait())
+
+
+def _copy_into(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return out if out is t else out.copy_(t)
+
+
+def _resized(shape: torch.Size, dim: int, n: int) -> list[int]:
+    return [n if d == dim else s for d, s in enumerate(shape)]
 
 
 def _backend_op(op: str) -> Op:

@@ -19,23 +19,25 @@ class LocalCommunicator(Communicator):
         self.timeout = env_timeout() if timeout is None else timeout
         self.debug = env_debug() if debug is None else debug
 
-    def _all_reduce(self, t: torch.Tensor, op: Op) -> torch.Tensor:
-        return t.clone()
+    def _all_reduce(self, t: torch.Tensor, op: Op, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(t)
 
-    def _all_reduce_async(self, t: torch.Tensor, op: Op) -> Work:
-        return DoneWork(t.clone())
+    def _all_reduce_async(self, t: torch.Tensor, op: Op, out: torch.Tensor) -> Work:
+        return DoneWork(out.copy_(t))
 
-    def _all_gather(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        return t.clone()
+    def _all_gather(self, t: torch.Tensor, sizes: list[int], out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(t)
 
-    def _reduce_scatter(self, t: torch.Tensor, sizes: list[int], op: Op) -> torch.Tensor:
-        return t.clone()
+    def _reduce_scatter(
+        self, t: torch.Tensor, sizes: list[int], op: Op, out: torch.Tensor
+    ) -> torch.Tensor:
+        return out.copy_(t)
 
-    def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        return t.clone()
+    def _broadcast(self, out: torch.Tensor, src: int) -> torch.Tensor:
+        return out
 
-    def _reduce(self, t: torch.Tensor, dst: int, op: Op) -> torch.Tensor:
-        return t.clone()
+    def _reduce(self, t: torch.Tensor, dst: int, op: Op, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(t)
 
     def _exchange(self, send: list, recv: list) -> None:
         assert not send and not recv, "a single rank only exchanges with itself"

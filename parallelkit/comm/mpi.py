@@ -14,14 +14,12 @@ the other ranks would wait forever.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -85,71 +83,76 @@ class MPICommunicator(Communicator):
             install_abort_hook()
         return cls(timeout=timeout, debug=debug)
 
-    # Every blocking MPI call runs under the watchdog; CUDA tensors go through the host unless
-    # the MPI library can read device memory.
-    @contextlib.contextmanager
-    def _guard(self, name: str) -> Iterator[None]:
-        with _WATCHDOG.watch(f"mpi {name} (rank {self.rank} of {self.size})", self.timeout):
-            yield
-
+    # Every blocking MPI call runs under the watchdog. CUDA tensors go through host memory
+    # unless the MPI library can read device memory; 16-bit floats are reduced in float32.
     def _host(self, t: torch.Tensor) -> torch.Tensor:
         return t.cpu() if t.is_cuda and not self.cuda_aware else t
 
-    def _reducible(self, t: torch.Tensor) -> torch.Tensor:
-        """A host tensor MPI can reduce: 16-bit floats are reduced in float32."""
-        t = self._host(t)
-        return t.float() if t.dtype in _HALF else t
+    def _reduction_buffers(
+        self, t: torch.Tensor, out: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(send, receive) tensors MPI can reduce: host memory, float32 for 16-bit floats."""
+        src, dst = self._host(t), self._host(out)
+        if t.dtype in _HALF:
+            src, dst = src.float(), torch.empty(dst.shape, dtype=torch.float32)
+        return src, dst
 
-    def _all_reduce(self, t: torch.Tensor, op: Op) -> torch.Tensor:
-        src = self._reducible(t)
-        out = torch.empty_like(src)
-        with self._guard("all_reduce"):
-            self.comm.Allreduce(_buf(src), _buf(out), op=_MPI_OPS[op])
-        return out.to(t.device, t.dtype)
-
-    def _all_reduce_async(self, t: torch.Tensor, op: Op) -> Work:
-        src = self._reducible(t)
-        out = torch.empty_like(src)
-        request = self.comm.Iallreduce(_buf(src), _buf(out), op=_MPI_OPS[op])
-        return _MPIWork(self, request, out, (src,), t)
-
-    def _all_gather(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        src = self._host(t)
-        row = math.prod(src.shape[1:])
-        out = src.new_empty(sum(sizes), *src.shape[1:])
-        with self._guard("all_gather"):
-            if min(sizes) == max(sizes):
-                self.comm.Allgather(_buf(src), _buf(out))
+    def _all_reduce(self, t: torch.Tensor, op: Op, out: torch.Tensor) -> torch.Tensor:
+        src, dst = self._reduction_buffers(t, out)
+        with _WATCHDOG.watch(self, "all_reduce"):
+            if src is dst:
+                self.comm.Allreduce(MPI.IN_PLACE, _buf(dst), op=_MPI_OPS[op])
             else:
+                self.comm.Allreduce(_buf(src), _buf(dst), op=_MPI_OPS[op])
+        return _copy_back(out, dst)
+
+    def _all_reduce_async(self, t: torch.Tensor, op: Op, out: torch.Tensor) -> Work:
+        src, dst = self._reduction_buffers(t, out)
+        if src is dst:
+            request = self.comm.Iallreduce(MPI.IN_PLACE, _buf(dst), op=_MPI_OPS[op])
+        else:
+            request = self.comm.Iallreduce(_buf(src), _buf(dst), op=_MPI_OPS[op])
+        return _MPIWork(self, request, src, dst, out)
+
+    def _all_gather(self, t: torch.Tensor, sizes: list[int], out: torch.Tensor) -> torch.Tensor:
+        src, dst = self._host(t), self._host(out)
+        with _WATCHDOG.watch(self, "all_gather"):
+            if min(sizes) == max(sizes):
+                self.comm.Allgather(_buf(src), _buf(dst))
+            else:
+                row = math.prod(src.shape[1:])
                 counts = [n * row for n in sizes]
                 displs = list(itertools.accumulate([0, *counts[:-1]]))
-                self.comm.Allgatherv(_buf(src), _buf(out, (counts, displs)))
-        return out.to(t.device)
+                self.comm.Allgatherv(_buf(src), _buf(dst, (counts, displs)))
+        return _copy_back(out, dst)
 
-    def _reduce_scatter(self, t: torch.Tensor, sizes: list[int], op: Op) -> torch.Tensor:
-        src = self._reducible(t)
-        row = math.prod(src.shape[1:])
-        out = src.new_empty(sizes[self.rank], *src.shape[1:])
-        with self._guard("reduce_scatter"):
+    def _reduce_scatter(
+        self, t: torch.Tensor, sizes: list[int], op: Op, out: torch.Tensor
+    ) -> torch.Tensor:
+        src, dst = self._reduction_buffers(t, out)
+        with _WATCHDOG.watch(self, "reduce_scatter"):
             if min(sizes) == max(sizes):
-                self.comm.Reduce_scatter_block(_buf(src), _buf(out), op=_MPI_OPS[op])
+                self.comm.Reduce_scatter_block(_buf(src), _buf(dst), op=_MPI_OPS[op])
             else:
-                counts = [n * row for n in sizes]
-                self.comm.Reduce_scatter(_buf(src), _buf(out), counts, op=_MPI_OPS[op])
-        return out.to(t.device, t.dtype)
+                counts = [n * math.prod(src.shape[1:]) for n in sizes]
+                self.comm.Reduce_scatter(_buf(src), _buf(dst), counts, op=_MPI_OPS[op])
+        return _copy_back(out, dst)
 
-    def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        out = self._host(t).clone()
-        with self._guard("broadcast"):
-            self.comm.Bcast(_buf(out), root=src)
-        return out.to(t.device)
+    def _broadcast(self, out: torch.Tensor, src: int) -> torch.Tensor:
+        buf = self._host(out)
+        with _WATCHDOG.watch(self, "broadcast"):
+            self.comm.Bcast(_buf(buf), root=src)
+        return _copy_back(out, buf)
 
-    def _reduce(self, t: torch.Tensor, dst: int, op: Op) -> torch.Tensor:
-        src = self._reducible(t)
-        out = torch.zeros_like(src)
-        with self._guard("reduce"):
-            self.comm.Reduce(_buf(src), _buf(out), op=_MPI_OPS[op], root=dst)
-        return out.to(t.device, t.dtype)
+    def _reduce(self, t: torch.Tensor, dst: int, op: Op, out: torch.Tensor) -> torch.Tensor:
+        send, recv = self._reduction_buffers(t, out)
+        root = self.rank == dst
+        sendbuf = MPI.IN_PLACE if root and send is recv else _buf(send)
+        with _WATCHDOG.watch(self, "reduce"):
+            self.comm.Reduce(sendbuf, _buf(recv) if root else None, op=_MPI_OPS[op], root=dst)
+        if not root:
+            recv.zero_()
+        return _copy_back(out, recv)
 
     def _exchange(
         self, send: list[tuple[int, int, torch.Tensor]], recv: list[tuple[int, int, torch.Tensor]]
@@ -158,18 +161,18 @@ class MPICommunicator(Communicator):
         host_recv = [(p, tag, self._host(t)) for p, tag, t in recv]
         requests = [self.comm.Isend(_buf(t), p, _TAG_BASE + tag) for p, tag, t in host_send]
         requests += [self.comm.Irecv(_buf(t), p, _TAG_BASE + tag) for p, tag, t in host_recv]
-        with self._guard("neighbor_exchange"):
+        with _WATCHDOG.watch(self, "neighbor_exchange"):
             MPI.Request.Waitall(requests)
         for (_, _, buf), (_, _, host) in zip(recv, host_recv, strict=True):
             if host is not buf:
                 buf.copy_(host)
 
     def _barrier(self) -> None:
-        with self._guard("barrier"):
+        with _WATCHDOG.watch(self, "barrier"):
             self.comm.Barrier()
 
     def _split(self, color: int, key: int) -> MPICommunicator:
-        with self._guard("split"):
+        with _WATCHDOG.watch(self, "split"):
             sub = self.comm.Split(color, key)
         return MPICommunicator(sub, timeout=self.timeout, debug=self.debug)
 
@@ -181,39 +184,40 @@ class _MPIWork:
         self,
         comm: MPICommunicator,
         request: MPI.Request,
+        src: torch.Tensor,
+        dst: torch.Tensor,
         out: torch.Tensor,
-        keep: tuple[torch.Tensor, ...],
-        like: torch.Tensor,
     ) -> None:
-        self._comm, self._request, self._out = comm, request, out
-        self._keep, self._like = keep, like
+        self._comm, self._request = comm, request
+        self._src, self._dst, self._out = src, dst, out
 
     def wait(self) -> torch.Tensor:
-        with self._comm._guard("all_reduce (async)"):
+        with _WATCHDOG.watch(self._comm, "all_reduce (async)"):
             self._request.Wait()
-        self._keep = ()
-        return self._out.to(self._like.device, self._like.dtype)
+        return _copy_back(self._out, self._dst)
+
+
+def _copy_back(out: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    """``out`` holding ``buf``'s data (a no-op unless ``buf`` was a host or float32 stand-in)."""
+    return out if buf is out else out.copy_(buf)
 
 
 class _Watchdog:
-    """One daemon thread per process that aborts the MPI job when a call overruns its timeout."""
+    """One daemon thread per process that aborts the MPI job when a call overruns its timeout.
+
+    ``watch`` costs a dict insert and delete per call; the message is only built on timeout.
+    """
 
     def __init__(self) -> None:
-        self._active: dict[int, tuple[float, str, float]] = {}
+        self._active: dict[int, tuple[float, MPICommunicator, str]] = {}
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    @contextlib.contextmanager
-    def watch(self, what: str, timeout: float) -> Iterator[None]:
+    def watch(self, comm: MPICommunicator, name: str) -> _Watch:
         if self._thread is None:
             self._start()
-        token = next(self._ids)
-        self._active[token] = (time.monotonic() + timeout, what, timeout)
-        try:
-            yield
-        finally:
-            del self._active[token]
+        return _Watch(self._active, next(self._ids), (time.monotonic() + comm.timeout, comm, name))
 
     def _start(self) -> None:
         with self._lock:
@@ -226,14 +230,30 @@ class _Watchdog:
         while True:
             time.sleep(0.2)
             now = time.monotonic()
-            for deadline, what, timeout in list(self._active.values()):
+            for deadline, comm, name in list(self._active.values()):
                 if now > deadline:
                     sys.stderr.write(
-                        f"\nparallelkit: {what} did not finish within {timeout:g} s; another rank "
-                        "has probably failed or called a different collective. Aborting the MPI "
-                        "job (set the limit with pk.init(timeout=...) or PARALLELKIT_TIMEOUT).\n"
+                        f"\nparallelkit: mpi {name} on rank {comm.rank} of {comm.size} did not "
+                        f"finish within {comm.timeout:g} s; another rank has probably failed or "
+                        "called a different collective. Aborting the MPI job (set the limit with "
+                        "pk.init(timeout=...) or PARALLELKIT_TIMEOUT).\n"
                     )
                     _abort()
+
+
+class _Watch:
+    """Registers one call with the watchdog for the duration of a ``with`` block."""
+
+    __slots__ = ("_active", "_entry", "_token")
+
+    def __init__(self, active: dict, token: int, entry: tuple) -> None:
+        self._active, self._token, self._entry = active, token, entry
+
+    def __enter__(self) -> None:
+        self._active[self._token] = self._entry
+
+    def __exit__(self, *exc: object) -> None:
+        del self._active[self._token]
 
 
 def _abort() -> None:

@@ -79,50 +79,54 @@ class TorchCommunicator(Communicator):
                 f"{self.timeout:g} s (pk.init(timeout=...) or PARALLELKIT_TIMEOUT)."
             ) from e
 
-    def _all_reduce(self, t: torch.Tensor, op: Op) -> torch.Tensor:
-        out = t.clone()
-        with self._errors("all_reduce"):
-            dist.all_reduce(out, op=_OPS[op], group=self.group)
-        return out
+    def _all_reduce(self, t: torch.Tensor, op: Op, out: torch.Tensor) -> torch.Tensor:
+        return self._all_reduce_async(t, op, out).wait()
 
-    def _all_reduce_async(self, t: torch.Tensor, op: Op) -> Work:
-        out = t.clone()
+    def _all_reduce_async(self, t: torch.Tensor, op: Op, out: torch.Tensor) -> Work:
+        if out is not t:
+            out.copy_(t)
         with self._errors("all_reduce"):
             work = dist.all_reduce(out, op=_OPS[op], group=self.group, async_op=True)
         return _TorchWork(self, work, out)
 
-    def _all_gather(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        # Ranks of unequal size are padded to the largest: gloo gathers equal sizes only.
+    def _all_gather(self, t: torch.Tensor, sizes: list[int], out: torch.Tensor) -> torch.Tensor:
         block = max(sizes)
-        if t.shape[0] < block:
-            t = torch.cat([t, t.new_zeros(block - t.shape[0], *t.shape[1:])])
-        out = t.new_empty(self.size * block, *t.shape[1:])
-        with self._errors("all_gather"):
-            _all_gather_single(out, t, group=self.group)
         if min(sizes) == block:
+            with self._errors("all_gather"):
+                _all_gather_single(out, t, group=self.group)
             return out
-        return torch.cat([out[r * block : r * block + n] for r, n in enumerate(sizes)])
+        # gloo gathers equal sizes only: pad every rank's block to the largest.
+        padded = torch.cat([t, t.new_zeros(block - t.shape[0], *t.shape[1:])])
+        gathered = t.new_empty(self.size * block, *t.shape[1:])
+        with self._errors("all_gather"):
+            _all_gather_single(gathered, padded, group=self.group)
+        pieces = [gathered[r * block : r * block + n] for r, n in enumerate(sizes)]
+        return torch.cat(pieces, out=out)
 
-    def _reduce_scatter(self, t: torch.Tensor, sizes: list[int], op: Op) -> torch.Tensor:
+    def _reduce_scatter(
+        self, t: torch.Tensor, sizes: list[int], op: Op, out: torch.Tensor
+    ) -> torch.Tensor:
         block = max(sizes)
-        if min(sizes) != block:  # pad every block to the largest
-            padded = t.new_zeros(self.size * block, *t.shape[1:])
-            for r, piece in enumerate(torch.split(t, sizes)):
-                padded[r * block : r * block + sizes[r]] = piece
-            t = padded
-        out = t.new_empty(block, *t.shape[1:])
+        if min(sizes) == block:
+            with self._errors("reduce_scatter"):
+                _reduce_scatter_single(out, t, op=_OPS[op], group=self.group)
+            return out
+        padded = t.new_zeros(self.size * block, *t.shape[1:])  # every block padded to the largest
+        for r, piece in enumerate(torch.split(t, sizes)):
+            padded[r * block : r * block + sizes[r]] = piece
+        mine = t.new_empty(block, *t.shape[1:])
         with self._errors("reduce_scatter"):
-            _reduce_scatter_single(out, t, op=_OPS[op], group=self.group)
-        return out[: sizes[self.rank]]
+            _reduce_scatter_single(mine, padded, op=_OPS[op], group=self.group)
+        return out.copy_(mine[: sizes[self.rank]])
 
-    def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        out = t.clone()
+    def _broadcast(self, out: torch.Tensor, src: int) -> torch.Tensor:
         with self._errors("broadcast"):
             dist.broadcast(out, src=self._global[src], group=self.group)
         return out
 
-    def _reduce(self, t: torch.Tensor, dst: int, op: Op) -> torch.Tensor:
-        out = t.clone()
+    def _reduce(self, t: torch.Tensor, dst: int, op: Op, out: torch.Tensor) -> torch.Tensor:
+        if out is not t:
+            out.copy_(t)
         with self._errors("reduce"):
             dist.reduce(out, dst=self._global[dst], op=_OPS[op], group=self.group)
         return out if self.rank == dst else out.zero_()
@@ -144,7 +148,7 @@ class TorchCommunicator(Communicator):
         # torch has no comm_split for gloo: learn every rank's (color, key), then each new group
         # is created by its own members only (use_local_synchronization).
         mine = torch.tensor([[color, key]], dtype=torch.int64)
-        table = self._all_gather(mine, [1] * self.size).view(self.size, 2).tolist()
+        table = self._all_gather(mine, [1] * self.size, mine.new_empty(self.size, 2)).tolist()
         members = sorted((k, r) for r, (c, k) in enumerate(table) if c == color)
         ranks = [self._global[r] for _, r in members]
         kwargs = {"sort_ranks": False} if "sort_ranks" in _NEW_GROUP_ARGS else {}

@@ -19,6 +19,7 @@ COLLECTIVES = [
     cases.reduce_scatter,
     cases.broadcast,
     cases.reduce,
+    cases.out_arguments,
 ]
 
 
@@ -36,6 +37,10 @@ def test_async_split_exchange(comm):
 def test_bad_input(comm):
     messages = cases.bad_inputs(comm)
     assert "not supported" in messages["bool dtype"]
+
+
+def test_bad_out(comm):
+    assert "out must be a contiguous" in cases.bad_out(comm)["dtype"]
 
 
 def test_debug_mode(comm):
