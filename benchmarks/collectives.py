@@ -1,7 +1,7 @@
 """Latency and bus bandwidth of parallelkit's collectives next to the raw backend calls.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/collectives.py            # full run, ~5 min
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/collectives.py --quick    # smoke test
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/collectives.py            # full run, ~6 min
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/collectives.py --quick    # smoke test, ~1 min
 
 For every message size S (4 KiB to 64 MiB of float32, powers of 4) and every rank count, the
 script times, on the same ranks and in alternating order:
@@ -9,13 +9,17 @@ script times, on the same ranks and in alternating order:
     gloo  pk.init("gloo")                next to torch.distributed on the same process group
     mpi   pk.init("mpi") under mpiexec   next to mpi4py on the same MPI communicator
 
-    op                          raw call                                 parallelkit call
-    all_reduce                  dist.all_reduce / Allreduce              comm.all_reduce(t)
-    all_gather                  all_gather_single / Allgather            comm.all_gather(t, sizes=)
-    all_gather (sizes learned)  (the same raw call)                      comm.all_gather(t)
-    reduce_scatter              reduce_scatter_single / Reduce_scatter_block
-                                                                         comm.reduce_scatter(t)
-    neighbor_exchange           batch_isend_irecv / Isend+Irecv+Waitall  comm.neighbor_exchange
+    op                  raw call                                 parallelkit call
+    all_reduce          dist.all_reduce / Allreduce              comm.all_reduce(t, out=buf)
+    all_gather          all_gather_single / Allgather            comm.all_gather(t, sizes, out=)
+    reduce_scatter      reduce_scatter_single / Reduce_scatter_block
+                                                                 comm.reduce_scatter(t, out=buf)
+    neighbor_exchange   batch_isend_irecv / Isend+Irecv+Waitall  comm.neighbor_exchange
+
+Both write into buffers allocated once (torch's all_reduce, raw and pk, in place), so the two
+columns do the same work. Two more rows per op measure parallelkit's conveniences against the
+same raw call: "(new output)" returns a new tensor per call (the default, out of place), and
+"all_gather (sizes learned)" omits ``sizes=`` and pays one small all-gather to learn them.
 
 Bandwidths follow nccl-tests. S is the all-reduced tensor, the gathered output, the
 reduce-scattered input, and for the exchange each of the two messages a rank sends (to its
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -46,9 +51,13 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    from parallelkit.comm.mpi import MPICommunicator
+    from parallelkit.comm.torch_dist import TorchCommunicator
 
 DEFAULT_SIZES = [4**k * 1024 for k in range(1, 9)]  # 4 KiB .. 64 MiB
 QUICK_SIZES = [4 * 1024, 1024**2, 16 * 1024**2]
@@ -57,7 +66,7 @@ WARMUP = 3  # untimed calls of every variant before calibrating
 MIN_ITERS = 3
 MAX_ITERS = 10_000
 WORKER_TIMEOUT_S = 1200.0
-RAW, PK, PK_LEARNED = "raw", "pk", "pk (sizes learned)"
+RAW, PK, PK_NEW, PK_LEARNED = "raw", "pk", "pk (new output)", "pk (sizes learned)"
 
 Variants = dict[str, Callable[[], object]]  # variant name -> one call of the operation
 
@@ -69,6 +78,7 @@ class Config:
     sizes: list[int]  # S in bytes
     repeats: int  # timed blocks per variant, alternating raw and parallelkit
     target_s: float  # rough duration of one timed block
+    ranks: list[int]  # rank counts of the whole run (for the report)
 
 
 class Sync(NamedTuple):
@@ -121,7 +131,7 @@ def ring(rank: int, size: int) -> tuple[int, int]:
     return (rank - 1) % size, (rank + 1) % size
 
 
-def torch_variants(comm: Any, op: str, nbytes: int) -> Variants:
+def torch_variants(comm: TorchCommunicator, op: str, nbytes: int) -> Variants:
     """Raw torch.distributed and parallelkit calls of ``op`` on S = ``nbytes`` (gloo)."""
     import torch.distributed as dist
 
@@ -132,23 +142,26 @@ def torch_variants(comm: Any, op: str, nbytes: int) -> Variants:
     group, n = comm.group, comm.size
     numel = nbytes // 4
     if op == "all_reduce":
-        x, inplace = torch.zeros(numel), torch.zeros(numel)
+        x, inplace, pk_inplace = torch.zeros(numel), torch.zeros(numel), torch.zeros(numel)
         return {
             RAW: lambda: dist.all_reduce(inplace, group=group),
-            PK: lambda: comm.all_reduce(x),
+            PK: lambda: comm.all_reduce(pk_inplace, out=pk_inplace),
+            PK_NEW: lambda: comm.all_reduce(x),
         }
     if op == "all_gather":
-        x, out = torch.zeros(numel // n), torch.empty(numel)
+        x, out, pk_out = torch.zeros(numel // n), torch.empty(numel), torch.empty(numel)
         return {
             RAW: lambda: all_gather_single(out, x, group=group),
-            PK: lambda: comm.all_gather(x, sizes=[numel // n] * n),
-            PK_LEARNED: lambda: comm.all_gather(x),
+            PK: lambda: comm.all_gather(x, sizes=[numel // n] * n, out=pk_out),
+            PK_NEW: lambda: comm.all_gather(x, sizes=[numel // n] * n),
+            PK_LEARNED: lambda: comm.all_gather(x, out=pk_out),
         }
     if op == "reduce_scatter":
-        x, out = torch.zeros(numel), torch.empty(numel // n)
+        x, out, pk_out = torch.zeros(numel), torch.empty(numel // n), torch.empty(numel // n)
         return {
             RAW: lambda: reduce_scatter_single(out, x, group=group),
-            PK: lambda: comm.reduce_scatter(x),
+            PK: lambda: comm.reduce_scatter(x, out=pk_out),
+            PK_NEW: lambda: comm.reduce_scatter(x),
         }
     assert op == "neighbor_exchange", op
     prev, nxt = ring(comm.rank, n)
@@ -167,33 +180,36 @@ def torch_variants(comm: Any, op: str, nbytes: int) -> Variants:
     return {RAW: raw, PK: _pk_exchange(comm, to_prev, to_next, from_prev, from_next)}
 
 
-def mpi_variants(comm: Any, op: str, nbytes: int) -> Variants:
+def mpi_variants(comm: MPICommunicator, op: str, nbytes: int) -> Variants:
     """Raw mpi4py and parallelkit calls of ``op`` on S = ``nbytes`` (NumPy views of tensors)."""
     from mpi4py import MPI
 
     mc, n = comm.comm, comm.size
     numel = nbytes // 4
     if op == "all_reduce":
-        x, out = torch.zeros(numel), torch.empty(numel)
+        x, out, pk_out = torch.zeros(numel), torch.empty(numel), torch.empty(numel)
         xn, outn = x.numpy(), out.numpy()
         return {
             RAW: lambda: mc.Allreduce(xn, outn, op=MPI.SUM),
-            PK: lambda: comm.all_reduce(x),
+            PK: lambda: comm.all_reduce(x, out=pk_out),
+            PK_NEW: lambda: comm.all_reduce(x),
         }
     if op == "all_gather":
-        x, out = torch.zeros(numel // n), torch.empty(numel)
+        x, out, pk_out = torch.zeros(numel // n), torch.empty(numel), torch.empty(numel)
         xn, outn = x.numpy(), out.numpy()
         return {
             RAW: lambda: mc.Allgather(xn, outn),
-            PK: lambda: comm.all_gather(x, sizes=[numel // n] * n),
-            PK_LEARNED: lambda: comm.all_gather(x),
+            PK: lambda: comm.all_gather(x, sizes=[numel // n] * n, out=pk_out),
+            PK_NEW: lambda: comm.all_gather(x, sizes=[numel // n] * n),
+            PK_LEARNED: lambda: comm.all_gather(x, out=pk_out),
         }
     if op == "reduce_scatter":
-        x, out = torch.zeros(numel), torch.empty(numel // n)
+        x, out, pk_out = torch.zeros(numel), torch.empty(numel // n), torch.empty(numel // n)
         xn, outn = x.numpy(), out.numpy()
         return {
             RAW: lambda: mc.Reduce_scatter_block(xn, outn, op=MPI.SUM),
-            PK: lambda: comm.reduce_scatter(x),
+            PK: lambda: comm.reduce_scatter(x, out=pk_out),
+            PK_NEW: lambda: comm.reduce_scatter(x),
         }
     assert op == "neighbor_exchange", op
     prev, nxt = ring(comm.rank, n)
@@ -208,7 +224,7 @@ def mpi_variants(comm: Any, op: str, nbytes: int) -> Variants:
 
 
 def _pk_exchange(
-    comm: Any,
+    comm: TorchCommunicator | MPICommunicator,
     to_prev: torch.Tensor,
     to_next: torch.Tensor,
     from_prev: torch.Tensor,
@@ -222,7 +238,12 @@ def _pk_exchange(
 
 
 # ---------------------------------------------------------------------------- worker (ranks)
-def run_benchmark(comm: Any, sync: Sync, make: Callable[..., Variants], cfg: Config) -> list:
+def run_benchmark(
+    comm: TorchCommunicator | MPICommunicator,
+    sync: Sync,
+    make: Callable[..., Variants],
+    cfg: Config,
+) -> list[dict[str, Any]]:
     """Every op and size on this rank; rows of ``{op, bytes, iters, raw, pk}`` times (s)."""
     rows = []
     for nbytes in cfg.sizes:
@@ -232,7 +253,7 @@ def run_benchmark(comm: Any, sync: Sync, make: Callable[..., Variants], cfg: Con
             for key in [k for k in times if k != RAW]:
                 rows.append(
                     {
-                        "op": op if key == PK else f"{op} (sizes learned)",
+                        "op": op if key == PK else f"{op} {key.removeprefix('pk ')}",
                         "bytes": nbytes,
                         "iters": result["iters"],
                         "raw_s": statistics.median(times[RAW]),
@@ -353,7 +374,7 @@ def run_one(backend: str, n: int, cfg: Config) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------------- reporting (parent)
 def bus_factor(op: str, n: int) -> float:
     """busbw / algbw (nccl-tests)."""
-    if op == "all_reduce":
+    if op.startswith("all_reduce"):
         return 2 * (n - 1) / n
     if op.startswith(("all_gather", "reduce_scatter")):
         return (n - 1) / n
@@ -459,6 +480,15 @@ def command_line() -> str:
     return shlex.join([*prefix, os.path.relpath(sys.executable), *sys.argv])
 
 
+def oversubscribed(cfg: Config, env: dict[str, str]) -> str:
+    """A sentence on rank counts that exceed the cores, or nothing."""
+    over = [n for n in cfg.ranks if n > int(env["nproc"])]
+    if not over:
+        return ""
+    counts = " and ".join(str(n) for n in over)
+    return f"{counts} ranks oversubscribe the {env['nproc']} cores: those numbers are noisy. "
+
+
 def report(rows: list[dict[str, Any]], env: dict[str, str], cfg: Config) -> str:
     """The whole markdown document."""
     parts = [
@@ -475,9 +505,18 @@ def report(rows: list[dict[str, Any]], env: dict[str, str], cfg: Config) -> str:
         "S is the all-reduced tensor, the gathered output, the reduce-scattered input, and for "
         "the neighbour exchange each of the two messages a rank sends (to both ring neighbours); "
         "busbw follows nccl-tests (GB/s = 1e9 B/s; the exchange counts the 2S bytes a rank "
-        "sends). 'all_gather (sizes learned)' is `comm.all_gather(t)` without `sizes=`, against "
-        "the same raw all-gather. Every rank is one process with one thread; where there are "
-        "more ranks than cores the ranks oversubscribe them and the numbers are noisy.",
+        "sends).",
+        "",
+        "The raw calls and the plain pk rows write into buffers allocated once (`out=`; torch's "
+        "all_reduce in place), so they do the same work. '(new output)' rows are pk's default "
+        "out-of-place call, which allocates the result on every call (and, for all_reduce on "
+        "torch, copies the input into it); a fresh allocation of many MiB is page-faulted in "
+        "each time. 'all_gather (sizes learned)' omits `sizes=` and pays one small all-gather "
+        "to learn them. All extra rows are timed against the same raw call.",
+        "",
+        f"Every rank is one process with one compute thread. {oversubscribed(cfg, env)}"
+        "gloo adds communication threads per rank, so its numbers are noisy at any rank count; "
+        "the JSON file next to this one holds every timed block.",
         "",
         "## Summary",
         "",
@@ -499,7 +538,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backends", nargs="+", default=["gloo", "mpi"], choices=["gloo", "mpi"])
     p.add_argument("--quick", action="store_true", help="4K, 1M, 16M and short blocks")
     p.add_argument("--repeats", type=int, help="timed blocks per variant (default 5, quick 3)")
-    p.add_argument("--target-s", type=float, help="seconds per timed block (default 0.2)")
+    p.add_argument("--target-s", type=float, help="seconds per timed block (default 0.12)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/collectives.md"))
     p.add_argument("--worker", choices=["mpi"], help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
@@ -511,12 +550,12 @@ def config(args: argparse.Namespace) -> Config:
         sizes = [parse_size(s) for s in args.sizes.split(",")]
     else:
         sizes = QUICK_SIZES if args.quick else DEFAULT_SIZES
-    for s in sizes:
-        if s % (4 * max(args.ranks)) != 0:
-            raise SystemExit(f"size {s} B is not a whole number of float32 per rank")
+    for s, n in itertools.product(sizes, args.ranks):
+        if s % (4 * n):
+            raise SystemExit(f"--sizes: {s} B is not a whole number of float32 per rank on {n}")
     repeats = args.repeats or (3 if args.quick else 5)
-    target_s = args.target_s or (0.05 if args.quick else 0.2)
-    return Config(sizes=sizes, repeats=repeats, target_s=target_s)
+    target_s = args.target_s or (0.05 if args.quick else 0.12)
+    return Config(sizes=sizes, repeats=repeats, target_s=target_s, ranks=args.ranks)
 
 
 def main() -> None:

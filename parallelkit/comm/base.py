@@ -336,7 +336,7 @@ class Communicator(ABC):
             return like.new_empty(shape)
         if (
             not isinstance(out, torch.Tensor)
-            or out.shape != torch.Size(shape)
+            or list(out.shape) != list(shape)
             or out.dtype != like.dtype
             or out.device != like.device
             or not out.is_contiguous()
@@ -353,7 +353,7 @@ class Communicator(ABC):
             raise ValueError(f"{name}: {what}={r} is not a rank of this group of size {self.size}")
 
     def _check_sizes(self, sizes: Sequence[int], own: int, name: str, dim: int) -> list[int]:
-        sizes = [int(s) for s in sizes]
+        sizes = list(map(int, sizes))
         if len(sizes) != self.size or sizes[self.rank] != own or min(sizes) < 0:
             raise ValueError(
                 f"{name}: sizes {sizes} must list {self.size} sizes along dim {dim}, "
@@ -450,7 +450,9 @@ def _copy_into(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 
 def _resized(shape: torch.Size, dim: int, n: int) -> list[int]:
-    return [n if d == dim else s for d, s in enumerate(shape)]
+    resized = list(shape)
+    resized[dim] = n
+    return resized
 
 
 def _backend_op(op: str) -> Op:
@@ -465,10 +467,11 @@ def _check_op(op: str, dtype: torch.dtype, name: str) -> None:
 
 
 def _check_dim(dim: int, t: torch.Tensor, name: str) -> int:
-    if not -t.dim() <= dim < max(t.dim(), 1) or t.dim() == 0:
+    ndim = t.dim()
+    if ndim == 0 or not -ndim <= dim < ndim:
         shape = tuple(t.shape)
         raise ValueError(f"{name}: dim={dim} is out of range for a tensor of shape {shape}")
-    return dim % t.dim()
+    return dim if dim >= 0 else dim + ndim
 
 
 def _tagged(messages: Sequence[Message]) -> list[tuple[int, int, torch.Tensor]]:
