@@ -33,7 +33,7 @@ _MPI_TYPES = {
     torch.float64: MPI.DOUBLE,
     torch.int32: MPI.INT32_T,
     torch.int64: MPI.INT64_T,
-    torch.float16: MPI.INT16_T,  # moved as bits; reduced in float32 (see _reducible)
+    torch.float16: MPI.INT16_T,  # moved as bits; reduced in float32 (_reduction_buffers)
     torch.bfloat16: MPI.INT16_T,
 }
 _HALF = (torch.float16, torch.bfloat16)
