@@ -38,7 +38,6 @@ import argparse
 import datetime
 import itertools
 import json
-import multiprocessing as mp
 import os
 import platform
 import shlex
@@ -282,25 +281,9 @@ def mpi_sync(mc: Any) -> Sync:
     return Sync(mc.Barrier, lambda x: mc.allreduce(x, op=MPI.MAX))
 
 
-def gloo_worker(rank: int, size: int, port: int, cfg: Config, json_path: str) -> None:
-    """One spawned gloo rank; rank 0 writes the rows to ``json_path``."""
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-    )
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    import parallelkit as pk
-
-    comm = pk.init("gloo", timeout=300)
-    rows = run_benchmark(comm, torch_sync(comm.group), torch_variants, cfg)
-    if rank == 0:
-        Path(json_path).write_text(json.dumps(rows))
-    dist.destroy_process_group()
+def gloo_rank(comm: TorchCommunicator, cfg: Config) -> list[dict[str, Any]]:
+    """One gloo rank (started by parallelkit.testing.Ranks); returns its rows."""
+    return run_benchmark(comm, torch_sync(comm.group), torch_variants, cfg)
 
 
 def mpi_worker(cfg: Config, json_path: str) -> None:
@@ -316,26 +299,12 @@ def mpi_worker(cfg: Config, json_path: str) -> None:
 
 # ---------------------------------------------------------------------------- launchers (parent)
 def launch_gloo(n: int, cfg: Config, json_path: str) -> None:
-    """Spawn ``n`` gloo ranks and wait for them; raise if any fails."""
-    from parallelkit.testing import free_port
+    """Run ``n`` gloo ranks in spawned processes; raise if any fails."""
+    from parallelkit.testing import Ranks
 
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=gloo_worker, args=(r, n, port, cfg, json_path)) for r in range(n)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + WORKER_TIMEOUT_S
-    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-        if any(p.exitcode not in (None, 0) for p in procs):
-            break  # one rank failed: the others may wait for it forever
-        time.sleep(0.2)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-        p.join()
-    codes = [p.exitcode for p in procs]
-    if any(codes):
-        raise RuntimeError(f"gloo benchmark on {n} ranks failed; exit codes {codes}")
+    with Ranks(n, "gloo", comm_timeout=300) as ranks:
+        rows = ranks.run(gloo_rank, cfg, timeout=WORKER_TIMEOUT_S)[0]
+    Path(json_path).write_text(json.dumps(rows))
 
 
 def launch_mpi(n: int, cfg: Config, json_path: str) -> None:

@@ -15,7 +15,6 @@ import numpy as np
 import torch
 
 from parallelkit.comm import Communicator, tensor_split_sizes
-from parallelkit.comm.base import DTYPES
 
 WORLD_SIZES = (1, 2, 3, 4)
 Triple = tuple[str, torch.Tensor, torch.Tensor]
@@ -245,15 +244,8 @@ def bad_out(comm: Communicator) -> dict[str, str]:
     })  # fmt: skip
 
 
-def all_cases(comm: Communicator) -> list[Triple]:
-    """Every case above, for the mpiexec tier's single sweep."""
-    out = []
-    for dtype in DTYPES:
-        for case in (all_reduce, all_gather, reduce_scatter, broadcast, reduce, out_arguments):
-            out += [(f"{dtype} {label}", g, e) for label, g, e in case(comm, dtype)]
-    out += many_async(comm) + grid_split(comm)
-    out += neighbor_exchange(comm, False) + neighbor_exchange(comm, True)
-    return out
+COLLECTIVES = [all_reduce, all_gather, reduce_scatter, broadcast, reduce, out_arguments]
+"""The cases that take a dtype: every collective over every supported dtype."""
 
 
 # ----------------------------------------------------------------------------- bad input

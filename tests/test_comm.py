@@ -12,17 +12,9 @@ import cases
 from cases import WORLD_SIZES
 
 DTYPE_IDS = [str(d).removeprefix("torch.") for d in DTYPES]
-COLLECTIVES = [
-    cases.all_reduce,
-    cases.all_gather,
-    cases.reduce_scatter,
-    cases.broadcast,
-    cases.reduce,
-    cases.out_arguments,
-]
 
 
-@pytest.mark.parametrize("case", COLLECTIVES, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("case", cases.COLLECTIVES, ids=lambda c: c.__name__)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("size", WORLD_SIZES)
 def test_collective(ranks, size, dtype, case):
@@ -90,7 +82,7 @@ def test_cases_can_fail():
 def test_local_communicator(dtype):
     """pk.init("local") in this process: the size-1 results of the same cases."""
     comm = pk.init("local")
-    for case in COLLECTIVES:
+    for case in cases.COLLECTIVES:
         cases.assert_triples(case(comm, dtype))
     cases.assert_triples(cases.many_async(comm) + cases.grid_split(comm))
     cases.assert_triples(cases.neighbor_exchange(comm, True) + cases.neighbor_exchange(comm, False))

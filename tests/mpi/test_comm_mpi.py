@@ -13,17 +13,8 @@ from parallelkit.comm.base import DTYPES
 
 import cases
 
-COLLECTIVES = [
-    cases.all_reduce,
-    cases.all_gather,
-    cases.reduce_scatter,
-    cases.broadcast,
-    cases.reduce,
-    cases.out_arguments,
-]
 
-
-@pytest.mark.parametrize("case", COLLECTIVES, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("case", cases.COLLECTIVES, ids=lambda c: c.__name__)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def test_collective(comm, dtype, case):
     cases.assert_triples(case(comm, dtype))
