@@ -235,8 +235,10 @@ class Communicator(ABC):
             if not buf.is_contiguous():
                 raise ValueError("neighbor_exchange: receive buffers must be contiguous")
         send = [(p, self._contiguous(t, "neighbor_exchange")) for p, t in send]
-        if self.debug:
-            self._debug_check_exchange(send, recv)
+        if self.debug and self.size > 1:
+            from parallelkit.comm import debug
+
+            debug.check_exchange(self, send, recv)
         own = [t for p, t in send if p == self.rank]
         own_bufs = [b for p, b in recv if p == self.rank]
         if len(own) != len(own_bufs):
@@ -361,78 +363,19 @@ class Communicator(ABC):
             )
         return sizes
 
-    def _exchange_sizes(self, n: int) -> list[int]:
-        """Every rank's ``n``, by one small all-gather."""
-        mine = torch.tensor([n], dtype=torch.int64)
-        return self._all_gather(mine, [1] * self.size, mine.new_empty(self.size)).tolist()
-
     def _debug_check(
         self, name: str, t: torch.Tensor, masked_dim: int | None = None, extra: int = 0
     ) -> None:
         """In debug mode, raise on every rank unless all ranks call ``name`` alike."""
-        if not self.debug or self.size == 1:
-            return
-        shape = [-1 if d == masked_dim else s for d, s in enumerate(t.shape)]
-        local = [_OP_CODES[name], DTYPES.index(t.dtype), extra, t.dim(), *shape]
-        rows = self._gather_rows(local)
-        if any(row != rows[0] for row in rows):
-            calls = "\n".join(f"  rank {r}: {_describe(row)}" for r, row in enumerate(rows))
-            raise ValueError(
-                f"ranks disagree on a collective (debug mode, {self.backend}); "
-                f"each rank called:\n{calls}"
-            )
+        if self.debug and self.size > 1:
+            from parallelkit.comm import debug  # imports this module: import when used
 
-    def _debug_check_exchange(self, send: Sequence[Message], recv: Sequence[Message]) -> None:
-        """In debug mode, check that every message sent matches a receive of the same shape."""
-        self._debug_check("neighbor_exchange", torch.empty(0))
-        local = [len(send), len(recv)]
-        for peer, t in (*send, *recv):
-            local += [peer, DTYPES.index(t.dtype), t.numel()]
-        rows = self._gather_rows(local)
-        sent: dict[tuple[int, int], list[tuple[int, int]]] = {}
-        received: dict[tuple[int, int], list[tuple[int, int]]] = {}
-        for r, row in enumerate(rows):
-            n_send = row[0]
-            messages = [row[2 + 3 * i : 5 + 3 * i] for i in range(row[0] + row[1])]
-            for i, (peer, dtype, numel) in enumerate(messages):
-                if i < n_send:
-                    sent.setdefault((r, peer), []).append((dtype, numel))
-                else:
-                    received.setdefault((peer, r), []).append((dtype, numel))
-        bad = [
-            f"  {src} -> {dst}: sends {sent.get((src, dst), [])}, "
-            f"receives {received.get((src, dst), [])} (dtype index, elements)"
-            for src, dst in sorted(set(sent) | set(received))
-            if sent.get((src, dst), []) != received.get((src, dst), [])
-        ]
-        if bad:
-            raise ValueError(
-                "neighbor_exchange: sends and receives do not match (debug mode):\n"
-                + "\n".join(bad)
-            )
+            debug.check_call(self, name, t, masked_dim, extra)
 
-    def _gather_rows(self, local: list[int]) -> list[list[int]]:
-        """All ranks' integer lists (of any length), without debug checks."""
-        lengths = self._exchange_sizes(len(local))
-        width = max(lengths)
-        row = torch.tensor([*local, *[0] * (width - len(local))], dtype=torch.int64)
-        table = self._all_gather(row, [width] * self.size, row.new_empty(self.size * width))
-        table = table.view(self.size, width)
-        return [table[r, : lengths[r]].tolist() for r in range(self.size)]
-
-
-_OP_CODES = {
-    name: i
-    for i, name in enumerate(
-        ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "neighbor_exchange"]
-    )
-}
-
-
-def _describe(row: list[int]) -> str:
-    name = next(k for k, v in _OP_CODES.items() if v == row[0])
-    shape = tuple("*" if s == -1 else s for s in row[4:])
-    return f"{name}(shape={shape}, dtype={DTYPES[row[1]]}, arg={row[2]})"
+    def _exchange_sizes(self, n: int) -> list[int]:
+        """Every rank's ``n``, by one small all-gather."""
+        mine = torch.tensor([n], dtype=torch.int64)
+        return self._all_gather(mine, [1] * self.size, mine.new_empty(self.size)).tolist()
 
 
 class _ThenWork:

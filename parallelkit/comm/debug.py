@@ -1,0 +1,85 @@
+"""Debug mode: check before a collective that every rank is making the same call.
+
+A collective that ranks enter with different shapes, dtypes, roots or operations hangs or
+corrupts memory. With ``PARALLELKIT_DEBUG=1`` (or ``pk.init(debug=True)``) the communicator
+first all-gathers a small signature of the call and, when the ranks disagree, raises the same
+``ValueError`` on every rank, listing what each one called. It costs two small all-gathers per
+call, so it is off by default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from parallelkit.comm import base
+
+if TYPE_CHECKING:
+    from parallelkit.comm.base import Communicator, Message
+
+_OPERATIONS = (
+    "all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "neighbor_exchange",
+)  # fmt: skip
+
+
+def check_call(
+    comm: Communicator, name: str, t: torch.Tensor, masked_dim: int | None, extra: int
+) -> None:
+    """Raise on every rank unless all ranks call ``name`` with the same signature.
+
+    ``masked_dim`` is a dimension allowed to differ (all_gather's); ``extra`` encodes the
+    root and the reduction.
+    """
+    shape = [-1 if d == masked_dim else s for d, s in enumerate(t.shape)]
+    local = [_OPERATIONS.index(name), base.DTYPES.index(t.dtype), extra, t.dim(), *shape]
+    rows = _gather_rows(comm, local)
+    if any(row != rows[0] for row in rows):
+        calls = "\n".join(f"  rank {r}: {_describe(row)}" for r, row in enumerate(rows))
+        raise ValueError(
+            f"ranks disagree on a collective (debug mode, {comm.backend}); "
+            f"each rank called:\n{calls}"
+        )
+
+
+def check_exchange(comm: Communicator, send: Sequence[Message], recv: Sequence[Message]) -> None:
+    """Raise on every rank unless each message sent matches a receive of the same size."""
+    check_call(comm, "neighbor_exchange", torch.empty(0), None, 0)
+    local = [len(send), len(recv)]
+    for peer, t in (*send, *recv):
+        local += [peer, base.DTYPES.index(t.dtype), t.numel()]
+    sent: dict[tuple[int, int], list[list[int]]] = {}
+    received: dict[tuple[int, int], list[list[int]]] = {}
+    for r, row in enumerate(_gather_rows(comm, local)):
+        for i in range(row[0] + row[1]):
+            peer, dtype, numel = row[2 + 3 * i : 5 + 3 * i]
+            if i < row[0]:
+                sent.setdefault((r, peer), []).append([dtype, numel])
+            else:
+                received.setdefault((peer, r), []).append([dtype, numel])
+    bad = [
+        f"  {src} -> {dst}: sends {sent.get((src, dst), [])}, "
+        f"receives {received.get((src, dst), [])} ([dtype index, elements])"
+        for src, dst in sorted(set(sent) | set(received))
+        if sent.get((src, dst), []) != received.get((src, dst), [])
+    ]
+    if bad:
+        raise ValueError(
+            "neighbor_exchange: sends and receives do not match (debug mode):\n" + "\n".join(bad)
+        )
+
+
+def _gather_rows(comm: Communicator, local: list[int]) -> list[list[int]]:
+    """Every rank's list of integers (of any length), by the backend's raw all-gather."""
+    lengths = comm._exchange_sizes(len(local))
+    width = max(lengths)
+    row = torch.tensor([*local, *[0] * (width - len(local))], dtype=torch.int64)
+    table = comm._all_gather(row, [width] * comm.size, row.new_empty(comm.size * width))
+    table = table.view(comm.size, width)
+    return [table[r, : lengths[r]].tolist() for r in range(comm.size)]
+
+
+def _describe(row: list[int]) -> str:
+    shape = tuple("*" if s == -1 else s for s in row[4:])
+    return f"{_OPERATIONS[row[0]]}(shape={shape}, dtype={base.DTYPES[row[1]]}, arg={row[2]})"
