@@ -11,7 +11,8 @@ therefore implement a handful of short primitives on contiguous tensors along di
     _all_reduce, _all_reduce_async, _all_gather, _reduce_scatter, _broadcast, _reduce,
     _exchange, _barrier, _split
 
-All operations are out of place: they return new tensors and never modify their inputs.
+Operations are out of place: they return new tensors and leave their inputs alone, unless
+the caller passes ``out=`` (a buffer to write the result into, possibly the input itself).
 """
 
 from __future__ import annotations
