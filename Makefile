@@ -37,6 +37,8 @@ test-mpi: $(VENV)/.installed
 	  $(MPI_TEST_ENV) $(VENV)/bin/mpiexec -n $$n $(PY) -m pytest -q -p no:cacheprovider tests/mpi \
 	    || exit 1; \
 	done
+	@echo "== mpiexec -n 3 pytest tests/mpi, debug mode (every collective checked across ranks)"
+	PARALLELKIT_DEBUG=1 $(MPI_TEST_ENV) $(VENV)/bin/mpiexec -n 3 $(PY) -m pytest -q -p no:cacheprovider tests/mpi
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/collectives.py

@@ -277,7 +277,7 @@ def bad_inputs(comm: Communicator) -> dict[str, str]:
 
 def debug_mismatches(comm: Communicator) -> dict[str, str]:
     """In debug mode, disagreeing calls raise the same ValueError on every rank."""
-    comm.debug = True
+    was, comm.debug = comm.debug, True
     r = comm.rank
     try:
         calls = {
@@ -304,7 +304,7 @@ def debug_mismatches(comm: Communicator) -> dict[str, str]:
         )
         return messages
     finally:
-        comm.debug = False
+        comm.debug = was
 
 
 def _value_errors(calls: dict) -> dict[str, str]:
