@@ -134,9 +134,10 @@ class Ranks:
         for inbox in self._inboxes:
             inbox.put(job)
         results: dict[int, Any] = {}
+        raised: set[int] = set()
         failure: str | None = None
         deadline = time.monotonic() + timeout
-        while len(results) < self.size:
+        while len(results) + len(raised) < self.size:
             try:
                 rank, ok, payload = self._outbox.get(timeout=0.1)
             except queue.Empty:
@@ -146,31 +147,18 @@ class Ranks:
                     failure = f"rank(s) {dead} died (exit codes {codes})"
                     deadline = min(deadline, time.monotonic() + GRACE_S)
                 if time.monotonic() > deadline:
-                    missing = sorted(set(range(self.size)) - set(results))
+                    missing = sorted(set(range(self.size)) - set(results) - raised)
                     failure = failure or f"ranks {missing} did not finish within {timeout:g} s"
                     break
                 continue
             if ok:
                 results[rank] = pickle.loads(payload)
-            elif failure is None:
+                continue
+            raised.add(rank)
+            if failure is None:
                 failure = f"rank {rank} raised:\n{payload}"
                 deadline = min(deadline, time.monotonic() + GRACE_S)
-                results[rank] = None
         if failure is not None:
             self.close()  # the survivors may be stuck in a collective: start afresh next time
-            done = {r: v for r, v in results.items() if v is not None}
-            raise RankError(f"{fn.__qualname__} on {self.size} ranks: {failure}", done)
+            raise RankError(f"{fn.__qualname__} on {self.size} ranks: {failure}", results)
         return [results[r] for r in range(self.size)]
-
-
-def run_ranks(
-    size: int,
-    fn: Callable[..., Any],
-    *args: Any,
-    timeout: float = 120.0,
-    backend: str = "gloo",
-    **kwargs: Any,
-) -> list:
-    """One-off :meth:`Ranks.run` on a fresh pool of ``size`` processes."""
-    with Ranks(size, backend) as ranks:
-        return ranks.run(fn, *args, timeout=timeout, **kwargs)
