@@ -164,8 +164,7 @@ class MPICommunicator(Communicator):
         with _WATCHDOG.watch(self, "neighbor_exchange"):
             MPI.Request.Waitall(requests)
         for (_, _, buf), (_, _, host) in zip(recv, host_recv, strict=True):
-            if host is not buf:
-                buf.copy_(host)
+            _copy_back(buf, host)
 
     def _barrier(self) -> None:
         with _WATCHDOG.watch(self, "barrier"):
