@@ -159,6 +159,11 @@ class Ranks:
                 failure = f"rank {rank} raised:\n{payload}"
                 deadline = min(deadline, time.monotonic() + GRACE_S)
         if failure is not None:
+            # A rank killed by a signal reports nothing; its peers' connection errors would hide it.
+            dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in results]
+            if dead and "died" not in failure:
+                codes = [self._procs[r].exitcode for r in dead]
+                failure = f"rank(s) {dead} died (exit codes {codes}); before that, {failure}"
             self.close()  # the survivors may be stuck in a collective: start afresh next time
             raise RankError(f"{fn.__qualname__} on {self.size} ranks: {failure}", results)
         return [results[r] for r in range(self.size)]

@@ -20,6 +20,8 @@ from parallelkit.comm.base import (
 BACKENDS = ("auto", "gloo", "nccl", "mpi", "xla", "local")
 
 # Variables that mpiexec / srun launchers set for each rank (MPICH/Hydra, Open MPI, Slurm).
+_WORLD: Communicator | None = None
+
 _MPI_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
 
 
@@ -52,6 +54,19 @@ def init(
         ``PARALLELKIT_TIMEOUT`` or 1800.
     debug: check before each collective that all ranks agree (default ``PARALLELKIT_DEBUG``).
     """
+    global _WORLD
+    _WORLD = _create(backend, timeout, debug)
+    return _WORLD
+
+
+def world() -> Communicator:
+    """The communicator the last ``init()`` returned: what ``comm=None`` means in layers."""
+    if _WORLD is None:
+        raise ValueError("no world communicator: call pk.init() first, or pass comm= explicitly")
+    return _WORLD
+
+
+def _create(backend: str, timeout: float | None, debug: bool | None) -> Communicator:
     if backend not in BACKENDS:
         raise ValueError(f"pk.init: backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
@@ -81,4 +96,5 @@ __all__ = [
     "detect_backend",
     "init",
     "tensor_split_sizes",
+    "world",
 ]

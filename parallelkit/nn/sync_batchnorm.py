@@ -1,0 +1,274 @@
+"""Batch normalization whose statistics cover every rank of a communicator, on any backend.
+
+torch's ``nn.SyncBatchNorm`` trains on CUDA only; ChainerMN's and torch_xla's average the
+per-rank statistics with equal weights, which is wrong when ranks hold different batch sizes.
+Here each rank computes ``(count, mean, M2)`` of its own slice in float32, the ranks exchange
+them in one all-gather, and every rank merges them by count with Chan et al.'s formula. The
+backward sums two per-channel reductions in one all-reduce. The same code serves the
+data-parallel world, a sub-group, or the ranks that each hold a band of the same images
+(spatial parallelism), where the statistics then cover the whole image.
+
+Legend: x (N_r, C, *S) is this rank's slice, N_r may differ between ranks and may be 0;
+``n`` counts the values per channel (N_r * prod(S)) on this rank, ``count`` over all ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd import Function
+from torch.autograd.function import once_differentiable
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from parallelkit.comm import Communicator, world
+
+_DENSE = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
+
+
+class SyncBatchNorm(_BatchNorm):
+    """``torch.nn.BatchNorm1d/2d/3d`` with batch statistics over all ranks of ``comm``.
+
+    Takes the arguments of ``torch.nn.BatchNorm*d`` plus ``comm`` (``None``: the world
+    communicator of ``pk.init()``, looked up at the first forward) and accepts any input of
+    shape (N, C, *S): (N, C), (N, C, L), (N, C, H, W), (N, C, D, H, W), in any memory format,
+    in float32/float64, or float16/bfloat16 with the statistics computed and merged in float32.
+    Parameter gradients are this rank's share of the whole batch's gradient: data parallelism
+    averages them over ranks as it does for every other parameter.
+
+    Eval mode with running statistics, and a communicator of one rank, run plain
+    ``F.batch_norm`` and communicate nothing.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        comm: Communicator | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        self.comm = comm
+
+    def _check_input_dim(self, x: torch.Tensor) -> None:
+        if x.dim() < 2:
+            raise ValueError(f"SyncBatchNorm: expected an (N, C, ...) input, got shape {x.shape}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(x)
+        self._input_dim = x.dim()
+        if x.shape[1] != self.num_features:
+            raise ValueError(
+                f"SyncBatchNorm({self.num_features}): input has {x.shape[1]} channels "
+                f"(shape {tuple(x.shape)}); channels are dim 1"
+            )
+        # Momentum and the cumulative average (momentum=None), as torch.nn.BatchNorm*d does.
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                factor = 1.0 / float(self.num_batches_tracked)
+        batch_stats = self.training or self.running_mean is None
+        comm = self.comm if self.comm is not None else world()
+        if not batch_stats or comm.size == 1:
+            return F.batch_norm(
+                x,
+                self.running_mean if not self.training or self.track_running_stats else None,
+                self.running_var if not self.training or self.track_running_stats else None,
+                self.weight,
+                self.bias,
+                batch_stats,
+                factor,
+                self.eps,
+            )
+        running = self.training and self.track_running_stats
+        return _SyncBatchNorm.apply(
+            x,
+            self.weight,
+            self.bias,
+            self.running_mean if running else None,
+            self.running_var if running else None,
+            factor,
+            self.eps,
+            comm,
+        )
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, comm={self.comm!r}"
+
+    def to_dense(self) -> nn.Module:
+        """The plain ``torch.nn.BatchNorm*d`` holding this layer's parameters and buffers.
+
+        Which of 1d/2d/3d: the layer it was made from, else the last input's rank, else 2d.
+        """
+        dense = _DENSE[getattr(self, "_input_dim", 4)](
+            self.num_features, self.eps, self.momentum, self.affine, self.track_running_stats
+        )
+        return _copy_state(self, dense)
+
+    @classmethod
+    def from_dense(cls, dense: _BatchNorm, comm: Communicator | None = None) -> SyncBatchNorm:
+        """A SyncBatchNorm holding ``dense``'s parameters, buffers and training mode."""
+        sync = cls(
+            dense.num_features,
+            dense.eps,
+            dense.momentum,
+            dense.affine,
+            dense.track_running_stats,
+            comm,
+        )
+        sync._input_dim = _dense_input_dim(dense)
+        return _copy_state(dense, sync)
+
+
+def convert_sync_batchnorm(module: nn.Module, comm: Communicator | None = None) -> nn.Module:
+    """Replace every ``BatchNorm1d/2d/3d`` (and torch's ``SyncBatchNorm``) by a SyncBatchNorm.
+
+    Parameters (the same tensors), buffers and training mode are kept. Returns ``module``
+    itself converted in place, or the new layer if ``module`` is a batch norm.
+    """
+    if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
+        return SyncBatchNorm.from_dense(module, comm)
+    for name, child in module.named_children():
+        converted = convert_sync_batchnorm(child, comm)
+        if converted is not child:
+            setattr(module, name, converted)
+    return module
+
+
+def _copy_state(src: _BatchNorm, dst: _BatchNorm) -> _BatchNorm:
+    if src.affine:
+        dst.weight, dst.bias = src.weight, src.bias
+    if src.track_running_stats:
+        dst.running_mean, dst.running_var = src.running_mean, src.running_var
+        dst.num_batches_tracked = src.num_batches_tracked
+    dst.train(src.training)
+    if hasattr(src, "qconfig"):
+        dst.qconfig = src.qconfig
+    return dst
+
+
+def _dense_input_dim(dense: _BatchNorm) -> int:
+    for kind, dim in ((nn.BatchNorm1d, 3), (nn.BatchNorm2d, 4), (nn.BatchNorm3d, 5)):
+        if isinstance(dense, kind):
+            return dim
+    return 4
+
+
+# --------------------------------------------------------------------------- statistics
+def _local_stats(x: torch.Tensor) -> torch.Tensor:
+    """Packed ``[n, mean (C), M2 (C)]`` of this rank's slice, in float32 (float64 for f64)."""
+    stat_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dims = [0, *range(2, x.dim())]
+    n = x.numel() // x.shape[1]
+    c = x.shape[1]
+    packed = torch.zeros(1 + 2 * c, dtype=stat_dtype, device=x.device)
+    packed[0] = n
+    if n > 0:
+        var, mean = torch.var_mean(x.to(stat_dtype), dim=dims, correction=0)
+        packed[1 : 1 + c] = mean
+        packed[1 + c :] = var * n
+    return packed
+
+
+def _merge(gathered: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Chan et al.'s parallel merge of per-rank ``(n, mean, M2)`` rows: global mean, M2, count.
+
+    mean = sum_r n_r mean_r / count;  M2 = sum_r M2_r + sum_r n_r (mean_r - mean)^2.
+    Differences of means, never of raw sums of squares, so large means lose no precision.
+    """
+    n = gathered[:, :1]
+    means, m2s = gathered[:, 1 : 1 + c], gathered[:, 1 + c :]
+    count = float(n.sum())
+    if count == 0:
+        return means.new_zeros(c), means.new_zeros(c), 0
+    mean = (n * means).sum(0) / count
+    m2 = m2s.sum(0) + (n * (means - mean) ** 2).sum(0)
+    return mean, m2, round(count)
+
+
+def _per_channel(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``v`` (C,) shaped to broadcast against ``x`` (N, C, *S)."""
+    return v.view(-1, *([1] * (x.dim() - 2)))
+
+
+class _SyncBatchNorm(Function):
+    """y = (x - mean) * invstd * weight + bias with mean and invstd over all ranks' slices."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, factor, eps, comm):  # type: ignore[override]
+        c = x.shape[1]
+        local = _local_stats(x)
+        # One all-gather of every rank's (n, mean, M2): Chan's merge needs each rank's triple.
+        # (An all-reduce of sums and sums of squares would be as cheap, but E[x^2] - E[x]^2
+        # cancels catastrophically when |mean| >> std.)
+        gathered = comm.all_gather(local.view(1, -1), sizes=[1] * comm.size)
+        mean, m2, count = _merge(gathered, c)
+        if count == 1:
+            raise ValueError(
+                "SyncBatchNorm: expected more than 1 value per channel when training, got "
+                f"1 over all {comm.size} ranks (this rank's input: {tuple(x.shape)})"
+            )
+        var = m2 / max(count, 1)
+        if running_mean is not None and count > 0:
+            running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype), alpha=factor)
+            unbiased = m2 / (count - 1)
+            running_var.mul_(1 - factor).add_(unbiased.to(running_var.dtype), alpha=factor)
+        ctx.comm, ctx.count, ctx.eps = comm, count, eps
+        ctx.save_for_backward(x, weight, mean, var)
+        if x.numel() == 0:
+            return x.clone()
+        # Normalizing with given statistics is what eval-mode batch_norm does, in one fused pass
+        # (it wants the statistics in the parameters' dtype when those are 16-bit).
+        if weight is not None and weight.dtype != mean.dtype:
+            mean, var = mean.to(weight.dtype), var.to(weight.dtype)
+        return F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):  # type: ignore[override]
+        x, weight, mean, var = ctx.saved_tensors
+        comm, count, eps = ctx.comm, ctx.count, ctx.eps
+        c = x.shape[1]
+        stat_dtype = mean.dtype
+        # Local per-channel sums  sum(dy)  and  sum(dy * xhat), fused in one pass: eval-mode
+        # batch_norm_backward with the global statistics computes exactly these as the bias and
+        # weight gradients. They are this rank's parameter gradients, too.
+        if x.numel() == 0:  # an empty rank still joins the all-reduce
+            sum_dy_xhat, sum_dy = mean.new_zeros(c), mean.new_zeros(c)
+        else:
+            ones = torch.ones(c, dtype=stat_dtype, device=x.device)
+            _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+                grad, x, ones, mean, var, None, None, False, eps, [False, True, True]
+            )
+        grad_weight = sum_dy_xhat.to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_bias = sum_dy.to(weight.dtype) if ctx.needs_input_grad[2] else None
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            # One all-reduce of both sums: the input gradient needs their whole-batch values.
+            sums = comm.all_reduce(torch.cat([sum_dy, sum_dy_xhat]).to(stat_dtype))
+            grad_x = _input_grad(grad, x, weight, mean, var, sums, count, eps)
+        return grad_x, grad_weight, grad_bias, None, None, None, None, None
+
+
+def _input_grad(grad, x, weight, mean, var, sums, count, eps):
+    """dx = w invstd (dy - sum(dy)/count - xhat sum(dy xhat)/count), as ``a dy + b x + c``."""
+    c = x.shape[1]
+    if x.numel() == 0:
+        return torch.zeros_like(x)
+    invstd = torch.rsqrt(var + eps)
+    scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
+    mean_dy, mean_dy_xhat = sums[:c] / count, sums[c:] / count
+    a = scale
+    b = -scale * invstd * mean_dy_xhat
+    offset = -scale * mean_dy - mean * b
+    dtype = x.dtype
+    if dtype in (torch.float16, torch.bfloat16):
+        grad, x = grad.float(), x.float()
+    dx = torch.addcmul(_per_channel(offset, x), x, _per_channel(b, x))
+    dx.addcmul_(grad, _per_channel(a, x))
+    return dx.to(dtype)
