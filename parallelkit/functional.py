@@ -12,18 +12,24 @@ so gradients of gradients work too. Read each pair as a linear operator F and it
     reduce              (onto dst)   broadcast (from dst)
     copy_to_group       (identity)   all_reduce (sum)   -- input replicated, outputs per rank
     reduce_from_group   (all_reduce) identity           -- output replicated, one loss
+    scatter_to_group    (own block)  all_gather         -- input replicated, outputs per rank
+    gather_from_group   (all_gather) own block          -- output replicated, one loss
     halo_exchange       (fill ghosts) halo_accumulate (send ghost gradients back, add them)
+    gather_rows         (any rows)   scatter_add_rows (send row gradients back, add them)
 
-``copy_to_group`` / ``reduce_from_group`` are for values that every rank holds identically
-(a replicated input whose per-rank uses must be summed; a sum whose replicated consumer
-computes one loss). On a size-1 communicator every function is the identity (or, for the halo,
-plain padding) with no autograd wrapper.
+``copy_to_group`` / ``reduce_from_group`` and ``scatter_to_group`` / ``gather_from_group`` are
+for values that every rank holds identically (a replicated input whose per-rank uses must be
+summed; a result that every rank then uses identically to compute one replicated loss, so each
+rank already holds the whole gradient and keeps only its own block of it). On a size-1
+communicator every function is the identity (or, for the halo, plain padding) with no autograd
+wrapper.
 
 Shapes (``n_r`` = rank r's size along ``dim``):
 
     all_gather      x: (.., n_r, ..)            -> (.., sum_r n_r, ..)
     reduce_scatter  x: (.., sum_r n_r, ..)      -> (.., n_rank, ..)
     halo_exchange   x: (.., n, ..)              -> (.., lo + n + hi, ..)
+    gather_rows     x: (.., n_rank, ..)         -> (.., stop_rank - start_rank, ..)
 """
 
 from __future__ import annotations
@@ -91,6 +97,66 @@ def reduce_from_group(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     if comm.size == 1:
         return x
     return _ReduceFromGroup.apply(x, comm)
+
+
+def scatter_to_group(
+    x: torch.Tensor, comm: Communicator, dim: int = 0, sizes: Sequence[int] | None = None
+) -> torch.Tensor:
+    """This rank's block along ``dim`` of a replicated ``x``; backward all-gathers the blocks'
+    gradients, so every rank gets the whole gradient of the replicated input."""
+    if comm.size == 1:
+        return x
+    dim = dim % x.dim()
+    sizes = (
+        tuple(sizes) if sizes is not None else tuple(tensor_split_sizes(x.shape[dim], comm.size))
+    )
+    _check_total(sizes, x.shape[dim], "scatter_to_group", dim)
+    return _ScatterToGroup.apply(x, comm, dim, sizes)
+
+
+def gather_from_group(
+    x: torch.Tensor, comm: Communicator, dim: int = 0, sizes: Sequence[int] | None = None
+) -> torch.Tensor:
+    """Concatenate every rank's block along ``dim`` for a consumer that every rank runs
+    identically (one replicated loss): backward keeps this rank's block of the gradient."""
+    if comm.size == 1:
+        return x
+    dim = dim % x.dim()
+    if sizes is None:
+        sizes = comm.all_gather(torch.tensor([x.shape[dim]])).tolist()
+    return _GatherFromGroup.apply(x, comm, dim, tuple(sizes))
+
+
+def gather_rows(
+    x: torch.Tensor,
+    comm: Communicator,
+    dim: int,
+    sizes: Sequence[int],
+    want: Sequence[tuple[int, int]],
+    fill: float = 0.0,
+) -> torch.Tensor:
+    """Rows ``want[rank]`` of a tensor split over ``comm`` along ``dim``, whoever holds them.
+
+    Rank r holds the global rows ``[sum(sizes[:r]), sum(sizes[:r+1]))``; ``want[r] = (start,
+    stop)`` is the range of global rows rank r needs, which may reach past either end of the
+    tensor (those rows are ``fill``: zero padding, or -inf for max pooling). Every rank passes
+    the same ``sizes`` and ``want``, which pure geometry computes, so no sizes are exchanged.
+    Only ranks that hold wanted rows send, to the ranks that want them: the neighbours for a
+    halo, further ranks when blocks are thinner than the halo. The backward sends each row's
+    gradient back to its owner, which adds it in.
+    """
+    dim = dim % x.dim()
+    if len(sizes) != comm.size or len(want) != comm.size:
+        raise ValueError(
+            f"gather_rows: need sizes and want for each of {comm.size} ranks, got "
+            f"{len(sizes)} and {len(want)}"
+        )
+    if x.shape[dim] != sizes[comm.rank]:
+        raise ValueError(
+            f"gather_rows: rank {comm.rank} holds {x.shape[dim]} rows along dim {dim}, "
+            f"sizes says {sizes[comm.rank]}"
+        )
+    return _GatherRows.apply(x, comm, dim, tuple(sizes), tuple(map(tuple, want)), fill)
 
 
 def halo_exchange(
@@ -210,6 +276,110 @@ class _ReduceFromGroup(Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         return _CopyToGroup.apply(grad, ctx.comm), None
+
+
+class _ScatterToGroup(Function):
+    @staticmethod
+    def forward(ctx, x, comm, dim, sizes):  # type: ignore[override]
+        ctx.comm, ctx.dim, ctx.sizes = comm, dim, sizes
+        return x.narrow(dim, sum(sizes[: comm.rank]), sizes[comm.rank]).clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _GatherFromGroup.apply(grad, ctx.comm, ctx.dim, ctx.sizes), None, None, None
+
+
+class _GatherFromGroup(Function):
+    @staticmethod
+    def forward(ctx, x, comm, dim, sizes):  # type: ignore[override]
+        ctx.comm, ctx.dim, ctx.sizes = comm, dim, sizes
+        return comm.all_gather(x, dim, sizes)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _ScatterToGroup.apply(grad, ctx.comm, ctx.dim, ctx.sizes), None, None, None
+
+
+def _check_total(sizes: Sequence[int], total: int, name: str, dim: int) -> None:
+    if sum(sizes) != total or min(sizes) < 0:
+        raise ValueError(f"{name}: sizes {list(sizes)} do not split {total} rows along dim {dim}")
+
+
+# --------------------------------------------------------------------------- any rows
+def _row_plan(rank: int, sizes, want):
+    """Per peer q: (rows of mine that q wants, rows of q's that I want), as global ranges."""
+    starts = [sum(sizes[:q]) for q in range(len(sizes))]
+    mine = (starts[rank], starts[rank] + sizes[rank])
+    plan = []
+    for q in range(len(sizes)):
+        theirs = (starts[q], starts[q] + sizes[q])
+        give = (max(mine[0], want[q][0]), min(mine[1], want[q][1]))
+        take = (max(theirs[0], want[rank][0]), min(theirs[1], want[rank][1]))
+        plan.append((give, take))
+    return starts[rank], plan
+
+
+class _GatherRows(Function):
+    """Forward: assemble the wanted rows. Backward: :class:`_ScatterAddRows`."""
+
+    @staticmethod
+    def forward(ctx, x, comm, dim, sizes, want, fill):  # type: ignore[override]
+        ctx.args = comm, dim, sizes, want, fill
+        start, plan = _row_plan(comm.rank, sizes, want)
+        lo, hi = want[comm.rank]
+        shape = list(x.shape)
+        shape[dim] = hi - lo
+        out = x.new_full(shape, fill)
+        send, recv, places = [], [], []
+        for q, (give, take) in enumerate(plan):
+            if give[1] > give[0]:
+                send.append((q, x.narrow(dim, give[0] - start, give[1] - give[0])))
+            if take[1] > take[0]:
+                shape[dim] = take[1] - take[0]
+                buf = x.new_empty(shape)
+                recv.append((q, buf))
+                places.append((take[0] - lo, buf))
+        comm.neighbor_exchange(send, recv)
+        for offset, buf in places:
+            out.narrow(dim, offset, buf.shape[dim]).copy_(buf)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        comm, dim, sizes, want, _ = ctx.args
+        return _ScatterAddRows.apply(grad, comm, dim, sizes, want), None, None, None, None, None
+
+
+class _ScatterAddRows(Function):
+    """Adjoint of :class:`_GatherRows`: each wanted row's value goes back to its owner and is
+    added to that row; rows past the ends of the tensor were padding and are dropped."""
+
+    @staticmethod
+    def forward(ctx, g, comm, dim, sizes, want):  # type: ignore[override]
+        ctx.args = comm, dim, sizes, want
+        start, plan = _row_plan(comm.rank, sizes, want)
+        lo = want[comm.rank][0]
+        shape = list(g.shape)
+        shape[dim] = sizes[comm.rank]
+        out = g.new_zeros(shape)
+        send, recv, places = [], [], []
+        for q, (give, take) in enumerate(plan):
+            if take[1] > take[0]:
+                send.append((q, g.narrow(dim, take[0] - lo, take[1] - take[0])))
+            if give[1] > give[0]:
+                shape[dim] = give[1] - give[0]
+                buf = g.new_empty(shape)
+                recv.append((q, buf))
+                places.append((give[0] - start, buf))
+        comm.neighbor_exchange(send, recv)
+        for offset, buf in places:
+            out.narrow(dim, offset, buf.shape[dim]).add_(buf)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        comm, dim, sizes, want = ctx.args
+        return _GatherRows.apply(grad, comm, dim, sizes, want, 0.0), None, None, None, None
 
 
 # --------------------------------------------------------------------------- halo exchange

@@ -38,6 +38,26 @@ PRIMITIVES = {
     "reduce": (lambda x, c: pkf.reduce(x, c, 0), lambda r, n: (5,), False, False),
     "copy_to_group": (pkf.copy_to_group, lambda r, n: (3, 2), True, False),
     "reduce_from_group": (pkf.reduce_from_group, lambda r, n: (3, 2), False, True),
+    "scatter_to_group": (
+        lambda x, c: pkf.scatter_to_group(x, c, 1),
+        lambda r, n: (2, 7),
+        True,
+        False,
+    ),
+    "gather_from_group": (
+        lambda x, c: pkf.gather_from_group(x, c, 0, [r + 1 for r in range(c.size)]),
+        lambda r, n: (r + 1, 3),
+        False,
+        True,
+    ),
+    # Rows 0..9 split 4 3 2 1 (n=4); rank r wants a window reaching past both ends and past
+    # its neighbours, so rows come from further ranks too.
+    "gather_rows": (
+        lambda x, c: pkf.gather_rows(x, c, 1, _row_sizes(c.size), _wants(c.size)),
+        lambda r, n: (2, _row_sizes(n)[r], 3),
+        False,
+        False,
+    ),
     "halo": (
         lambda x, c: pkf.halo_exchange(x, c, 1, 1, 2),
         lambda r, n: (2, 3 + r % 2, 2),
@@ -57,6 +77,15 @@ PRIMITIVES = {
         False,
     ),
 }
+
+
+def _row_sizes(n: int) -> list[int]:
+    return [n - r for r in range(n)]  # uneven: 4 3 2 1 on four ranks
+
+
+def _wants(n: int) -> list[tuple[int, int]]:
+    total = sum(_row_sizes(n))
+    return [(max(r * 2 - 3, -2), min(r * 3 + 4, total + 2)) for r in range(n)]
 
 
 def _randn(shape, seed: int, rank: int) -> torch.Tensor:
@@ -109,6 +138,17 @@ def halo_values(comm: Communicator, total: int, dim: int, lo: int, hi: int, peri
     expected = np.take(padded, range(start, start + sizes[comm.rank] + lo + hi), dim)
     got = pkf.halo_exchange(mine, comm, dim, lo, hi, periodic, sizes=sizes)
     return got, torch.from_numpy(expected.copy())
+
+
+def gather_rows_values(comm: Communicator, fill: float):
+    """(this rank's gather_rows result, the same rows cut from a fill-padded global tensor)."""
+    sizes, want = _row_sizes(comm.size), _wants(comm.size)
+    whole = torch.arange(sum(sizes) * 2, dtype=torch.float64).reshape(-1, 2) + 1
+    start = sum(sizes[: comm.rank])
+    got = pkf.gather_rows(whole[start : start + sizes[comm.rank]], comm, 0, sizes, want, fill)
+    lo, hi = want[comm.rank]
+    padded = torch.cat([whole.new_full((2, 2), fill), whole, whole.new_full((2, 2), fill)])
+    return got, padded[lo + 2 : hi + 2]
 
 
 def halo_too_thin(comm: Communicator) -> str:

@@ -11,6 +11,7 @@ from functional_cases import (
     PRIMITIVES,
     adjoint_products,
     double_backward,
+    gather_rows_values,
     halo_too_thin,
     halo_values,
 )
@@ -47,6 +48,13 @@ def test_double_backward(ranks, size, name):
 @pytest.mark.parametrize("size", WORLD_SIZES)
 def test_halo_exchange_values(ranks, size, total, dim, lo, hi, periodic):
     for got, expected in ranks(size).run(halo_values, total, dim, lo, hi, periodic):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fill", [0.0, float("-inf")])
+@pytest.mark.parametrize("size", WORLD_SIZES)
+def test_gather_rows_values(ranks, size, fill):
+    for got, expected in ranks(size).run(gather_rows_values, fill):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 

@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from functional_cases import PRIMITIVES, adjoint_products, double_backward, halo_values
+from functional_cases import (
+    PRIMITIVES,
+    adjoint_products,
+    double_backward,
+    gather_rows_values,
+    halo_values,
+)
 
 
 @pytest.mark.parametrize("name", list(PRIMITIVES))
@@ -26,4 +32,9 @@ def test_double_backward(comm, name):
 @pytest.mark.parametrize(("total", "dim", "lo", "hi"), [(9, 0, 1, 1), (10, 1, 2, 1), (9, 2, 0, 2)])
 def test_halo_exchange_values(comm, total, dim, lo, hi, periodic):
     got, expected = halo_values(comm, total, dim, lo, hi, periodic)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_gather_rows_values(comm):
+    got, expected = gather_rows_values(comm, float("-inf"))
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
