@@ -1,0 +1,121 @@
+"""Spatial geometry as pure functions: how rows are split over ranks and which input rows each
+rank's output rows need. No communication; every rank computes the same answers.
+
+A tensor split along one dimension over P ranks is split like ``torch.tensor_split``: rank i
+holds rows ``[starts[i], starts[i] + sizes[i])``, the first blocks one larger. Every spatial
+layer keeps its *output* split this way and asks its :class:`Window` which *input* rows each
+output block needs; ranges may reach past the ends of the input (padding rows).
+
+Legend: ``n`` input rows, ``m`` output rows, ``[o0, o1)`` an output block, ``(start, stop)``
+a half-open range of global input rows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from parallelkit.comm import tensor_split_sizes
+
+Range = tuple[int, int]
+
+
+def starts(sizes: Sequence[int]) -> list[int]:
+    """Where each block starts: ``[0, sizes[0], sizes[0] + sizes[1], ...]``."""
+    out, total = [], 0
+    for s in sizes:
+        out.append(total)
+        total += s
+    return out
+
+
+def blocks(total: int, parts: int) -> list[Range]:
+    """The ``(start, stop)`` of each rank's block of ``total`` rows."""
+    sizes = tensor_split_sizes(total, parts)
+    return [(a, a + s) for a, s in zip(starts(sizes), sizes, strict=True)]
+
+
+@dataclass(frozen=True)
+class Window:
+    """A sliding window along one dimension: convolution, pooling.
+
+    Output row ``o`` reads input rows ``o * stride - pad_lo + dilation * t`` for
+    ``t = 0 .. kernel - 1``; rows outside ``[0, n)`` are padding. ``pad_lo`` and ``pad_hi`` may
+    differ ("same" padding of an even kernel pads more at the end, as torch does).
+    """
+
+    kernel: int
+    stride: int = 1
+    pad_lo: int = 0
+    pad_hi: int = 0
+    dilation: int = 1
+
+    @property
+    def span(self) -> int:
+        """Input rows one output row reads, first to last: ``dilation * (kernel - 1) + 1``."""
+        return self.dilation * (self.kernel - 1) + 1
+
+    def out_size(self, n: int) -> int:
+        """Output rows for ``n`` input rows (what torch's conv and pooling give)."""
+        return (n + self.pad_lo + self.pad_hi - self.span) // self.stride + 1
+
+    def needs(self, o0: int, o1: int) -> Range:
+        """Input rows that output rows ``[o0, o1)`` read; ``(o0*stride - pad_lo,)*2`` if empty."""
+        first = o0 * self.stride - self.pad_lo
+        if o1 <= o0:
+            return first, first
+        return first, (o1 - 1) * self.stride - self.pad_lo + self.span
+
+    def plan(self, n: int, parts: int) -> tuple[list[int], list[int], list[Range]]:
+        """(input block sizes, output block sizes, input rows each rank needs) for ``parts``."""
+        m = self.out_size(n)
+        if m < 1:
+            raise ValueError(
+                f"window {self} gives no output rows for an input of {n} rows "
+                f"(needs at least {self.span - self.pad_lo - self.pad_hi})"
+            )
+        out_sizes = tensor_split_sizes(m, parts)
+        want = [self.needs(a, a + s) for a, s in zip(starts(out_sizes), out_sizes, strict=True)]
+        return tensor_split_sizes(n, parts), out_sizes, want
+
+
+def conv_padding(
+    padding: int | str | Sequence[int], kernel: Sequence[int], dilation: Sequence[int]
+) -> list[tuple[int, int]]:
+    """Per spatial dimension ``(pad_lo, pad_hi)`` for nn.Conv2d's ``padding`` argument.
+
+    "same" pads ``dilation * (kernel - 1)`` in all, the extra row at the end as torch does;
+    "valid" pads nothing.
+    """
+    dims = len(kernel)
+    if padding == "same":
+        total = [d * (k - 1) for k, d in zip(kernel, dilation, strict=True)]
+        return [(t // 2, t - t // 2) for t in total]
+    if padding == "valid":
+        return [(0, 0)] * dims
+    if isinstance(padding, str):
+        raise ValueError(f"padding must be an int, a tuple, 'same' or 'valid', got {padding!r}")
+    pads = _pair(padding, dims)
+    return [(p, p) for p in pads]
+
+
+def transposed_needs(
+    o0: int, o1: int, n: int, kernel: int, stride: int, padding: int, dilation: int
+) -> Range:
+    """Input rows of a transposed convolution that output rows ``[o0, o1)`` receive from.
+
+    Input row i scatters into output rows ``i * stride - padding + dilation * t``; so output row
+    o receives from the i with ``o + padding - dilation * t = i * stride`` for some t. The range
+    is clipped to ``[0, n)``: a transposed convolution has no padding rows to fetch.
+    """
+    if o1 <= o0:
+        return 0, 0
+    lo = math.ceil((o0 + padding - dilation * (kernel - 1)) / stride)
+    hi = (o1 - 1 + padding) // stride + 1
+    lo, hi = max(lo, 0), min(hi, n)
+    return (lo, hi) if hi > lo else (0, 0)
+
+
+def _pair(v: int | Sequence[int], dims: int) -> list[int]:
+    return [int(v)] * dims if isinstance(v, int) else [int(x) for x in v]

@@ -1,0 +1,245 @@
+"""Spatially parallel layers: one image split over a grid of ranks, each keeping its block.
+
+Every layer here takes this rank's block (N, C, h, w) of images split over a
+:class:`~parallelkit.spatial.SpatialGrid` in tensor_split layout, and returns its block of the
+output in the same layout. From pure geometry (:mod:`parallelkit.geometry`) it knows which
+input rows and columns its output block reads; it fetches what it does not hold with
+:func:`parallelkit.functional.gather_rows` (usually a halo from the neighbours, from further
+ranks when blocks are thinner than the halo; padding rows are zeros, or -inf for max pooling),
+then runs the plain torch operation with no padding on the assembled block. Backward sends the
+halo gradients back to their owners, who add them in.
+
+Parameters are replicated over the grid and act on split activations, so each rank's
+gradient is its share of the dense one: they pass through ``copy_to_group``, whose backward
+sums the shares, and after backward every rank holds the dense gradient.
+
+The whole images' (H, W) come from one small all-gather of the blocks' sizes per call; pass
+``size=(H, W)`` to skip it.
+
+Legend: ``_blk`` this rank's block, ``H W`` global sizes, ``[o0, o1)`` output block rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import parallelkit.functional as pkf
+from parallelkit.comm import Communicator, tensor_split_sizes
+from parallelkit.geometry import Window, conv_padding, starts, transposed_needs
+from parallelkit.spatial.grid import SpatialGrid, grid_of
+
+
+def _fetch(
+    x_blk: torch.Tensor,
+    grid: SpatialGrid,
+    windows: tuple[Window, Window],
+    size: tuple[int, int],
+    fill: float = 0.0,
+) -> tuple[torch.Tensor, tuple[int, int]]:
+    """The input rows and columns this rank's output block reads (padding as ``fill``), and
+    the output block's (h, w)."""
+    out = []
+    for dim, (win, n, comm, parts) in enumerate(
+        zip(windows, size, (grid.col_comm, grid.row_comm), (grid.rows, grid.cols), strict=True)
+    ):
+        in_sizes, out_sizes, want = win.plan(n, parts)
+        x_blk = pkf.gather_rows(x_blk, comm, 2 + dim, in_sizes, want, fill)
+        out.append(out_sizes[comm.rank])
+    return x_blk, (out[0], out[1])
+
+
+def _empty_output(
+    x: torch.Tensor, channels: int, hw: tuple[int, int], *params: torch.Tensor | None
+) -> torch.Tensor:
+    """An empty output block that still depends on the fetched input and the parameters, so
+    that this rank joins the backward exchanges and all-reduces like every other rank."""
+    y = x.new_zeros(x.shape[0], channels, *hw)
+    for p in params:
+        if p is not None:
+            y = y + 0 * p.sum()
+    return y
+
+
+def _pair(v: int | Sequence[int]) -> tuple[int, int]:
+    return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
+
+
+class SpatialParallelConv2d(nn.Conv2d):
+    """``nn.Conv2d`` on images split over a ``rows x cols`` grid of ranks (default: rows).
+
+    Any kernel size, stride, padding (ints, tuples, "same", "valid"), dilation and groups;
+    uneven splits and blocks thinner than the halo (rows then come from further ranks).
+    Forward: fetch the halo, convolve with no padding; backward: return the halo gradients and
+    sum the parameter gradients over the grid.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | Sequence[int],
+        stride: int | Sequence[int] = 1,
+        padding: int | str | Sequence[int] = 0,
+        dilation: int | Sequence[int] = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        device=None,
+        dtype=None,
+        *,
+        comm: Communicator,
+        grid: Sequence[int] | SpatialGrid | None = None,
+    ) -> None:
+        if padding_mode != "zeros":
+            raise ValueError(
+                f"SpatialParallelConv2d: padding_mode {padding_mode!r} is not supported; "
+                "use 'zeros'"
+            )
+        super().__init__(
+            in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+            padding_mode, device, dtype,
+        )  # fmt: skip
+        self.comm, self.grid = comm, grid_of(comm, grid)
+        pads = conv_padding(padding, self.kernel_size, self.dilation)
+        self.windows = tuple(
+            Window(k, s, lo, hi, d)
+            for k, s, (lo, hi), d in zip(
+                self.kernel_size, self.stride, pads, self.dilation, strict=True
+            )
+        )
+
+    def forward(self, x_blk: torch.Tensor, size: tuple[int, int] | None = None) -> torch.Tensor:
+        size = size or self.grid.global_size(x_blk, type(self).__name__)
+        if x_blk.shape[1] != self.in_channels:
+            raise ValueError(
+                f"{type(self).__name__}: input has {x_blk.shape[1]} channels, expected "
+                f"{self.in_channels} (block shape {tuple(x_blk.shape)})"
+            )
+        x_halo, out_hw = _fetch(x_blk, self.grid, self.windows, size)
+        weight = pkf.copy_to_group(self.weight, self.comm)
+        bias = None if self.bias is None else pkf.copy_to_group(self.bias, self.comm)
+        if min(out_hw) == 0:
+            return _empty_output(x_halo, self.out_channels, out_hw, x_halo, weight, bias)
+        return F.conv2d(x_halo, weight, bias, self.stride, 0, self.dilation, self.groups)
+
+    @classmethod
+    def from_dense(
+        cls, conv: nn.Conv2d, comm: Communicator, grid: Sequence[int] | None = None
+    ) -> SpatialParallelConv2d:
+        """A spatial layer holding ``conv``'s parameters (the same tensors)."""
+        layer = cls(
+            conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+            conv.dilation, conv.groups, conv.bias is not None, conv.padding_mode,
+            device="meta", comm=comm, grid=grid,
+        )  # fmt: skip
+        layer.weight, layer.bias = conv.weight, conv.bias
+        return layer.train(conv.training)
+
+    def to_dense(self) -> nn.Conv2d:
+        """The plain ``nn.Conv2d`` holding this layer's parameters (they are replicated)."""
+        conv = nn.Conv2d(
+            self.in_channels, self.out_channels, self.kernel_size, self.stride, self.padding,
+            self.dilation, self.groups, self.bias is not None, self.padding_mode, device="meta",
+        )  # fmt: skip
+        conv.weight, conv.bias = self.weight, self.bias
+        return conv.train(self.training)
+
+
+class SpatialConvTranspose2d(nn.ConvTranspose2d):
+    """``nn.ConvTranspose2d`` on images split over a grid of ranks (e.g. the DCGAN generator's
+    kernel 4, stride 2, padding 1 upsampling).
+
+    Output row o receives from input rows i with ``i * stride - padding + dilation * t = o``.
+    Each rank fetches the input rows its output block receives from (geometry:
+    :func:`~parallelkit.geometry.transposed_needs`), runs the transposed convolution on them
+    with no padding, and crops (or zero-extends, where no input row reaches) the result to its
+    block. The bias is added after cropping, so rows that no input reaches get it too.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | Sequence[int],
+        stride: int | Sequence[int] = 1,
+        padding: int | Sequence[int] = 0,
+        output_padding: int | Sequence[int] = 0,
+        groups: int = 1,
+        bias: bool = True,
+        dilation: int | Sequence[int] = 1,
+        padding_mode: str = "zeros",
+        device=None,
+        dtype=None,
+        *,
+        comm: Communicator,
+        grid: Sequence[int] | SpatialGrid | None = None,
+    ) -> None:
+        super().__init__(
+            in_channels, out_channels, kernel_size, stride, padding, output_padding, groups,
+            bias, dilation, padding_mode, device, dtype,
+        )  # fmt: skip
+        self.comm, self.grid = comm, grid_of(comm, grid)
+
+    def forward(self, x_blk: torch.Tensor, size: tuple[int, int] | None = None) -> torch.Tensor:
+        size = size or self.grid.global_size(x_blk, type(self).__name__)
+        g = self.grid
+        crops, out_hw = [], []
+        for dim, n in enumerate(size):
+            k, s, p, d = (
+                self.kernel_size[dim],
+                self.stride[dim],
+                self.padding[dim],
+                self.dilation[dim],
+            )
+            comm, parts = (g.col_comm, g.rows) if dim == 0 else (g.row_comm, g.cols)
+            m = (n - 1) * s - 2 * p + d * (k - 1) + self.output_padding[dim] + 1
+            out_sizes = tensor_split_sizes(m, parts)
+            want = [
+                transposed_needs(o0, o0 + o, n, k, s, p, d)
+                for o0, o in zip(starts(out_sizes), out_sizes, strict=True)
+            ]
+            x_blk = pkf.gather_rows(x_blk, comm, 2 + dim, tensor_split_sizes(n, parts), want)
+            a, b = want[comm.rank]
+            o0, o = starts(out_sizes)[comm.rank], out_sizes[comm.rank]
+            local = (b - a - 1) * s + d * (k - 1) + 1 if b > a else 0
+            first = o0 - (a * s - p)  # where this block starts in the local output
+            crops.append((-first, o - (local - first)))
+            out_hw.append(o)
+        weight = pkf.copy_to_group(self.weight, self.comm)
+        bias = None if self.bias is None else pkf.copy_to_group(self.bias, self.comm)
+        if min(out_hw) == 0 or min(x_blk.shape[2:]) == 0:
+            y = _empty_output(x_blk, self.out_channels, (out_hw[0], out_hw[1]), x_blk, weight)
+        else:
+            y = F.conv_transpose2d(
+                x_blk, weight, None, self.stride, 0, 0, self.groups, self.dilation
+            )
+            (top, bottom), (left, right) = crops
+            y = F.pad(y, (left, right, top, bottom))  # negative pads crop
+        return y if bias is None else y + bias.view(-1, 1, 1)
+
+    @classmethod
+    def from_dense(
+        cls, conv: nn.ConvTranspose2d, comm: Communicator, grid: Sequence[int] | None = None
+    ) -> SpatialConvTranspose2d:
+        if conv.padding_mode != "zeros":
+            raise ValueError("SpatialConvTranspose2d: only padding_mode='zeros'")
+        layer = cls(
+            conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+            conv.output_padding, conv.groups, conv.bias is not None, conv.dilation,
+            device="meta", comm=comm, grid=grid,
+        )  # fmt: skip
+        layer.weight, layer.bias = conv.weight, conv.bias
+        return layer.train(conv.training)
+
+    def to_dense(self) -> nn.ConvTranspose2d:
+        conv = nn.ConvTranspose2d(
+            self.in_channels, self.out_channels, self.kernel_size, self.stride, self.padding,
+            self.output_padding, self.groups, self.bias is not None, self.dilation,
+            device="meta",
+        )  # fmt: skip
+        conv.weight, conv.bias = self.weight, self.bias
+        return conv.train(self.training)
