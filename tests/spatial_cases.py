@@ -21,12 +21,16 @@ from parallelkit.nn import spatial_pooling as spool
 Triple = tuple[str, torch.Tensor, torch.Tensor]
 
 
+class DenseRejects(Exception):
+    """The dense layer refuses the input (e.g. smaller than its window)."""
+
+
 def dense_layer(kind: str, c_in: int, **kw) -> nn.Module:
     torch.manual_seed(0)
     if kind == "conv":
-        return nn.Conv2d(c_in, kw.pop("c_out", 3), **kw)
+        return nn.Conv2d(c_in, kw.pop("c_out", 2), **kw)
     if kind == "convT":
-        return nn.ConvTranspose2d(c_in, kw.pop("c_out", 3), **kw)
+        return nn.ConvTranspose2d(c_in, kw.pop("c_out", 2), **kw)
     return {
         "maxpool": nn.MaxPool2d,
         "avgpool": nn.AvgPool2d,
@@ -66,7 +70,10 @@ def layer_parity(
     layer = spatial_layer(kind, dense, comm, grid)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(batch, c_in, *hw, generator=g, dtype=dtype, requires_grad=True)
-    y = dense(x)
+    try:
+        y = dense(x)
+    except RuntimeError as e:  # before any communication, the same on every rank
+        raise DenseRejects(str(e)) from e
     dy = torch.randn(y.shape, generator=g, dtype=dtype)
     y.backward(dy)
 
@@ -85,3 +92,102 @@ def layer_parity(
     for (name, p), q in zip(layer.named_parameters(), dense.parameters(), strict=True):
         triples.append((f"{name} grad", p.grad, q.grad))
     return triples
+
+
+# ----------------------------------------------------------------------------- matrices
+def conv_configs(c: int = 2):
+    """The valid kernel x stride x padding x dilation x groups combinations of the issue."""
+    for k in (1, 2, 3, 4, 5, 7):
+        for s in (1, 2, 3):
+            for p in (0, 1, 2, 3, "same"):
+                for d in (1, 2):
+                    for groups in (1, c):
+                        if p == "same" and s != 1:
+                            continue  # torch allows "same" with stride 1 only
+                        yield dict(kernel_size=k, stride=s, padding=p, dilation=d, groups=groups)
+
+
+def failures(comm: Communicator, kind: str, configs, hw, grid=None, **common) -> tuple[int, list]:
+    """Run ``layer_parity`` for every config; (how many ran, descriptions of mismatches).
+
+    Configs whose dense layer rejects the input size (too small for the window) are skipped
+    on every rank alike: the spatial layer would raise the same way.
+    """
+    ran, bad = 0, []
+    for kw in configs:
+        try:
+            triples = layer_parity(comm, kind, hw, grid, **common, **kw)
+        except DenseRejects:
+            continue
+        ran += 1
+        for label, got, expected in triples:
+            if (
+                got is None
+                or got.shape != expected.shape
+                or not torch.allclose(got, expected, rtol=1e-10, atol=1e-10)
+            ):
+                bad.append(f"{kind} {kw} {hw} grid={grid}: {label}")
+    return ran, bad
+
+
+def conv_transpose_configs(c: int = 2):
+    for k in (1, 2, 3, 4, 5):
+        for s in (1, 2, 3):
+            for p in (0, 1, 2):
+                for d in (1, 2):
+                    for op in {0, s - 1, min(s, d) - 1}:
+                        for groups in (1, c):
+                            yield dict(
+                                kernel_size=k, stride=s, padding=p, dilation=d, groups=groups,
+                                output_padding=op,
+                            )  # fmt: skip
+
+
+POOL_CONFIGS = [
+    ("maxpool", dict(kernel_size=3, stride=2, padding=1)),  # the ResNet stem
+    ("maxpool", dict(kernel_size=2)),
+    ("maxpool", dict(kernel_size=3, stride=1, padding=1, dilation=2)),
+    ("maxpool", dict(kernel_size=(2, 3), stride=(1, 2), padding=(1, 0))),
+    ("avgpool", dict(kernel_size=3, stride=2, padding=1)),
+    ("avgpool", dict(kernel_size=3, stride=2, padding=1, count_include_pad=False)),
+    ("avgpool", dict(kernel_size=2)),
+    ("avgpool", dict(kernel_size=4, stride=3, padding=2, divisor_override=5)),
+    ("upsample", dict(scale_factor=2)),
+    ("upsample", dict(scale_factor=3)),
+    ("upsample", dict(scale_factor=2, mode="bilinear")),
+    ("upsample", dict(scale_factor=3, mode="bilinear")),
+    ("globalpool", {}),
+]
+
+
+def other_failures(comm: Communicator, hw, grid=None) -> tuple[int, list]:
+    ran, bad = 0, []
+    for kind, kw in POOL_CONFIGS:
+        n, b = failures(comm, kind, [kw], hw, grid)
+        ran, bad = ran + n, bad + b
+    return ran, bad
+
+
+def bad_grid(comm: Communicator) -> str:
+    try:
+        sp.SpatialParallelConv2d(2, 2, 3, comm=comm, grid=(comm.size + 1, 1))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def bad_layout(comm: Communicator) -> str:
+    """Blocks that are not the tensor_split layout of any image raise on every rank."""
+    layer = sp.SpatialParallelConv2d(2, 2, 3, padding=1, comm=comm)
+    try:
+        layer(torch.zeros(1, 2, 2 + 2 * comm.rank, 5))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def scatter_gather(comm: Communicator, grid) -> list[Triple]:
+    x = torch.randn(2, 3, 7, 10, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    y = pk.spatial.gather(pk.spatial.scatter(x, comm, grid) * 2, comm, grid)
+    y.backward(torch.ones_like(y))
+    return [("round trip", y, x.detach() * 2), ("gradient", x.grad, torch.full_like(x, 2.0))]

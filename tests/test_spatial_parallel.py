@@ -1,0 +1,105 @@
+"""Spatial layers on 1-4 gloo ranks against the dense torch layers on the whole image: output
+block, input-gradient block and parameter gradients, over the issue's matrix of kernel sizes,
+strides, paddings, dilations and groups, for height, width and 2x2 splits, uneven splits,
+one-row shards and shards thinner than the halo. The adjoint test of the row exchange is in
+test_functional.py (gather_rows)."""
+
+from __future__ import annotations
+
+import pytest
+from spatial_cases import (
+    bad_grid,
+    bad_layout,
+    conv_configs,
+    conv_transpose_configs,
+    failures,
+    other_failures,
+    scatter_gather,
+)
+
+from cases import assert_triples
+
+CONVS = list(conv_configs())
+TRANSPOSED = list(conv_transpose_configs())
+
+
+def _check(results, at_least):
+    for ran, bad in results:
+        assert ran >= at_least, f"only {ran} configurations ran"
+        assert not bad, "\n".join(bad[:20]) + f"\n({len(bad)} mismatches)"
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_conv_height_split_full_matrix(ranks, size):
+    """11 rows over 3 ranks is 4 4 3: a 7-tap dilated kernel reads past the neighbours."""
+    _check(ranks(size).run(failures, "conv", CONVS, (11, 6), timeout=300), 250)
+
+
+@pytest.mark.parametrize(("size", "grid"), [(2, (1, 2)), (3, (1, 3)), (4, (2, 2))])
+def test_conv_width_and_2x2_splits(ranks, size, grid):
+    _check(ranks(size).run(failures, "conv", CONVS[size - 2 :: 3], (9, 11), grid, timeout=300), 80)
+
+
+@pytest.mark.parametrize(
+    ("size", "hw", "grid"),
+    [
+        (3, (37, 5), None),  # uneven: 13 12 12
+        (4, (4, 5), None),  # one-row shards
+        (4, (2, 9), (2, 2)),  # one row and 4-5 columns per rank
+        (4, (3, 5), None),  # rank 3 holds no rows at all
+    ],
+)
+def test_conv_uneven_and_thin_shards(ranks, size, hw, grid):
+    configs = [c for c in CONVS if c["kernel_size"] in (3, 4, 7) and c["groups"] == 1]
+    _check(ranks(size).run(failures, "conv", configs, hw, grid, timeout=300), 20)
+
+
+@pytest.mark.parametrize(("size", "grid"), [(1, None), (2, None), (3, None), (4, (2, 2))])
+def test_conv_transpose(ranks, size, grid):
+    configs = TRANSPOSED if size in (1, 2) else TRANSPOSED[::3]
+    hw = (1, 1) if size == 1 else (5, 7)
+    _check(ranks(size).run(failures, "convT", configs, hw, grid, timeout=300), 50)
+
+
+def test_dcgan_first_layer_from_one_pixel(ranks):
+    """The DCGAN generator starts from 1x1 noise: rank 1 holds no rows and fetches them."""
+    configs = [dict(kernel_size=4, stride=1, padding=0)]
+    _check(ranks(2).run(failures, "convT", configs, (1, 1)), 1)
+
+
+@pytest.mark.parametrize(
+    ("size", "hw", "grid"),
+    [
+        (1, (9, 7), None),
+        (2, (9, 7), None),
+        (3, (13, 6), None),
+        (4, (9, 10), (2, 2)),
+        (4, (5, 9), (1, 4)),
+    ],
+)
+def test_pooling_upsampling(ranks, size, hw, grid):
+    _check(ranks(size).run(other_failures, hw, grid), 13)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_convolving_blocks_without_halo_does_not_match(ranks, size):
+    """Negative control: each rank convolving its block alone, zero-padded at its edges."""
+    configs = [dict(kernel_size=3, padding=1)]
+    for ran, bad in ranks(size).run(failures, "conv", configs, (8, 5), no_halo=True):
+        assert ran == 1 and any("output" in b for b in bad)
+
+
+def test_grid_must_match_the_communicator(ranks):
+    for message in ranks(2).run(bad_grid):
+        assert "spatial grid 3 x 1 does not match a communicator of 2 ranks" in message
+
+
+def test_blocks_must_be_tensor_split(ranks):
+    for message in ranks(3).run(bad_layout):
+        assert "not the tensor_split layout" in message and "pk.spatial.scatter" in message
+
+
+@pytest.mark.parametrize(("size", "grid"), [(1, None), (3, None), (4, (2, 2)), (2, (1, 2))])
+def test_scatter_gather(ranks, size, grid):
+    for triples in ranks(size).run(scatter_gather, grid):
+        assert_triples(triples)
