@@ -53,6 +53,10 @@ CASES: dict[str, dict] = {
     ),
     "height split": dict(features=(3, 9, 4), batches="equal", split="height", steps=2),
     "height split, 1 image": dict(features=(2, 7, 3), batches="one image", split="height"),
+    # Spatial parallelism: the layer itself sums the parameter-gradient shares over the ranks.
+    "height split, grad_comm": dict(
+        features=(3, 9, 4), batches="equal", split="height", grad_comm=True
+    ),
 }
 TOLERANCE = {torch.bfloat16: dict(rtol=2e-2, atol=2e-2), torch.float16: dict(rtol=2e-3, atol=2e-3)}
 
@@ -82,7 +86,12 @@ def parity(comm: Communicator, name: str, per_rank: bool = False) -> list[Triple
         with torch.no_grad():
             dense.weight.uniform_(0.5, 1.5)
             dense.bias.uniform_(-1, 1)
-    sync = SyncBatchNorm(c, **kwargs, comm=LocalCommunicator() if per_rank else comm)
+    sync = SyncBatchNorm(
+        c,
+        **kwargs,
+        comm=LocalCommunicator() if per_rank else comm,
+        grad_comm=comm if spec.get("grad_comm") else None,
+    )
     sync.load_state_dict(dense.state_dict())
     sync.to(dtype if dtype.itemsize > 4 else None)
 
@@ -109,11 +118,15 @@ def parity(comm: Communicator, name: str, per_rank: bool = False) -> list[Triple
             triples.append((f"{at} output format", _is(y_mine, fmt), torch.tensor(True)))
         if dense.affine:
             for p, q in ((sync.weight, dense.weight), (sync.bias, dense.bias)):
-                triples.append((f"{at} param grad", comm.all_reduce(p.grad), q.grad))
+                summed = p.grad if spec.get("grad_comm") else comm.all_reduce(p.grad)
+                triples.append((f"{at} param grad", summed, q.grad))
                 p.grad, q.grad = None, None
         if dense.track_running_stats:
             for buf in ("running_mean", "running_var", "num_batches_tracked"):
-                triples.append((f"{at} {buf}", getattr(sync, buf), getattr(dense, buf)))
+                # Clone: the next step updates the buffers in place.
+                triples.append(
+                    (f"{at} {buf}", getattr(sync, buf).clone(), getattr(dense, buf).clone())
+                )
     if spec.get("eval_after"):
         dense.eval()
         sync.eval()

@@ -7,6 +7,8 @@ test_functional.py (gather_rows)."""
 from __future__ import annotations
 
 import pytest
+
+from cases import assert_triples
 from spatial_cases import (
     bad_grid,
     bad_layout,
@@ -16,8 +18,6 @@ from spatial_cases import (
     other_failures,
     scatter_gather,
 )
-
-from cases import assert_triples
 
 CONVS = list(conv_configs())
 TRANSPOSED = list(conv_transpose_configs())

@@ -3,6 +3,28 @@
 Each layer gives the dense layer's result on the whole batch or image (see DESIGN.md).
 """
 
+from parallelkit.nn.channel_parallel import ChannelParallelConv2d
+from parallelkit.nn.channel_transposed import ChannelParallelConvTranspose2d
+from parallelkit.nn.parallel_conv import ParallelConv2d
+from parallelkit.nn.spatial_parallel import SpatialConvTranspose2d, SpatialParallelConv2d
+from parallelkit.nn.spatial_pooling import (
+    SpatialAvgPool2d,
+    SpatialGlobalAvgPool2d,
+    SpatialMaxPool2d,
+    SpatialUpsample,
+)
 from parallelkit.nn.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
-__all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
+__all__ = [
+    "ChannelParallelConv2d",
+    "ChannelParallelConvTranspose2d",
+    "ParallelConv2d",
+    "SpatialAvgPool2d",
+    "SpatialConvTranspose2d",
+    "SpatialGlobalAvgPool2d",
+    "SpatialMaxPool2d",
+    "SpatialParallelConv2d",
+    "SpatialUpsample",
+    "SyncBatchNorm",
+    "convert_sync_batchnorm",
+]

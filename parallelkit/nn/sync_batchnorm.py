@@ -21,6 +21,7 @@ from torch.autograd import Function
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
+import parallelkit.functional as pkf
 from parallelkit.comm import Communicator, world
 
 _DENSE = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
@@ -38,6 +39,11 @@ class SyncBatchNorm(_BatchNorm):
 
     Eval mode with running statistics, and a communicator of one rank, run plain
     ``F.batch_norm`` and communicate nothing.
+
+    ``grad_comm``: when this layer's input is a block of images split over ranks (spatial
+    parallelism) and every rank computes the same loss, each rank's parameter gradient is a
+    share of the dense one; ``grad_comm`` (the ranks holding blocks of the same images) sums
+    the shares, so every rank holds the dense gradient after backward.
     """
 
     def __init__(
@@ -50,9 +56,11 @@ class SyncBatchNorm(_BatchNorm):
         comm: Communicator | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        *,
+        grad_comm: Communicator | None = None,
     ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
-        self.comm = comm
+        self.comm, self.grad_comm = comm, grad_comm
 
     def _check_input_dim(self, x: torch.Tensor) -> None:
         if x.dim() < 2:
@@ -74,13 +82,19 @@ class SyncBatchNorm(_BatchNorm):
                 factor = 1.0 / float(self.num_batches_tracked)
         batch_stats = self.training or self.running_mean is None
         comm = self.comm if self.comm is not None else world()
+        weight, bias = self.weight, self.bias
+        if self.grad_comm is not None and weight is not None:
+            weight, bias = (
+                pkf.copy_to_group(weight, self.grad_comm),
+                pkf.copy_to_group(bias, self.grad_comm),
+            )
         if not batch_stats or comm.size == 1:
             return F.batch_norm(
                 x,
                 self.running_mean if not self.training or self.track_running_stats else None,
                 self.running_var if not self.training or self.track_running_stats else None,
-                self.weight,
-                self.bias,
+                weight,
+                bias,
                 batch_stats,
                 factor,
                 self.eps,
@@ -88,8 +102,8 @@ class SyncBatchNorm(_BatchNorm):
         running = self.training and self.track_running_stats
         return _SyncBatchNorm.apply(
             x,
-            self.weight,
-            self.bias,
+            weight,
+            bias,
             self.running_mean if running else None,
             self.running_var if running else None,
             factor,
@@ -111,7 +125,13 @@ class SyncBatchNorm(_BatchNorm):
         return _copy_state(self, dense)
 
     @classmethod
-    def from_dense(cls, dense: _BatchNorm, comm: Communicator | None = None) -> SyncBatchNorm:
+    def from_dense(
+        cls,
+        dense: _BatchNorm,
+        comm: Communicator | None = None,
+        *,
+        grad_comm: Communicator | None = None,
+    ) -> SyncBatchNorm:
         """A SyncBatchNorm holding ``dense``'s parameters, buffers and training mode."""
         sync = cls(
             dense.num_features,
@@ -120,6 +140,7 @@ class SyncBatchNorm(_BatchNorm):
             dense.affine,
             dense.track_running_stats,
             comm,
+            grad_comm=grad_comm,
         )
         sync._input_dim = _dense_input_dim(dense)
         return _copy_state(dense, sync)

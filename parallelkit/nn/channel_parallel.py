@@ -1,0 +1,453 @@
+"""A dense 2-D convolution whose channels are split over the ranks of a communicator.
+
+``ChannelParallelConv2d`` computes exactly what ``torch.nn.Conv2d`` computes, with each rank
+holding one block of the weight. It is a dense convolution: every output channel still sums
+over every input channel. (Running a grouped convolution with ``groups=comm.size`` instead,
+each rank convolving its own input block into its own output block, drops all the cross-block
+terms; it is a different, smaller model, and the tests check that it does not match.)
+
+Two ways to split, both exact:
+
+``split="out"``: rank r owns the output channels ``out_sizes[r]`` and sees every input channel.
+    Each rank computes its block of the output from the whole input; the blocks are gathered.
+    The input gradient is a sum over ranks of partial gradients (each from its own output
+    channels), hence an all-reduce. Bias: sharded like the output channels.
+``split="in"``: rank r owns the input channels ``in_sizes[r]`` and produces all output channels.
+    Each rank convolves its input block into a partial output; the partial outputs are summed
+    (all-reduce). Each rank's input gradient is exact for its own block; they are gathered.
+    Bias: replicated (added once, after the sum), with the full gradient on every rank.
+
+Blocks follow ``torch.tensor_split`` (``tensor_split_sizes``: the first blocks one larger). With
+``groups > 1`` a rank owns whole groups (``tensor_split`` of the groups, times the channels per
+group), which makes its input and output blocks one self-contained grouped convolution: no
+partial sums exist, and the two modes differ only in the bias and in their options.
+
+Legend: N batch, C / C' input / output channels, H W / H' W' input / output size, r this rank,
+c = in_sizes[r], c' = out_sizes[r]; "replicated" = the same tensor on every rank; every rank
+computes the same loss from a replicated output, so it holds the whole gradient of it; a shard
+(``_shard``) gets the gradient of its own block only. The collectives are the autograd pairs of
+``parallelkit.functional``:
+
+    split="out"    forward                          backward
+    x (N,C,H,W)    copy_to_group: identity          all-reduce of the partial input grads
+      conv W_r b_r (N,c',H',W')  weight (c',C/groups,kh,kw), bias (c',)
+    y (N,C',H',W') gather_from_group: all-gather    keep own block (dy is replicated)
+      gather_output=False: return y_shard (N,c',H',W'), no all-gather, dy_shard expected
+      input_is_split=True: x_shard (N,c,H,W) -> all_gather (bwd: reduce-scatter) -> x
+
+    split="in"     forward                          backward
+    x (N,C,H,W)    scatter_to_group: own block      all-gather of the block gradients
+      conv W_r     (N,C',H',W') partial sum         weight (C',c,kh,kw), no bias
+    y (N,C',H',W') reduce_from_group: all-reduce    identity (dy is replicated)
+      + bias       (C',) replicated                 full bias gradient on every rank
+      input_is_split=True: start from x_shard (N,c,H,W): no scatter, the shard's gradient
+      scatter_output=True: reduce_scatter -> y_shard (N,c',H',W') (bwd: all-gather of the
+          shard gradients) + bias[block r] through scatter_to_group (bwd: all-gather)
+
+Each layer issues one collective forward and one backward, except ``scatter_output``, whose
+backward all-gathers three gradients: the output's (the reduce-scatter's adjoint), the input's,
+and the bias's (a small one; none without bias). ``gather_output=False`` has none forward.
+Chaining ``split="out", gather_output=False`` into ``split="in", input_is_split=True`` (with
+anything channel-wise in between: ReLU, a depthwise convolution) runs two convolutions on one
+all-reduce forward and one backward. Volumes per rank, in units of (R-1)/R of a tensor (ring
+algorithms): "out" moves y forward and 2x backward (all-reduce), "in" moves 2y forward and x
+backward, so "out" is cheaper when the output is the larger tensor (channel expansion), "in"
+when the input is (channel reduction, stride 2).
+
+Why ``scatter_output`` stays exact: the reduce-scatter's adjoint is an all-gather, which is
+right when each rank holds the gradient of its own shard and only that (the shard convention
+that ``gather_output=False`` also follows): after the all-gather every rank holds the whole
+output gradient, which is what its partial convolution needs. A consumer that turns the shard
+back into a replicated tensor must therefore use ``gather_from_group`` (which keeps its own
+block in backward), not ``all_gather``. The replicated bias is added by block through
+``scatter_to_group``, whose backward all-gathers the block gradients, so every rank again holds
+the whole bias gradient, as with ``reduce_from_group``.
+
+Every padding of ``nn.Conv2d`` works: ints, tuples, "valid", "same" (stride 1), and padding
+modes "zeros", "reflect", "replicate", "circular": the image is never split, so padding stays a
+local, per-channel operation. Bad arguments raise ``ValueError`` at construction, and bad inputs
+before the first collective, the same way on every rank (for a replicated input, whose shape
+every rank sees). A shard passed with ``input_is_split`` is checked on its own rank only; in
+debug mode (``comm.debug``) the ranks first exchange their shard sizes so that all raise alike.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.utils import _pair, _reverse_repeat_tuple
+
+import parallelkit.functional as pkf
+from parallelkit.comm import Communicator, tensor_split_sizes, world
+
+PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
+SPLITS = ("out", "in")
+
+
+class ChannelParallelConv2d(nn.Module):
+    """``torch.nn.Conv2d`` with its channels split over the ranks of ``comm`` (exact, dense).
+
+    Takes ``nn.Conv2d``'s arguments plus:
+        comm: the channel-parallel group (``None``: the world communicator of ``pk.init()``).
+        split: "out" (each rank owns output channels) or "in" (input channels); see the module
+            docstring for the collectives and which one suits which layer.
+        gather_output: "out" only; False returns this rank's output channels (N, c', H', W').
+        input_is_split: take this rank's input channels (N, c, H, W) instead of the whole input.
+        scatter_output: "in" only; True returns this rank's output channels, reduce-scattered.
+
+    ``in_sizes`` / ``out_sizes`` list every rank's input / output channel block (the layout of
+    split inputs and outputs); ``split_output`` says whether the output is such a block.
+    Every rank must construct the layer: with ``split="in"`` the replicated bias is broadcast
+    from rank 0, so that ranks seeded differently agree. Weights are drawn as ``nn.Conv2d``
+    draws them (the whole weight, then this rank's block is kept), so under the same random
+    state the layer holds the shard of the ``nn.Conv2d`` it replaces.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | tuple[int, int],
+        stride: int | tuple[int, int] = 1,
+        padding: str | int | tuple[int, int] = 0,
+        dilation: int | tuple[int, int] = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        comm: Communicator | None = None,
+        split: str = "out",
+        gather_output: bool = True,
+        input_is_split: bool = False,
+        scatter_output: bool = False,
+    ) -> None:
+        super().__init__()
+        self.comm = comm if comm is not None else world()
+        self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
+        self.kernel_size, self.stride = _pair(kernel_size), _pair(stride)
+        self.dilation = _pair(dilation)
+        self.padding = padding if isinstance(padding, str) else _pair(padding)
+        self.padding_mode, self.split = padding_mode, split
+        self.gather_output, self.input_is_split = gather_output, input_is_split
+        self.scatter_output = scatter_output
+        # The output is this rank's block of the output channels, not the whole output.
+        self.split_output = not gather_output or scatter_output
+        self._check_arguments()
+        self._pad = _reversed_padding(self.padding, self.kernel_size, self.dilation)
+
+        size, rank = self.comm.size, self.comm.rank
+        if groups > 1:  # whole groups per rank
+            self.group_sizes = tensor_split_sizes(groups, size)
+            self.in_sizes = [g * (in_channels // groups) for g in self.group_sizes]
+            self.out_sizes = [g * (out_channels // groups) for g in self.group_sizes]
+        else:
+            self.group_sizes = [1] * size
+            self.in_sizes = tensor_split_sizes(in_channels, size)
+            self.out_sizes = tensor_split_sizes(out_channels, size)
+        self.in_start = sum(self.in_sizes[:rank])
+        self.out_start = sum(self.out_sizes[:rank])
+
+        factory = dict(device=device, dtype=dtype)
+        if split == "in" and groups == 1:
+            shape = (out_channels, self.in_sizes[rank], *self.kernel_size)
+        else:
+            shape = (self.out_sizes[rank], in_channels // groups, *self.kernel_size)
+        self.weight = nn.Parameter(torch.empty(shape, **factory))
+        if bias:
+            n = out_channels if split == "in" else self.out_sizes[rank]
+            self.bias = nn.Parameter(torch.empty(n, **factory))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------ parameters
+    def _weight_block(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's block of a dense weight (C', C/groups, kh, kw)."""
+        rank = self.comm.rank
+        if self.split == "in" and self.groups == 1:
+            return full.narrow(1, self.in_start, self.in_sizes[rank])
+        return full.narrow(0, self.out_start, self.out_sizes[rank])
+
+    def _bias_block(self, full: torch.Tensor) -> torch.Tensor:
+        if self.split == "in":
+            return full
+        return full.narrow(0, self.out_start, self.out_sizes[self.comm.rank])
+
+    def reset_parameters(self) -> None:
+        """``nn.Conv2d``'s initialization of the whole weight; this rank keeps its block."""
+        w = self.weight
+        shape = (self.out_channels, self.in_channels // self.groups, *self.kernel_size)
+        full = torch.empty(shape, dtype=w.dtype, device=w.device)
+        nn.init.kaiming_uniform_(full, a=math.sqrt(5))
+        with torch.no_grad():
+            w.copy_(self._weight_block(full))
+            if self.bias is not None:
+                fan_in = full[0].numel()
+                full_bias = torch.empty(self.out_channels, dtype=w.dtype, device=w.device)
+                nn.init.uniform_(full_bias, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
+                self.bias.copy_(self._bias_block(full_bias))
+                if self.split == "in" and self.comm.size > 1 and w.device.type != "meta":
+                    self.comm.broadcast(self.bias.data, src=0, out=self.bias.data)
+
+    @classmethod
+    def from_dense(
+        cls, dense: nn.Conv2d, comm: Communicator | None = None, **kw
+    ) -> ChannelParallelConv2d:
+        """A layer holding this rank's block of ``dense``'s weight and bias (copies).
+
+        ``kw``: ``split``, ``gather_output``, ``input_is_split``, ``scatter_output``.
+        Every rank must pass the same ``dense``.
+        """
+        if not isinstance(dense, nn.Conv2d):
+            raise ValueError(
+                f"ChannelParallelConv2d.from_dense: expected an nn.Conv2d, got {type(dense)}"
+            )
+        layer = cls(
+            dense.in_channels,
+            dense.out_channels,
+            dense.kernel_size,
+            dense.stride,
+            dense.padding,
+            dense.dilation,
+            dense.groups,
+            dense.bias is not None,
+            dense.padding_mode,
+            device="meta",
+            dtype=dense.weight.dtype,
+            comm=comm,
+            **kw,
+        )
+        weight = layer._weight_block(dense.weight.detach()).clone(
+            memory_format=torch.contiguous_format
+        )
+        layer.weight = nn.Parameter(weight, requires_grad=dense.weight.requires_grad)
+        if dense.bias is not None:
+            bias = layer._bias_block(dense.bias.detach()).clone()
+            layer.bias = nn.Parameter(bias, requires_grad=dense.bias.requires_grad)
+        return layer.train(dense.training)
+
+    def to_dense(self) -> nn.Conv2d:
+        """The equivalent ``nn.Conv2d``, its weight gathered from every rank (call it on all)."""
+        w = self.weight.detach()
+        dense = nn.Conv2d(
+            self.in_channels,
+            self.out_channels,
+            self.kernel_size,
+            self.stride,
+            self.padding,
+            self.dilation,
+            self.groups,
+            self.bias is not None,
+            self.padding_mode,
+            device=w.device,
+            dtype=w.dtype,
+        )
+        if self.split == "in" and self.groups == 1:
+            full = self.comm.all_gather(w, 1, self.in_sizes)
+        else:
+            full = self.comm.all_gather(w, 0, self.out_sizes)
+        with torch.no_grad():
+            dense.weight.copy_(full)
+            if self.bias is not None:
+                b = self.bias.detach()
+                dense.bias.copy_(
+                    b if self.split == "in" else self.comm.all_gather(b, 0, self.out_sizes)
+                )
+        return dense.train(self.training)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        if self.groups > 1:
+            return self._forward_groups(x)
+        return self._forward_out(x) if self.split == "out" else self._forward_in(x)
+
+    def _forward_out(self, x: torch.Tensor) -> torch.Tensor:
+        """split="out": whole input, this rank's output channels."""
+        if self.input_is_split:  # x_shard (N, c, H, W); backward reduce-scatters
+            x = pkf.all_gather(x, self.comm, 1, self.in_sizes)
+        else:  # replicated x; backward sums the partial input gradients
+            x = pkf.copy_to_group(x, self.comm)
+        y_shard = self._conv(x, self.bias, 1)  # (N, c', H', W')
+        if not self.gather_output:
+            return y_shard
+        return pkf.gather_from_group(y_shard, self.comm, 1, self.out_sizes)
+
+    def _forward_in(self, x: torch.Tensor) -> torch.Tensor:
+        """split="in": this rank's input channels, a partial sum of every output channel."""
+        x_shard = x if self.input_is_split else self._scatter_input(x)
+        partial = self._conv(x_shard, None, 1)  # (N, C', H', W'), this rank's share of the sum
+        if not self.scatter_output:
+            return _add_bias(pkf.reduce_from_group(partial, self.comm), self.bias)
+        y_shard = pkf.reduce_scatter(partial, self.comm, 1, self.out_sizes)  # (N, c', H', W')
+        return _add_bias(y_shard, self._bias_shard())
+
+    def _forward_groups(self, x: torch.Tensor) -> torch.Tensor:
+        """groups > 1: this rank's whole groups form a grouped convolution of their own."""
+        x_shard = x if self.input_is_split else self._scatter_input(x)
+        if self.split == "out":
+            bias = self.bias
+        else:  # the replicated bias goes after the gather, or by block onto the shard
+            bias = self._bias_shard() if self.split_output else None
+        y_shard = self._conv(x_shard, bias, self.group_sizes[self.comm.rank])
+        if self.split_output:
+            return y_shard
+        y = pkf.gather_from_group(y_shard, self.comm, 1, self.out_sizes)
+        return y if self.split == "out" else _add_bias(y, self.bias)
+
+    def _scatter_input(self, x: torch.Tensor) -> torch.Tensor:
+        return pkf.scatter_to_group(x, self.comm, 1, self.in_sizes)
+
+    def _conv(self, x: torch.Tensor, bias: torch.Tensor | None, groups: int) -> torch.Tensor:
+        if self.padding_mode != "zeros":
+            x = F.pad(x, self._pad, mode=self.padding_mode)
+            return F.conv2d(x, self.weight, bias, self.stride, 0, self.dilation, groups)
+        return F.conv2d(x, self.weight, bias, self.stride, self.padding, self.dilation, groups)
+
+    def _bias_shard(self) -> torch.Tensor | None:
+        """This rank's block of the replicated bias; backward all-gathers the block gradients,
+        so every rank holds the whole bias gradient."""
+        if self.bias is None:
+            return None
+        return pkf.scatter_to_group(self.bias, self.comm, 0, self.out_sizes)
+
+    # ------------------------------------------------------------------ checks
+    def _name(self) -> str:
+        return (
+            f"ChannelParallelConv2d({self.in_channels}, {self.out_channels}, "
+            f"kernel_size={self.kernel_size}, groups={self.groups}, split={self.split!r})"
+        )
+
+    def _check_arguments(self) -> None:
+        """User mistakes in the arguments; the same on every rank (they depend on comm.size)."""
+        name, size = self._name(), self.comm.size
+        c_in, c_out, groups = self.in_channels, self.out_channels, self.groups
+        if self.split not in SPLITS:
+            raise ValueError(f"{name}: split must be one of {SPLITS}, got {self.split!r}")
+        if min(c_in, c_out, groups) < 1 or c_in % groups or c_out % groups:
+            raise ValueError(
+                f"{name}: in_channels and out_channels must be positive multiples of groups"
+            )
+        if self.padding_mode not in PADDING_MODES:
+            raise ValueError(
+                f"{name}: padding_mode must be one of {PADDING_MODES}, got {self.padding_mode!r}"
+            )
+        if isinstance(self.padding, str):
+            if self.padding not in ("same", "valid"):
+                raise ValueError(
+                    f"{name}: padding must be 'same', 'valid' or ints, got {self.padding!r}"
+                )
+            if self.padding == "same" and self.stride != (1, 1):
+                raise ValueError(f"{name}: padding='same' needs stride 1, got {self.stride}")
+        elif min(self.padding) < 0:
+            raise ValueError(f"{name}: padding must be >= 0, got {self.padding}")
+        if min(*self.kernel_size, *self.stride, *self.dilation) < 1:
+            raise ValueError(f"{name}: kernel_size, stride and dilation must be >= 1")
+        if self.split == "in" and not self.gather_output:
+            raise ValueError(f"{name}: gather_output is for split='out'; use scatter_output=True")
+        if self.split == "out" and self.scatter_output:
+            raise ValueError(f"{name}: scatter_output is for split='in'; use gather_output=False")
+        if groups > 1:
+            if groups < size:
+                raise ValueError(
+                    f"{name}: {groups} groups cannot be split into whole groups over {size} "
+                    "ranks; use groups=1 (dense), at least as many groups as ranks, or fewer ranks"
+                )
+            return
+        # Which channel counts are split into blocks, each of which must be non-empty.
+        split_in = self.split == "in" or self.input_is_split
+        split_out = self.split == "out" or self.scatter_output
+        for what, n, needed in (("input", c_in, split_in), ("output", c_out, split_out)):
+            if needed and n < size:
+                other = "split='out'" if what == "input" else "split='in'"
+                raise ValueError(
+                    f"{name}: {n} {what} channels cannot be split over {size} ranks (each rank "
+                    f"needs at least one); use {other} without split {what}s, or fewer ranks"
+                )
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        """Input mistakes, raised before any collective."""
+        name = self._name()
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name}: expected an (N, C, H, W) input, got {shape}")
+        if self.input_is_split:
+            self._check_shard(x)
+        elif x.shape[1] != self.in_channels:
+            raise ValueError(
+                f"{name}: expected {self.in_channels} input channels (the whole, replicated "
+                f"input; channels are dim 1), got shape {tuple(x.shape)}"
+            )
+        for d, n in enumerate(x.shape[2:]):
+            reach = self.dilation[d] * (self.kernel_size[d] - 1) + 1
+            padded = n + self._pad[2 * (1 - d)] + self._pad[2 * (1 - d) + 1]
+            if padded < reach:
+                raise ValueError(
+                    f"{name}: input {tuple(x.shape)} is {padded} wide along dim {d + 2} after "
+                    f"padding, smaller than the dilated kernel ({reach}); use a larger input"
+                )
+
+    def _check_shard(self, x: torch.Tensor) -> None:
+        """A split input holds this rank's channel block. In debug mode the ranks exchange
+        their block sizes first, so that all of them raise the same error."""
+        rank, size = self.comm.rank, self.comm.size
+        if self.comm.debug and size > 1:
+            got = self.comm.all_gather(torch.tensor([x.shape[1]]), 0, [1] * size).tolist()
+            bad = [r for r in range(size) if got[r] != self.in_sizes[r]]
+            seen = f"got {got} channels (wrong on ranks {bad})"
+        else:
+            bad = [] if x.shape[1] == self.in_sizes[rank] else [rank]
+            seen = f"rank {rank} got {x.shape[1]} channels (shape {tuple(x.shape)})"
+        if bad:
+            raise ValueError(
+                f"{self._name()}: with input_is_split each rank takes its block of the "
+                f"{self.in_channels} input channels, {self.in_sizes} over the ranks; {seen}; "
+                "split the channels like this layer's in_sizes"
+            )
+
+    def extra_repr(self) -> str:
+        s = (
+            f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+            f"stride={self.stride}, padding={self.padding}"
+        )
+        if self.dilation != (1, 1):
+            s += f", dilation={self.dilation}"
+        if self.groups != 1:
+            s += f", groups={self.groups}"
+        if self.bias is None:
+            s += ", bias=False"
+        if self.padding_mode != "zeros":
+            s += f", padding_mode={self.padding_mode!r}"
+        s += f", split={self.split!r}, comm={self.comm!r}"
+        for flag, default in (
+            ("gather_output", True),
+            ("input_is_split", False),
+            ("scatter_output", False),
+        ):
+            if getattr(self, flag) != default:
+                s += f", {flag}={getattr(self, flag)}"
+        return s
+
+
+def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y + bias.view(1, -1, 1, 1)
+
+
+def _reversed_padding(
+    padding: str | tuple[int, int], kernel_size: tuple[int, int], dilation: tuple[int, int]
+) -> list[int]:
+    """F.pad's (left, right, top, bottom) for a padding, as ``nn.Conv2d`` computes it."""
+    if padding == "valid":
+        return [0, 0, 0, 0]
+    if padding == "same":
+        pad = [0, 0, 0, 0]
+        for d in range(2):  # F.pad lists the last dim first
+            total = dilation[d] * (kernel_size[d] - 1)
+            pad[2 * (1 - d)], pad[2 * (1 - d) + 1] = total // 2, total - total // 2
+        return pad
+    return list(_reverse_repeat_tuple(padding, 2))

@@ -1,0 +1,88 @@
+"""``ParallelConv2d``: a drop-in ``nn.Conv2d`` that runs split over ranks, whole tensors in
+and out.
+
+It takes and returns the same (replicated) tensors an ``nn.Conv2d`` would, so it can replace
+one convolution in any model; inside, ``mode="channel"`` splits the output channels
+(:class:`ChannelParallelConv2d`), ``mode="spatial"`` scatters the image into blocks over a grid,
+convolves with halos (:class:`SpatialParallelConv2d`) and gathers the output. For chains of
+layers that keep tensors split between them use those layers directly, or ``pk.parallelize``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from parallelkit.comm import Communicator
+from parallelkit.nn.channel_parallel import ChannelParallelConv2d
+from parallelkit.nn.spatial_parallel import SpatialParallelConv2d
+from parallelkit.spatial.grid import gather, scatter
+
+MODES = ("channel", "spatial")
+
+
+class ParallelConv2d(nn.Module):
+    """``nn.Conv2d(...)`` plus ``comm`` and ``mode`` ("channel" | "spatial"; ``grid`` for
+    spatial); whole replicated tensors in and out, exactly the dense result."""
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | Sequence[int],
+        stride: int | Sequence[int] = 1,
+        padding: int | str | Sequence[int] = 0,
+        dilation: int | Sequence[int] = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        device=None,
+        dtype=None,
+        *,
+        comm: Communicator,
+        mode: str = "channel",
+        grid: Sequence[int] | None = None,
+    ) -> None:
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"ParallelConv2d: mode must be one of {MODES}, got {mode!r}")
+        self.mode, self.comm, self.grid = mode, comm, grid
+        args = (in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias)
+        if mode == "channel":
+            self.conv: nn.Module = ChannelParallelConv2d(
+                *args, padding_mode, device, dtype, comm=comm
+            )
+        else:
+            self.conv = SpatialParallelConv2d(
+                *args, padding_mode, device, dtype, comm=comm, grid=grid
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "channel":
+            return self.conv(x)
+        return gather(self.conv(scatter(x, self.comm, self.grid)), self.comm, self.grid)
+
+    @classmethod
+    def from_dense(
+        cls,
+        conv: nn.Conv2d,
+        comm: Communicator,
+        mode: str = "channel",
+        grid: Sequence[int] | None = None,
+    ) -> ParallelConv2d:
+        """A drop-in layer holding ``conv``'s weights (channel: this rank's block)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        if mode not in MODES:
+            raise ValueError(f"ParallelConv2d: mode must be one of {MODES}, got {mode!r}")
+        layer.mode, layer.comm, layer.grid = mode, comm, grid
+        if mode == "channel":
+            layer.conv = ChannelParallelConv2d.from_dense(conv, comm)
+        else:
+            layer.conv = SpatialParallelConv2d.from_dense(conv, comm, grid)
+        return layer
+
+    def to_dense(self) -> nn.Conv2d:
+        return self.conv.to_dense()

@@ -1,0 +1,214 @@
+"""``pk.parallelize``: swap parallel layers into an unchanged model; ``pk.to_dense`` undoes it.
+
+The model keeps its module tree and parameter names; only leaf layers are replaced, by
+parallel layers holding the same parameter tensors. In order:
+
+1. spatial: every Conv2d / ConvTranspose2d / MaxPool2d / AvgPool2d / Upsample becomes its
+   spatial version over the grid's spatial group, AdaptiveAvgPool2d(1) the global pool that
+   ends the spatial region, and the model is wrapped so that its input is scattered into
+   blocks and (unless a global pool already made it whole) its output gathered again.
+   channel: every Conv2d (ConvTranspose2d) becomes a ChannelParallelConv2d
+   (ChannelParallelConvTranspose2d) over the channel group, taking and returning whole tensors:
+   split by output channels, or by input channels where there are fewer output channels than
+   ranks (a layer with too few of both stays dense).
+2. BatchNorm becomes SyncBatchNorm over the ranks that hold parts of the same batch of images
+   (data x spatial); under spatial parallelism its parameter gradients are summed over the
+   spatial group, like the convolutions' are.
+3. With a data dimension, DataParallel over the data group averages the gradients.
+
+Every rank passes the same whole input and gets the same whole output (or the loss computed
+from it), as from the dense model. Layers named in ``keep_dense`` run on whole (gathered)
+tensors instead (under channel parallelism: stay dense), e.g. a discriminator's last 4x4
+convolution.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from parallelkit.comm import Communicator
+from parallelkit.nn import spatial_parallel as sp
+from parallelkit.nn import spatial_pooling as spool
+from parallelkit.nn.channel_parallel import ChannelParallelConv2d
+from parallelkit.nn.channel_transposed import ChannelParallelConvTranspose2d
+from parallelkit.nn.sync_batchnorm import SyncBatchNorm
+from parallelkit.parallel.data_parallel import DataParallel
+from parallelkit.parallel.grid import Grid
+from parallelkit.spatial.grid import gather, scatter
+
+STRATEGIES = ("data", "spatial", "channel")
+
+
+def parallelize(
+    model: nn.Module,
+    comm: Communicator | Grid,
+    strategy: str | Grid = "data",
+    *,
+    keep_dense: Sequence[str] = (),
+    **data_parallel_kwargs,
+) -> nn.Module:
+    """``model`` with its layers swapped for parallel ones (see the module docstring).
+
+    comm: a communicator (the whole of it does ``strategy``) or a :class:`Grid`.
+    strategy: "data" | "spatial" | "channel", or a Grid (its model-parallel dimension picks the
+        strategy, and its data dimension adds data parallelism).
+    keep_dense: names of modules to run on whole tensors under spatial parallelism.
+    data_parallel_kwargs: passed to DataParallel when there is a data dimension.
+    """
+    grid = _grid(comm, strategy)
+    if isinstance(strategy, Grid):
+        strategy = (
+            "spatial" if grid.rows * grid.cols > 1 else "channel" if grid.channel > 1 else "data"
+        )
+    if strategy not in STRATEGIES:
+        raise ValueError(
+            f"parallelize: strategy must be one of {STRATEGIES} or a Grid, got {strategy!r}"
+        )
+    if strategy == "data" and grid.rows * grid.cols * grid.channel > 1:
+        raise ValueError(f"parallelize: strategy 'data' with a model-parallel grid {grid}")
+    if grid.rows * grid.cols > 1 and grid.channel > 1:
+        raise ValueError("parallelize: spatial and channel parallelism together are not supported")
+
+    names = dict(model.named_modules())
+    if unknown := sorted(set(keep_dense) - set(names)):
+        raise ValueError(f"parallelize: keep_dense names unknown modules {unknown}")
+    if strategy == "spatial":
+        for name in keep_dense:
+            _replace(model, name, _OnWholeImage(names[name], grid.spatial_comm, grid.spatial))
+        _swap(model, lambda m: _spatial_layer(m, grid), skip=keep_dense)
+    elif strategy == "channel":
+        _swap(model, lambda m: _channel_layer(m, grid.channel_comm), skip=keep_dense)
+    spatial_grad = grid.spatial_comm if strategy == "spatial" else None
+    _swap(model, lambda m: SyncBatchNorm.from_dense(m, grid.batch_comm, grad_comm=spatial_grad)
+          if isinstance(m, nn.modules.batchnorm._BatchNorm) else None)  # fmt: skip
+    if strategy == "spatial":
+        model = SpatialRegion(model, grid.spatial_comm, grid.spatial)
+    if grid.data > 1:
+        model = DataParallel(model, grid.data_comm, **data_parallel_kwargs)
+    return model
+
+
+class SpatialRegion(nn.Module):
+    """Scatter the whole input into this rank's block, run the model, gather the output.
+
+    A global average pool ends the region inside the model (its output is already whole on
+    every rank); then the output is returned as is.
+    """
+
+    def __init__(self, module: nn.Module, comm: Communicator, grid: tuple[int, int]) -> None:
+        super().__init__()
+        self.module, self.comm, self.grid = module, comm, grid
+        self._ended = False
+        for m in module.modules():
+            if isinstance(m, spool.SpatialGlobalAvgPool2d | _OnWholeImage):
+                m.register_forward_hook(self._mark_ended)
+
+    def _mark_ended(self, *_) -> None:
+        self._ended = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._ended = False
+        y = self.module(scatter(x, self.comm, self.grid))
+        return y if self._ended else gather(y, self.comm, self.grid)
+
+
+class _OnWholeImage(nn.Module):
+    """Runs a dense module on the whole tensor gathered from the blocks. Its output is whole
+    on every rank, so it ends the spatial region: use it for the tail of a network."""
+
+    def __init__(self, module: nn.Module, comm: Communicator, grid: tuple[int, int]) -> None:
+        super().__init__()
+        self.module, self.comm, self.grid = module, comm, grid
+
+    def forward(self, x_blk: torch.Tensor) -> torch.Tensor:
+        return self.module(gather(x_blk, self.comm, self.grid))
+
+    def to_dense(self) -> nn.Module:
+        return self.module
+
+
+def to_dense(model: nn.Module) -> nn.Module:
+    """The original architecture again: same module tree and state_dict keys, holding the
+    current parameters and buffers (the same tensors; ``copy.deepcopy`` the result to detach
+    it). Channel-sharded weights are gathered, so every rank of the group must call this."""
+    while isinstance(model, DataParallel | SpatialRegion):
+        model = model.module
+    if hasattr(model, "to_dense"):
+        return model.to_dense()
+    dense = copy.copy(model)
+    dense._modules = {name: to_dense(child) for name, child in model._modules.items()}
+    return dense
+
+
+# --------------------------------------------------------------------------- swapping
+def _spatial_layer(m: nn.Module, grid: Grid) -> nn.Module | None:
+    comm, shape = grid.spatial_comm, grid.spatial
+    kind = type(m)
+    if kind is nn.Conv2d:
+        return sp.SpatialParallelConv2d.from_dense(m, comm, shape)
+    if kind is nn.ConvTranspose2d:
+        return sp.SpatialConvTranspose2d.from_dense(m, comm, shape)
+    if kind is nn.MaxPool2d:
+        return spool.SpatialMaxPool2d.from_dense(m, comm, shape)
+    if kind is nn.AvgPool2d:
+        return spool.SpatialAvgPool2d.from_dense(m, comm, shape)
+    if kind is nn.Upsample:
+        return spool.SpatialUpsample.from_dense(m, comm, shape)
+    if kind is nn.AdaptiveAvgPool2d:
+        if m.output_size not in (1, (1, 1)):
+            raise ValueError(
+                f"parallelize: AdaptiveAvgPool2d({m.output_size}) under spatial parallelism; "
+                "only output_size=1 (global pooling) is supported"
+            )
+        return spool.SpatialGlobalAvgPool2d(comm=comm)
+    return None
+
+
+def _channel_layer(m: nn.Module, comm: Communicator) -> nn.Module | None:
+    """Split by output channels where there are enough of them, else by input channels; a
+    layer with too few of either stays dense (it runs whole on every rank, exactly)."""
+    kind, n = type(m), comm.size
+    if kind is nn.Conv2d:
+        groups = m.groups
+        if groups == 1 or groups >= n:
+            for split, channels in (("out", m.out_channels), ("in", m.in_channels)):
+                if channels >= n and (groups == 1 or split == "out"):
+                    return ChannelParallelConv2d.from_dense(m, comm, split=split)
+    if kind is nn.ConvTranspose2d and m.groups == 1 and max(m.in_channels, m.out_channels) >= n:
+        return ChannelParallelConvTranspose2d.from_dense(m, comm)
+    return None
+
+
+def _swap(module: nn.Module, make, skip: Sequence[str] = (), prefix: str = "") -> None:
+    for name, child in list(module.named_children()):
+        full = f"{prefix}{name}"
+        if full in skip or isinstance(child, _OnWholeImage):
+            continue
+        new = make(child)
+        if new is not None:
+            setattr(module, name, new)
+        else:
+            _swap(child, make, skip, f"{full}.")
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, new)
+
+
+def _grid(comm: Communicator | Grid, strategy: str | Grid) -> Grid:
+    if isinstance(strategy, Grid):
+        return strategy
+    if isinstance(comm, Grid):
+        return comm
+    n = comm.size
+    shape = {"data": dict(data=n), "spatial": dict(rows=n), "channel": dict(channel=n)}
+    if strategy not in shape:
+        raise ValueError(
+            f"parallelize: strategy must be one of {STRATEGIES} or a Grid, got {strategy!r}"
+        )
+    return Grid(comm, **shape[strategy])

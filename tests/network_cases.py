@@ -1,0 +1,133 @@
+"""Rank-side whole-network cases: a parallelized network against the dense one, over SGD steps.
+
+Every rank builds the same dense network and a copy that ``pk.parallelize`` converts. Each step
+the dense network trains on the whole batch; the parallel one gets the same whole input on
+every rank of a model-parallel group (its data group's slice of the batch when there is a data
+dimension). Triples: the logits and loss every step, every gradient that is whole on this rank
+(replicated parameters), and after every step all parameters and BatchNorm statistics of
+``pk.to_dense(model)``, which gathers sharded weights.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import parallelkit as pk
+from parallelkit.comm import Communicator
+from parallelkit.models import Discriminator, Generator, resnet18
+
+Triple = tuple[str, torch.Tensor, torch.Tensor]
+
+# name -> (build, input shape without batch, loss of (output, target), keep_dense)
+NETWORKS = {
+    "resnet18": (
+        lambda: resnet18(widths=(4, 6, 8, 8), num_classes=5),
+        (3, 32, 32),
+        lambda out, t: F.cross_entropy(out, t % 5, reduction="sum"),
+        (),
+    ),
+    "dcgan generator": (
+        lambda: Generator(nz=6, ngf=4, nc=3, image_size=16),
+        (6, 1, 1),
+        lambda out, t: (out - 0.1 * t.view(-1, 1, 1, 1)).square().sum(),
+        (),
+    ),
+    "dcgan discriminator": (
+        lambda: Discriminator(ndf=4, nc=3, image_size=16),
+        (3, 16, 16),
+        lambda out, t: F.binary_cross_entropy_with_logits(
+            out, (t % 2).to(out.dtype), reduction="sum"
+        ),
+        ("head",),
+    ),
+}
+
+
+def network_parity(
+    comm: Communicator,
+    name: str,
+    strategy: str,
+    grid: dict | None = None,
+    steps: int = 3,
+    batch: int = 4,
+    dtype: torch.dtype = torch.float64,
+) -> list[Triple]:
+    build, shape, loss_fn, keep_dense = NETWORKS[name]
+    torch.manual_seed(0)
+    dense = build().to(dtype)
+    if strategy == "data" and grid is None:
+        grid = dict(data=comm.size)
+    g = pk.Grid(comm, **grid) if grid else None
+    model = pk.parallelize(copy.deepcopy(dense), g or comm, g or strategy, keep_dense=keep_dense)
+    data, d = (g.data, g.coords[0]) if g else (1, 0)
+    rows = torch.arange(batch).tensor_split(data)[d]
+    opt_dense = torch.optim.SGD(dense.parameters(), lr=0.05, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    triples: list[Triple] = []
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(step)
+        x = torch.randn(batch, *shape, generator=gen, dtype=dtype)
+        target = torch.randint(0, 10, (batch,), generator=gen)
+        opt_dense.zero_grad()
+        out = dense(x)
+        loss = loss_fn(out, target) / batch
+        loss.backward()
+        opt.zero_grad()
+        out_mine = model(x[rows])
+        # DataParallel averages over the data group: scale so the mean is the batch's gradient.
+        loss_mine = loss_fn(out_mine, target[rows]) * data / batch
+        loss_mine.backward()
+        at = f"step {step}"
+        triples += [(f"{at} output", out_mine, out.detach()[rows])]
+        if data == 1:
+            triples.append((f"{at} loss", loss_mine.detach(), loss.detach()))
+        triples += _grads(at, model, dense)
+        opt_dense.step()
+        opt.step()
+        now = pk.to_dense(model).state_dict()
+        # Clone: state_dict values share storage with parameters the next step updates.
+        triples += [(f"{at} {k}", now[k].clone(), v.clone()) for k, v in dense.state_dict().items()]
+    return triples
+
+
+def _grads(at: str, model: nn.Module, dense: nn.Module) -> list[Triple]:
+    """Gradients of the parameters this rank holds whole, by their dense name."""
+    wanted = dict(dense.named_parameters())
+    out = []
+    for name, p in model.named_parameters():
+        key = name
+        for prefix in ("module.", "module."):
+            key = key.removeprefix(prefix)
+        key = key.replace(".module.", ".")
+        q = wanted.get(key)
+        if q is not None and p.shape == q.shape and p.grad is not None:
+            out.append((f"{at} {key} grad", p.grad.clone(), q.grad.clone()))
+    return out
+
+
+def drop_in(comm: Communicator, mode: str, grid=None) -> list[Triple]:
+    """One nn.Conv2d inside a dense model replaced by ParallelConv2d: same outputs and grads."""
+    from parallelkit.nn import ParallelConv2d
+
+    torch.manual_seed(0)
+    dense = nn.Sequential(
+        nn.Conv2d(3, 5, 3, padding=1), nn.ReLU(), nn.Conv2d(5, 7, 3, stride=2), nn.Flatten()
+    ).double()
+    model = copy.deepcopy(dense)
+    model[2] = ParallelConv2d.from_dense(model[2], comm, mode, grid)
+    x = torch.randn(2, 3, 11, 9, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y, y_par = dense(x1), model(x2)
+    y.square().sum().backward()
+    y_par.square().sum().backward()
+    return [
+        ("output", y_par, y.detach()),
+        ("input grad", x2.grad, x1.grad),
+        ("first conv grad", model[0].weight.grad, dense[0].weight.grad),
+        ("to_dense", model[2].to_dense().weight.detach(), dense[2].weight.detach()),
+    ]

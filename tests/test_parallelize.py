@@ -1,0 +1,73 @@
+"""Whole networks, parallelized, against the dense network over 3 SGD steps on gloo: a
+ResNet-18-style classifier and a DCGAN generator and discriminator, with spatial (rows, a 2x2
+grid), channel and data parallelism and their mixes with data parallelism on 2-4 ranks. Also
+the grid's validation and ``to_dense`` round trips."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import parallelkit as pk
+from parallelkit.comm.local import LocalCommunicator
+
+from cases import assert_triples
+from network_cases import NETWORKS, drop_in, network_parity
+
+
+@pytest.mark.parametrize("name", list(NETWORKS))
+@pytest.mark.parametrize("strategy", ["spatial", "channel"])
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_network_matches_dense(ranks, size, strategy, name):
+    for triples in ranks(size).run(network_parity, name, strategy, timeout=300):
+        assert_triples(triples)
+
+
+@pytest.mark.parametrize("name", list(NETWORKS))
+@pytest.mark.parametrize(
+    ("strategy", "grid"),
+    [
+        ("data", None),
+        ("spatial", dict(rows=2, cols=2)),
+        ("spatial", dict(data=2, rows=2)),
+        ("channel", dict(data=2, channel=2)),
+    ],
+)
+def test_network_on_a_grid_of_four(ranks, strategy, grid, name):
+    for triples in ranks(4).run(network_parity, name, strategy, grid, timeout=300):
+        assert_triples(triples)
+
+
+def test_grid_rejects_a_wrong_product():
+    with pytest.raises(ValueError, match=r"2 x 2 x 1 x 1 = 4, but the communicator has 1 ranks"):
+        pk.Grid(LocalCommunicator(), data=2, rows=2)
+
+
+def test_unknown_strategy_and_names():
+    comm = LocalCommunicator()
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        pk.parallelize(nn.Conv2d(1, 1, 1), comm, "pipeline")
+    with pytest.raises(ValueError, match=r"keep_dense names unknown modules \['nope'\]"):
+        pk.parallelize(nn.Sequential(nn.Conv2d(1, 1, 1)), comm, "spatial", keep_dense=["nope"])
+
+
+def test_to_dense_gives_the_same_tree_and_keys():
+    model = NETWORKS["resnet18"][0]()
+    keys = list(model.state_dict())
+    kinds = [type(m) for m in model.modules()]
+    parallel = pk.parallelize(model, LocalCommunicator(), "spatial")
+    dense = pk.to_dense(parallel)
+    assert list(dense.state_dict()) == keys
+    assert [type(m) for m in dense.modules()] == kinds
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(dense(x), parallel(x))
+
+
+@pytest.mark.parametrize(
+    ("mode", "size", "grid"),
+    [("channel", 2, None), ("channel", 3, None), ("spatial", 3, None), ("spatial", 4, (2, 2))],
+)
+def test_parallel_conv2d_drops_into_a_dense_model(ranks, mode, size, grid):
+    for triples in ranks(size).run(drop_in, mode, grid):
+        assert_triples(triples)
