@@ -119,3 +119,16 @@ def transposed_needs(
 
 def _pair(v: int | Sequence[int], dims: int) -> list[int]:
     return [int(v)] * dims if isinstance(v, int) else [int(x) for x in v]
+
+
+def received_rows(sizes: Sequence[int], want: Sequence[Range]) -> list[int]:
+    """How many rows each rank receives from other ranks when it fetches ``want`` (what
+    :func:`parallelkit.functional.gather_rows` moves): the wanted rows inside the tensor that
+    another rank holds. Padding rows and the rank's own rows cost nothing."""
+    total, out = sum(sizes), []
+    for r, (lo, hi) in enumerate(want):
+        a, b = starts(sizes)[r], starts(sizes)[r] + sizes[r]
+        inside = max(0, min(hi, total) - max(lo, 0))
+        own = max(0, min(hi, b) - max(lo, a))
+        out.append(inside - own)
+    return out

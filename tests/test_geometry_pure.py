@@ -1,8 +1,14 @@
-"""Pure helpers, no processes."""
+"""Pure geometry, no processes: splits, window output sizes and input ranges against torch
+and against brute force."""
 
+import itertools
+
+import pytest
 import torch
+import torch.nn.functional as F
 
 from parallelkit.comm import tensor_split_sizes
+from parallelkit.geometry import Window, blocks, conv_padding, received_rows, transposed_needs
 
 
 def test_tensor_split_sizes_match_torch():
@@ -10,3 +16,81 @@ def test_tensor_split_sizes_match_torch():
         for parts in range(1, 6):
             expected = [len(c) for c in torch.tensor_split(torch.arange(total), parts)]
             assert tensor_split_sizes(total, parts) == expected
+
+
+def test_blocks_tile_the_rows():
+    assert blocks(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert blocks(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
+
+
+WINDOWS = [
+    Window(k, s, lo, hi, d)
+    for k, s, d in itertools.product((1, 2, 3, 4, 7), (1, 2, 3), (1, 2))
+    for lo, hi in ((0, 0), (1, 1), (3, 3), (1, 2))
+]
+
+
+@pytest.mark.parametrize("n", [1, 5, 12])
+def test_window_out_size_and_needs_by_brute_force(n):
+    """Convolve an index image: output row o must read exactly the rows needs() says."""
+    for win in WINDOWS:
+        m = win.out_size(n)
+        if m < 1:
+            continue
+        x = torch.arange(n, dtype=torch.float64).view(1, 1, n) + 1  # row i holds i + 1
+        padded = F.pad(x, (win.pad_lo, win.pad_hi))
+        taps = F.unfold(
+            padded.unsqueeze(-1), (win.kernel, 1), (win.dilation, 1), 0, (win.stride, 1)
+        )
+        assert taps.shape[-1] == m, win
+        for o0 in range(m):
+            for o1 in range(o0 + 1, m + 1):
+                lo, hi = win.needs(o0, o1)
+                rows = taps[0, :, o0:o1].flatten()  # values are row + 1, zeros are padding
+                read = {int(v) - 1 for v in rows if v != 0}
+                assert read <= set(range(lo, hi)), (win, o0, o1)
+                first, last = o0 * win.stride - win.pad_lo, (o1 - 1) * win.stride - win.pad_lo
+                assert (lo, hi) == (first, last + win.dilation * (win.kernel - 1) + 1)
+
+
+def test_same_padding_puts_the_extra_row_at_the_end():
+    assert conv_padding("same", (4, 3), (1, 2)) == [(1, 2), (2, 2)]
+    assert conv_padding("valid", (4, 3), (1, 1)) == [(0, 0), (0, 0)]
+    assert conv_padding((2, 1), (3, 3), (1, 1)) == [(2, 2), (1, 1)]
+    with pytest.raises(ValueError, match="padding must be"):
+        conv_padding("full", (3, 3), (1, 1))
+
+
+@pytest.mark.parametrize(
+    ("k", "s", "p", "d"), itertools.product((1, 2, 4, 5), (1, 2, 3), (0, 1, 2), (1, 2))
+)
+def test_transposed_needs_by_brute_force(k, s, p, d):
+    """Every input row whose one-hot input changes an output block is in its range."""
+    n = 5
+    m = (n - 1) * s - 2 * p + d * (k - 1) + 1
+    if m < 1:
+        return
+    w = torch.ones(1, 1, k, 1, dtype=torch.float64)
+    reach = []
+    for i in range(n):
+        x = torch.zeros(1, 1, n, 1, dtype=torch.float64)
+        x[0, 0, i] = 1
+        reach.append(F.conv_transpose2d(x, w, None, (s, 1), (p, 0), dilation=(d, 1))[0, 0, :, 0])
+    for o0 in range(m):
+        for o1 in range(o0 + 1, m + 1):
+            used = [i for i in range(n) if reach[i][o0:o1].any()]
+            lo, hi = transposed_needs(o0, o1, n, k, s, p, d)
+            assert set(used) <= set(range(lo, hi)), (o0, o1, used, lo, hi)
+            if used:  # a range: with dilation it may hold a few rows that no tap reaches
+                assert min(used) - d <= lo and hi <= max(used) + 1 + d, (o0, o1, used, lo, hi)
+
+
+def test_received_rows():
+    """Three ranks, 10 rows (4 3 3), a 3x3 window with padding 1: one row from each side."""
+    sizes, out_sizes, want = Window(3, 1, 1, 1).plan(10, 3)
+    assert (sizes, out_sizes) == ([4, 3, 3], [4, 3, 3])
+    assert want == [(-1, 5), (3, 8), (6, 11)]
+    assert received_rows(sizes, want) == [1, 2, 1]
+    # Blocks thinner than the halo: a 7-tap window reads from two ranks away.
+    sizes, _, want = Window(7, 1, 3, 3).plan(4, 4)
+    assert received_rows(sizes, want) == [3, 3, 3, 3]
