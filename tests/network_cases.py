@@ -131,3 +131,27 @@ def drop_in(comm: Communicator, mode: str, grid=None) -> list[Triple]:
         ("first conv grad", model[0].weight.grad, dense[0].weight.grad),
         ("to_dense", model[2].to_dense().weight.detach(), dense[2].weight.detach()),
     ]
+
+
+def chained(comm: Communicator, mode: str) -> list[Triple]:
+    """Two ParallelConv2d layers keeping the tensor split between them equal two convs."""
+    from parallelkit.nn import ParallelConv2d
+
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(), nn.Conv2d(6, 4, 3)).double()
+    first = ParallelConv2d.from_dense(dense[0], comm, mode, gather_output=False)
+    second = ParallelConv2d.from_dense(dense[2], comm, mode, input_is_split=True)
+    x = torch.randn(2, 3, 9, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    y, y_par = dense(x), second(torch.relu(first(x)))
+    y.square().sum().backward()
+    y_par.square().sum().backward()
+    bias = second.conv.bias.grad
+    if mode == "channel":  # the first layer's shard: its rows of the dense gradient
+        rows = slice(first.conv.out_start, first.conv.out_start + first.conv.out_sizes[comm.rank])
+    else:
+        rows = slice(None)
+    return [
+        ("output", y_par, y.detach()),
+        ("first weight grad", first.conv.weight.grad, dense[0].weight.grad[rows]),
+        ("second bias grad", bias, dense[2].bias.grad),
+    ]

@@ -13,7 +13,7 @@ import parallelkit as pk
 from parallelkit.comm.local import LocalCommunicator
 
 from cases import assert_triples
-from network_cases import NETWORKS, drop_in, network_parity
+from network_cases import NETWORKS, chained, drop_in, network_parity
 
 
 @pytest.mark.parametrize("name", list(NETWORKS))
@@ -70,4 +70,10 @@ def test_to_dense_gives_the_same_tree_and_keys():
 )
 def test_parallel_conv2d_drops_into_a_dense_model(ranks, mode, size, grid):
     for triples in ranks(size).run(drop_in, mode, grid):
+        assert_triples(triples)
+
+
+@pytest.mark.parametrize(("mode", "size"), [("channel", 2), ("channel", 3), ("spatial", 3)])
+def test_chained_parallel_conv2d_keeps_tensors_split(ranks, mode, size):
+    for triples in ranks(size).run(chained, mode):
         assert_triples(triples)

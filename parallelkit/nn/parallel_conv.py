@@ -4,8 +4,13 @@ and out.
 It takes and returns the same (replicated) tensors an ``nn.Conv2d`` would, so it can replace
 one convolution in any model; inside, ``mode="channel"`` splits the output channels
 (:class:`ChannelParallelConv2d`), ``mode="spatial"`` scatters the image into blocks over a grid,
-convolves with halos (:class:`SpatialParallelConv2d`) and gathers the output. For chains of
-layers that keep tensors split between them use those layers directly, or ``pk.parallelize``.
+convolves with halos (:class:`SpatialParallelConv2d`) and gathers the output.
+
+Chained layers can keep tensors split between them: ``gather_output=False`` returns this
+rank's part (its block of the image, or of the output channels) and ``input_is_split=True``
+takes such a part (spatial: a block of the image; channel: a block of the input channels, in
+the layout of ``ChannelParallelConv2d``). ``pk.parallelize`` arranges the spatial ones for a
+whole model.
 """
 
 from __future__ import annotations
@@ -44,25 +49,36 @@ class ParallelConv2d(nn.Module):
         comm: Communicator,
         mode: str = "channel",
         grid: Sequence[int] | None = None,
+        input_is_split: bool = False,
+        gather_output: bool = True,
     ) -> None:
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"ParallelConv2d: mode must be one of {MODES}, got {mode!r}")
         self.mode, self.comm, self.grid = mode, comm, grid
+        self.input_is_split, self.gather_output = input_is_split, gather_output
         args = (in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias)
         if mode == "channel":
             self.conv: nn.Module = ChannelParallelConv2d(
-                *args, padding_mode, device, dtype, comm=comm
+                *args, padding_mode, device, dtype, comm=comm, **self._channel_layout()
             )
         else:
             self.conv = SpatialParallelConv2d(
                 *args, padding_mode, device, dtype, comm=comm, grid=grid
             )
 
+    def _channel_layout(self) -> dict:
+        # A split input is a block of input channels: the "in" split consumes it directly.
+        if self.input_is_split:
+            return dict(split="in", input_is_split=True, scatter_output=not self.gather_output)
+        return dict(split="out", gather_output=self.gather_output)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "channel":
             return self.conv(x)
-        return gather(self.conv(scatter(x, self.comm, self.grid)), self.comm, self.grid)
+        x_blk = x if self.input_is_split else scatter(x, self.comm, self.grid)
+        y_blk = self.conv(x_blk)
+        return gather(y_blk, self.comm, self.grid) if self.gather_output else y_blk
 
     @classmethod
     def from_dense(
@@ -71,6 +87,8 @@ class ParallelConv2d(nn.Module):
         comm: Communicator,
         mode: str = "channel",
         grid: Sequence[int] | None = None,
+        input_is_split: bool = False,
+        gather_output: bool = True,
     ) -> ParallelConv2d:
         """A drop-in layer holding ``conv``'s weights (channel: this rank's block)."""
         layer = cls.__new__(cls)
@@ -78,8 +96,9 @@ class ParallelConv2d(nn.Module):
         if mode not in MODES:
             raise ValueError(f"ParallelConv2d: mode must be one of {MODES}, got {mode!r}")
         layer.mode, layer.comm, layer.grid = mode, comm, grid
+        layer.input_is_split, layer.gather_output = input_is_split, gather_output
         if mode == "channel":
-            layer.conv = ChannelParallelConv2d.from_dense(conv, comm)
+            layer.conv = ChannelParallelConv2d.from_dense(conv, comm, **layer._channel_layout())
         else:
             layer.conv = SpatialParallelConv2d.from_dense(conv, comm, grid)
         return layer
