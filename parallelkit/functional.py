@@ -320,18 +320,34 @@ def _row_plan(rank: int, sizes, want):
 
 
 class _GatherRows(Function):
-    """Forward: assemble the wanted rows. Backward: :class:`_ScatterAddRows`."""
+    """Forward: assemble the wanted rows. Backward: :class:`_ScatterAddRows`.
+
+    Each row of the result is written once: this rank's own rows by a local copy, padding
+    rows by a fill, rows of other ranks from their messages (blocks are large, so a second
+    pass over them would cost as much as the exchange).
+    """
 
     @staticmethod
     def forward(ctx, x, comm, dim, sizes, want, fill):  # type: ignore[override]
         ctx.args = comm, dim, sizes, want, fill
         start, plan = _row_plan(comm.rank, sizes, want)
         lo, hi = want[comm.rank]
+        total = sum(sizes)
         shape = list(x.shape)
         shape[dim] = hi - lo
-        out = x.new_full(shape, fill)
+        out = x.new_empty(shape)
+        if lo < 0:
+            out.narrow(dim, 0, min(-lo, hi - lo)).fill_(fill)
+        if hi > total:
+            first = max(total, lo)
+            out.narrow(dim, first - lo, hi - first).fill_(fill)
         send, recv, places = [], [], []
         for q, (give, take) in enumerate(plan):
+            if q == comm.rank:
+                if take[1] > take[0]:
+                    rows = x.narrow(dim, take[0] - start, take[1] - take[0])
+                    out.narrow(dim, take[0] - lo, take[1] - take[0]).copy_(rows)
+                continue
             if give[1] > give[0]:
                 send.append((q, x.narrow(dim, give[0] - start, give[1] - give[0])))
             if take[1] > take[0]:
@@ -339,7 +355,7 @@ class _GatherRows(Function):
                 buf = x.new_empty(shape)
                 recv.append((q, buf))
                 places.append((take[0] - lo, buf))
-        comm.neighbor_exchange(send, recv)
+        comm.neighbor_exchange(send, recv)  # every rank calls it (debug mode checks it)
         for offset, buf in places:
             out.narrow(dim, offset, buf.shape[dim]).copy_(buf)
         return out
@@ -359,19 +375,31 @@ class _ScatterAddRows(Function):
         ctx.args = comm, dim, sizes, want
         start, plan = _row_plan(comm.rank, sizes, want)
         lo = want[comm.rank][0]
-        shape = list(g.shape)
-        shape[dim] = sizes[comm.rank]
-        out = g.new_zeros(shape)
+        n = sizes[comm.rank]
+        own = plan[comm.rank][1]
+        if own == (start, start + n):  # this rank wanted all its rows: start from them
+            out = g.narrow(dim, start - lo, n).clone(memory_format=torch.contiguous_format)
+        else:
+            shape = list(g.shape)
+            shape[dim] = n
+            out = g.new_zeros(shape)
+            if own[1] > own[0]:
+                out.narrow(dim, own[0] - start, own[1] - own[0]).copy_(
+                    g.narrow(dim, own[0] - lo, own[1] - own[0])
+                )
         send, recv, places = [], [], []
         for q, (give, take) in enumerate(plan):
+            if q == comm.rank:
+                continue
             if take[1] > take[0]:
                 send.append((q, g.narrow(dim, take[0] - lo, take[1] - take[0])))
             if give[1] > give[0]:
+                shape = list(g.shape)
                 shape[dim] = give[1] - give[0]
                 buf = g.new_empty(shape)
                 recv.append((q, buf))
                 places.append((give[0] - start, buf))
-        comm.neighbor_exchange(send, recv)
+        comm.neighbor_exchange(send, recv)  # every rank calls it (debug mode checks it)
         for offset, buf in places:
             out.narrow(dim, offset, buf.shape[dim]).add_(buf)
         return out

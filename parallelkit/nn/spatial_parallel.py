@@ -39,17 +39,27 @@ def _fetch(
     windows: tuple[Window, Window],
     size: tuple[int, int],
     fill: float = 0.0,
-) -> tuple[torch.Tensor, tuple[int, int]]:
-    """The input rows and columns this rank's output block reads (padding as ``fill``), and
-    the output block's (h, w)."""
-    out = []
+    native: bool = False,
+) -> tuple[torch.Tensor, tuple[int, int], tuple[int, int]]:
+    """The input rows and columns this rank's output block reads (padding as ``fill``), the
+    output block's (h, w), and the padding left to the torch operation.
+
+    ``native=True``: along a dimension that is not split (one rank), with equal padding on
+    both sides, nothing is fetched and the operation pads by itself, which saves a copy of
+    the whole block.
+    """
+    out, pads = [], []
     for dim, (win, n, comm, parts) in enumerate(
         zip(windows, size, (grid.col_comm, grid.row_comm), (grid.rows, grid.cols), strict=True)
     ):
         in_sizes, out_sizes, want = win.plan(n, parts)
-        x_blk = pkf.gather_rows(x_blk, comm, 2 + dim, in_sizes, want, fill)
+        if native and parts == 1 and win.pad_lo == win.pad_hi:
+            pads.append(win.pad_lo)
+        else:
+            x_blk = pkf.gather_rows(x_blk, comm, 2 + dim, in_sizes, want, fill)
+            pads.append(0)
         out.append(out_sizes[comm.rank])
-    return x_blk, (out[0], out[1])
+    return x_blk, (out[0], out[1]), (pads[0], pads[1])
 
 
 def _empty_output(
@@ -119,12 +129,12 @@ class SpatialParallelConv2d(nn.Conv2d):
                 f"{type(self).__name__}: input has {x_blk.shape[1]} channels, expected "
                 f"{self.in_channels} (block shape {tuple(x_blk.shape)})"
             )
-        x_halo, out_hw = _fetch(x_blk, self.grid, self.windows, size)
+        x_halo, out_hw, pad = _fetch(x_blk, self.grid, self.windows, size, native=True)
         weight = pkf.copy_to_group(self.weight, self.comm)
         bias = None if self.bias is None else pkf.copy_to_group(self.bias, self.comm)
         if min(out_hw) == 0:
             return _empty_output(x_halo, self.out_channels, out_hw, x_halo, weight, bias)
-        return F.conv2d(x_halo, weight, bias, self.stride, 0, self.dilation, self.groups)
+        return F.conv2d(x_halo, weight, bias, self.stride, pad, self.dilation, self.groups)
 
     @classmethod
     def from_dense(

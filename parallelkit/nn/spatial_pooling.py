@@ -43,9 +43,10 @@ class _SpatialPool(nn.Module):
         self.windows = tuple(Window(k[i], s[i], p[i], p[i], d[i]) for i in range(2))
         self.comm, self.grid = comm, grid_of(comm, grid)
 
-    def _fetch(self, x_blk: torch.Tensor, size) -> tuple[torch.Tensor, tuple[int, int]]:
+    def _fetch(self, x_blk: torch.Tensor, size, native: bool = True):
+        """(fetched block, output block (h, w), padding left to the torch operation)."""
         size = size or self.grid.global_size(x_blk, type(self).__name__)
-        return _fetch(x_blk, self.grid, self.windows, size, self.fill)
+        return _fetch(x_blk, self.grid, self.windows, size, self.fill, native)
 
     def extra_repr(self) -> str:
         return f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}"
@@ -73,10 +74,11 @@ class SpatialMaxPool2d(_SpatialPool):
         super().__init__(kernel_size, stride, padding, dilation, ceil_mode, comm, grid)
 
     def forward(self, x_blk: torch.Tensor, size: tuple[int, int] | None = None) -> torch.Tensor:
-        x, out_hw = self._fetch(x_blk, size)
+        # max_pool2d pads with -inf itself, like the fetch.
+        x, out_hw, pad = self._fetch(x_blk, size)
         if min(out_hw) == 0:
             return x.new_zeros(x.shape[0], x.shape[1], *out_hw) + 0 * x.sum()
-        return F.max_pool2d(x, self.kernel_size, self.stride, 0, self.dilation)
+        return F.max_pool2d(x, self.kernel_size, self.stride, pad, self.dilation)
 
     @classmethod
     def from_dense(cls, pool: nn.MaxPool2d, comm: Communicator, grid=None) -> SpatialMaxPool2d:
@@ -113,12 +115,16 @@ class SpatialAvgPool2d(_SpatialPool):
 
     def forward(self, x_blk: torch.Tensor, size: tuple[int, int] | None = None) -> torch.Tensor:
         size = size or self.grid.global_size(x_blk, type(self).__name__)
-        x, out_hw = self._fetch(x_blk, size)
+        # Zero padding counted in the mean (or none): avg_pool2d may pad by itself.
+        plain = (
+            self.divisor_override is not None or self.count_include_pad or max(self.padding) == 0
+        )
+        x, out_hw, pad = self._fetch(x_blk, size, native=plain)
         if min(out_hw) == 0:
             return x.new_zeros(x.shape[0], x.shape[1], *out_hw) + 0 * x.sum()
-        if self.divisor_override is not None or self.count_include_pad or max(self.padding) == 0:
+        if plain:
             return F.avg_pool2d(
-                x, self.kernel_size, self.stride, 0, divisor_override=self.divisor_override
+                x, self.kernel_size, self.stride, pad, divisor_override=self.divisor_override
             )
         sums = F.avg_pool2d(x, self.kernel_size, self.stride, 0, divisor_override=1)
         return sums / F.avg_pool2d(self._real(x, size), self.kernel_size, self.stride, 0,
