@@ -1,7 +1,7 @@
 # The two commands of README.md. Each sets itself up on a fresh machine.
 #   make run    the main job: data-parallel training on scikit-learn's digits, 2 ranks (torchrun)
 #   make test   ruff + the whole suite: pure and gloo tiers, then the mpiexec tier on 1-4 ranks
-# and: make bench (benchmarks/collectives.py, results under benchmarks/results/)
+# and: make bench (every script under benchmarks/, ~35 min; results under benchmarks/results/)
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -42,6 +42,9 @@ test-mpi: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/collectives.py
+	$(PY) benchmarks/sync_batchnorm.py
+	$(PY) benchmarks/data_parallel.py
+	$(PY) benchmarks/model_parallel.py
 
 clean:
 	rm -rf $(VENV)

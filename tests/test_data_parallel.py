@@ -101,13 +101,9 @@ def test_assign_buckets_caps_orders_and_separates_keys():
     buckets = assign_buckets(
         numels, keys, [4] * 5, [4, 3, 2, 1, 0], cap_bytes=400, first_cap_bytes=200
     )
-    assert [(b.key, b.params) for b in buckets] == [
-        ("a", [4, 3]),
-        ("b", [2]),
-        ("a", [1]),
-        ("a", [0]),
-    ]
-    assert buckets[0].offsets == [0, 5] and buckets[0].numel == 45
+    # The first bucket (cap 200 B) closes once it reaches its cap: with parameter 1 (1200 B).
+    assert [(b.key, b.params) for b in buckets] == [("a", [4, 3, 1]), ("b", [2]), ("a", [0])]
+    assert buckets[0].offsets == [0, 5, 45] and buckets[0].numel == 345
     assert [b.params for b in assign_buckets(numels, keys, [4] * 5, range(5), 0)] == [
         [i] for i in range(5)
     ]

@@ -35,25 +35,27 @@ def assign_buckets(
     cap_bytes: float,
     first_cap_bytes: float = FIRST_BUCKET_BYTES,
 ) -> list[Bucket]:
-    """Cut the parameters, taken in ``order``, into buckets of at most ``cap_bytes`` each.
+    """Cut the parameters, taken in ``order``, into buckets of about ``cap_bytes``.
 
-    A parameter larger than the cap gets a bucket of its own. Each key fills its own buckets;
-    the buckets are listed in the order their first parameter appears in ``order``.
-    ``cap_bytes=0`` puts every parameter in a bucket of its own.
+    A bucket is closed as soon as it holds ``cap_bytes`` or more (so it may exceed the cap by
+    its last parameter). Each key fills its own buckets; the buckets are listed in the order
+    their first parameter appears in ``order``. ``cap_bytes=0`` puts every parameter in a
+    bucket of its own.
     """
     open_buckets: dict[Hashable, Bucket] = {}
     buckets: list[Bucket] = []
     for i in order:
-        key, size = keys[i], element_sizes[i]
+        key = keys[i]
         bucket = open_buckets.get(key)
-        if bucket is not None:
-            cap = min(first_cap_bytes, cap_bytes) if bucket is buckets[0] else cap_bytes
-            if (bucket.numel + numels[i]) * size > cap:
-                bucket = None
         if bucket is None:
             bucket = open_buckets[key] = Bucket(key)
             buckets.append(bucket)
         bucket.params.append(i)
         bucket.offsets.append(bucket.numel)
         bucket.numel += numels[i]
+        # Close a bucket once it reaches its cap, as DDP does: the last bucket, whose
+        # all-reduce cannot start before backward ends, stays as small as it can be.
+        cap = min(first_cap_bytes, cap_bytes) if bucket is buckets[0] else cap_bytes
+        if bucket.numel * element_sizes[i] >= cap:
+            del open_buckets[key]
     return buckets
