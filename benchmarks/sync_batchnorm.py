@@ -1,0 +1,415 @@
+"""Forward + backward time of parallelkit's SyncBatchNorm next to a local torch BatchNorm2d.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sync_batchnorm.py            # full run, ~4 min
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sync_batchnorm.py --quick    # smoke test, <1 min
+
+Shapes are (N, C, H, W) of ResNet-18's batch norms on 224x224 images, batch 32 per rank:
+(32, 64, 56, 56), (32, 128, 28, 28), (32, 256, 14, 14), (32, 512, 7, 7). Every rank holds a
+whole (N, C, H, W) slice (the global batch is ranks x N) and times, on the same input and
+output gradient, in alternating order:
+
+    local        torch.nn.BatchNorm2d(C) in training mode: statistics of this rank's slice
+    sync         parallelkit SyncBatchNorm(C, comm=comm): statistics over all ranks' slices
+    collectives  sync's two collectives alone, float32: the forward's all_gather of every
+                 rank's packed (n, mean (C), M2 (C)) and the backward's all_reduce of
+                 (sum dy (C), sum dy*xhat (C))
+
+One call is ``y = bn(x)`` and ``torch.autograd.grad(y, (x, weight, bias), dy)``. On 1 rank
+sync runs on a LocalCommunicator, where SyncBatchNorm takes plain ``F.batch_norm``. Each
+variant calls until a block lasts about ``--target-s``; t is the median, over ``--repeats``
+blocks in alternating order, of the slowest rank's time per call (each block starts after a
+barrier; its time is all-reduced with max). The ranks are gloo processes with one thread each,
+started by ``parallelkit.testing.Ranks``; 4 ranks on a 2-core machine oversubscribe it.
+
+Goal (measured, not tuned for): sync <= 1.3 x local at 2 ranks for (32, 64, 56, 56).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from parallelkit.comm.base import Communicator
+    from parallelkit.comm.torch_dist import TorchCommunicator
+
+DEFAULT_SHAPES = [(32, 64, 56, 56), (32, 128, 28, 28), (32, 256, 14, 14), (32, 512, 7, 7)]
+QUICK_SHAPES = [(32, 64, 56, 56), (32, 512, 7, 7)]
+GOAL_SHAPE, GOAL_RANKS, GOAL = (32, 64, 56, 56), 2, 1.3
+WARMUP = 3  # untimed calls of every variant before calibrating
+MIN_ITERS = 3
+MAX_ITERS = 10_000
+WORKER_TIMEOUT_S = 1200.0
+LOCAL, SYNC, COLL = "local", "sync", "collectives"
+
+Variants = dict[str, Callable[[], object]]  # variant name -> one forward + backward
+
+
+@dataclass
+class Config:
+    """What every rank measures."""
+
+    shapes: list[tuple[int, int, int, int]]  # (N, C, H, W) per rank
+    repeats: int  # timed blocks per variant, alternating
+    target_s: float  # rough duration of one timed block
+    ranks: list[int]  # rank counts of the whole run
+
+
+class Sync(NamedTuple):
+    """The raw backend's barrier and max-reduction of one float, used around timed blocks."""
+
+    barrier: Callable[[], None]
+    max: Callable[[float], float]
+
+
+# ---------------------------------------------------------------------------- timing (ranks)
+def time_block(fn: Callable[[], object], iters: int, sync: Sync) -> tuple[float, float]:
+    """Seconds per call of ``fn`` over ``iters`` calls on the slowest rank: wall and CPU time.
+
+    CPU time counts all threads of the rank (gloo's too): what it consumed, not what it waited.
+    """
+    sync.barrier()
+    cpu, start = time.process_time(), time.perf_counter()
+    for _ in range(iters):
+        fn()
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return sync.max(wall) / iters, sync.max(cpu) / iters
+
+
+def choose_iters(fn: Callable[[], object], sync: Sync, target_s: float) -> int:
+    """Calls per timed block so that a block lasts about ``target_s`` (at least MIN_ITERS).
+
+    Every rank gets the same answer, since block times are all-reduced with max.
+    """
+    iters = 1
+    while True:
+        total = time_block(fn, iters, sync)[0] * iters
+        if total >= target_s / 10 or iters >= MAX_ITERS:
+            return max(MIN_ITERS, min(MAX_ITERS, round(iters * target_s / total)))
+        iters *= 4
+
+
+def measure(variants: Variants, sync: Sync, cfg: Config) -> dict[str, Any]:
+    """Warm up, calibrate every variant, then time them in alternating order."""
+    for fn in variants.values():
+        for _ in range(WARMUP):
+            fn()
+    iters = {name: choose_iters(fn, sync, cfg.target_s) for name, fn in variants.items()}
+    names = list(variants)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(cfg.repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            wall, cpu_s = time_block(variants[name], iters[name], sync)
+            times[name].append(wall)
+            cpu[name].append(cpu_s)
+    return {"iters": iters, "times": times, "cpu_times": cpu}
+
+
+# ---------------------------------------------------------------------------- variants (ranks)
+def forward_backward(bn: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> Callable[[], object]:
+    inputs = (x, bn.weight, bn.bias)
+    return lambda: torch.autograd.grad(bn(x), inputs, dy)
+
+
+def collectives(comm: Communicator, c: int) -> Callable[[], object]:
+    """SyncBatchNorm's forward all_gather and backward all_reduce, with its sizes and dtype."""
+    stats, sums = torch.randn(1, 1 + 2 * c), torch.randn(2 * c)
+    sizes = [1] * comm.size
+
+    def both() -> None:
+        comm.all_gather(stats, sizes=sizes)
+        comm.all_reduce(sums)
+
+    return both
+
+
+def variants_for(comm: Communicator, shape: tuple[int, int, int, int]) -> Variants:
+    from parallelkit.nn.sync_batchnorm import SyncBatchNorm
+
+    c = shape[1]
+    gen = torch.Generator().manual_seed(comm.rank)
+    x = torch.randn(shape, generator=gen).requires_grad_()
+    dy = torch.randn(shape, generator=gen)
+    return {
+        LOCAL: forward_backward(nn.BatchNorm2d(c), x, dy),
+        SYNC: forward_backward(SyncBatchNorm(c, comm=comm), x, dy),
+        COLL: collectives(comm, c),
+    }
+
+
+# ---------------------------------------------------------------------------- worker (ranks)
+def torch_sync(group: Any) -> Sync:
+    import torch.distributed as dist
+
+    def allmax(x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return t.item()
+
+    return Sync(lambda: dist.barrier(group=group), allmax)
+
+
+def gloo_rank(comm: TorchCommunicator, cfg: Config) -> list[dict[str, Any]]:
+    """Every shape on this rank (started by parallelkit.testing.Ranks); returns its rows."""
+    from parallelkit.comm.local import LocalCommunicator
+
+    pk_comm = LocalCommunicator() if comm.size == 1 else comm
+    sync = torch_sync(comm.group)
+    rows = []
+    for shape in cfg.shapes:
+        result = measure(variants_for(pk_comm, shape), sync, cfg)
+        times, cpu = result["times"], result["cpu_times"]
+        rows.append(
+            {
+                "shape": list(shape),
+                "iters": result["iters"],
+                **{f"{name}_s": statistics.median(ts) for name, ts in times.items()},
+                **{f"{name}_cpu_s": statistics.median(ts) for name, ts in cpu.items()},
+                "times": times,
+                "cpu_times": cpu,
+            }
+        )
+    return rows
+
+
+# ---------------------------------------------------------------------------- launch (parent)
+def cpu_jiffies() -> tuple[int, int]:
+    """(busy, total) CPU time of the whole machine so far, from /proc/stat (clock ticks)."""
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:9]]
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)  # idle and iowait are not busy
+
+
+def tree_jiffies() -> int:
+    """CPU time (clock ticks) of this process and its descendants, living or reaped."""
+    parent, ticks = {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path("/proc", entry, "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent[int(entry)] = int(fields[1])
+        ticks[int(entry)] = sum(int(v) for v in fields[11:15])  # utime stime cutime cstime
+    mine, todo = set(), [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        mine.add(pid)
+        todo += [p for p, pp in parent.items() if pp == pid and p not in mine]
+    return sum(ticks[p] for p in mine if p in ticks)
+
+
+def run_one(n: int, cfg: Config) -> tuple[list[dict[str, Any]], float]:
+    """The rows of one rank count, and the cores other processes used meanwhile."""
+    from parallelkit.testing import Ranks
+
+    busy0, total0 = cpu_jiffies()
+    mine0 = tree_jiffies()
+    with Ranks(n, "gloo", comm_timeout=300) as ranks:
+        rows = ranks.run(gloo_rank, cfg, timeout=WORKER_TIMEOUT_S)[0]
+    # The ranks have been joined: their CPU time is in this process's cutime and cstime.
+    busy1, total1 = cpu_jiffies()
+    mine1 = tree_jiffies()
+    others = (busy1 - busy0 - (mine1 - mine0)) / max(total1 - total0, 1) * os.cpu_count()
+    return [{"ranks": n, **row} for row in rows], max(others, 0.0)
+
+
+# ---------------------------------------------------------------------------- reporting (parent)
+def shape_label(shape: list[int]) -> str:
+    return "(" + ", ".join(str(s) for s in shape) + ")"
+
+
+def add_ratios(row: dict[str, Any]) -> dict[str, Any]:
+    """A row with sync/local and what sync adds beyond the collectives alone."""
+    return {
+        **row,
+        "sync_over_local": row["sync_s"] / row["local_s"],
+        "sync_over_local_cpu": row["sync_cpu_s"] / row["local_cpu_s"],
+        "added_s": row["sync_s"] - row["local_s"],
+        "added_beyond_collectives_s": row["sync_s"] - row["local_s"] - row["collectives_s"],
+    }
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| ranks | shape (N, C, H, W) per rank | local (ms) | sync (ms) | sync/local "
+        "| sync/local per block, min..max | collectives (ms) | sync - local - collectives (ms) "
+        "| CPU: local (ms) | CPU: sync (ms) | CPU: sync/local |",
+        "|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for r in rows:
+        per_block = [s / loc for s, loc in zip(r["times"][SYNC], r["times"][LOCAL], strict=True)]
+        lines.append(
+            f"| {r['ranks']} | {shape_label(r['shape'])} | {r['local_s'] * 1e3:.2f} "
+            f"| {r['sync_s'] * 1e3:.2f} | {r['sync_over_local']:.2f} "
+            f"| {min(per_block):.2f}..{max(per_block):.2f} | {r['collectives_s'] * 1e3:.3f} "
+            f"| {r['added_beyond_collectives_s'] * 1e3:.2f} | {r['local_cpu_s'] * 1e3:.2f} "
+            f"| {r['sync_cpu_s'] * 1e3:.2f} | {r['sync_over_local_cpu']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def goal_line(rows: list[dict[str, Any]]) -> str:
+    hit = [r for r in rows if r["ranks"] == GOAL_RANKS and tuple(r["shape"]) == GOAL_SHAPE]
+    if not hit:
+        return f"Goal sync/local <= {GOAL} at {GOAL_RANKS} ranks for {GOAL_SHAPE}: not measured."
+    ratio = hit[0]["sync_over_local"]
+    verdict = "met" if ratio <= GOAL else "MISSED"
+    return (
+        f"Goal sync/local <= {GOAL} at {GOAL_RANKS} ranks for {shape_label(list(GOAL_SHAPE))}: "
+        f"{ratio:.2f}, {verdict}."
+    )
+
+
+def library_state() -> str:
+    """The commit measured, and whether parallelkit/ held uncommitted changes."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head, dirty = (
+            subprocess.run(
+                ["git", "-C", str(root), *args], capture_output=True, text=True, check=True
+            ).stdout.strip()
+            for args in (["rev-parse", "--short", "HEAD"], ["status", "--porcelain", "parallelkit"])
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (no git checkout)"
+    changed = len(dirty.splitlines())
+    return f"commit {head}" + (f" + uncommitted changes to {changed} file(s)" if changed else "")
+
+
+def environment() -> dict[str, str]:
+    """Versions and machine, for the header of the results."""
+    cpu = "unknown"
+    with open("/proc/cpuinfo") as f:
+        cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "parallelkit": library_state(),
+        "cpu": cpu,
+        "nproc": str(os.cpu_count()),
+    }
+
+
+def command_line() -> str:
+    threads = os.environ.get("OMP_NUM_THREADS")
+    prefix = [f"OMP_NUM_THREADS={threads}"] if threads else []
+    return shlex.join([*prefix, os.path.relpath(sys.executable), *sys.argv])
+
+
+def report(rows, others: dict[int, float], env: dict[str, str], cfg: Config) -> str:
+    """The whole markdown document."""
+    over = [n for n in cfg.ranks if n > int(env["nproc"])]
+    over_text = ""
+    if over:
+        counts = " and ".join(str(n) for n in over)
+        over_text = (
+            f"**{counts} ranks oversubscribe the {env['nproc']} cores**: every rank gets a "
+            "fraction of a core and waits for descheduled peers in the collectives, so those "
+            "rows are noisy and slower than the per-rank work alone would be. "
+        )
+    load = ", ".join(f"{others[n]:.2f} during {n} rank(s)" for n in cfg.ranks)
+    parts = [
+        "# SyncBatchNorm: parallelkit next to a local torch BatchNorm2d",
+        "",
+        f"Command: `{command_line()}`",
+        "",
+        f"- date: {env['date']}",
+        f"- python {env['python']}, torch {env['torch']}, gloo; parallelkit {env['parallelkit']}",
+        f"- CPU: {env['cpu']}, nproc {env['nproc']}",
+        f"- {cfg.repeats} timed blocks per variant of ~{cfg.target_s:g} s each, variants "
+        "alternating; time = median over blocks of the slowest rank's time per call",
+        f"- cores used by processes outside this benchmark meanwhile: {load}",
+        "",
+        "A call is forward + backward (input, weight and bias gradients) in training mode. "
+        "Every rank holds the whole shape given, so the statistics of sync cover ranks x N "
+        "images. 'collectives' times sync's two collectives alone (all_gather of 1 + 2C and "
+        "all_reduce of 2C float32); 'sync - local - collectives' is what sync costs beyond "
+        "local BatchNorm and its communication. CPU columns are the process time of the busiest "
+        "rank per call, all its threads: what a rank consumed, not what it waited (for peers, or "
+        "for cores that others held). On 1 rank sync runs on a LocalCommunicator and "
+        "is plain F.batch_norm. Each rank is one process with one compute thread; gloo adds "
+        f"its own threads. {over_text}The JSON file next to this one holds every timed block.",
+        "",
+        goal_line(rows),
+        "",
+        markdown_table(rows),
+    ]
+    return "\n".join(parts) + "\n"
+
+
+# ---------------------------------------------------------------------------- command line
+def parse_shape(text: str) -> tuple[int, int, int, int]:
+    """ "32,64,56,56" -> (32, 64, 56, 56)."""
+    dims = tuple(int(v) for v in text.strip("()").split(","))
+    if len(dims) != 4:
+        raise argparse.ArgumentTypeError(f"a shape is N,C,H,W, got {text!r}")
+    return dims  # type: ignore[return-value]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", type=parse_shape, nargs="+", help="N,C,H,W per rank")
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--quick", action="store_true", help="two shapes and short blocks")
+    p.add_argument("--repeats", type=int, help="timed blocks per variant (default 9, quick 3)")
+    p.add_argument("--target-s", type=float, help="seconds per timed block (default 0.3)")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/sync_batchnorm.md"))
+    return p.parse_args(argv)
+
+
+def config(args: argparse.Namespace) -> Config:
+    shapes = args.shapes or (QUICK_SHAPES if args.quick else DEFAULT_SHAPES)
+    repeats = args.repeats or (3 if args.quick else 9)
+    target_s = args.target_s or (0.05 if args.quick else 0.3)
+    return Config(shapes=shapes, repeats=repeats, target_s=target_s, ranks=args.ranks)
+
+
+def main() -> None:
+    args = parse_args()
+    cfg = config(args)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    env = environment()  # at the start: the code and the date of what is measured
+    rows, others = [], {}
+    for n in cfg.ranks:
+        start = time.monotonic()
+        mine, others[n] = run_one(n, cfg)
+        mine = [add_ratios(r) for r in mine]
+        seconds = time.monotonic() - start
+        print(f"\n## {n} rank(s) ({seconds:.0f} s; others used {others[n]:.2f} cores)\n")
+        print(markdown_table(mine), flush=True)
+        rows += mine
+    print("\n" + goal_line(rows))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(report(rows, others, env, cfg))
+    record = {
+        "command": command_line(),
+        "env": env,
+        "config": asdict(cfg),
+        "other_load_cores": others,
+        "rows": rows,
+    }
+    args.out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+    print(f"\nwrote {args.out} and {args.out.with_suffix('.json')}")
+
+
+if __name__ == "__main__":
+    main()
