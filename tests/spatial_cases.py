@@ -191,3 +191,17 @@ def scatter_gather(comm: Communicator, grid) -> list[Triple]:
     y = pk.spatial.gather(pk.spatial.scatter(x, comm, grid) * 2, comm, grid)
     y.backward(torch.ones_like(y))
     return [("round trip", y, x.detach() * 2), ("gradient", x.grad, torch.full_like(x, 2.0))]
+
+
+def constructed_on_every_rank(comm: Communicator) -> list[Triple]:
+    """Ranks seeded differently still hold rank 0's parameters after construction."""
+    torch.manual_seed(comm.rank)
+    layers = [
+        sp.SpatialParallelConv2d(2, 3, 3, comm=comm),
+        sp.SpatialConvTranspose2d(2, 3, 4, 2, 1, comm=comm),
+    ]
+    out = []
+    for layer in layers:
+        for name, p in layer.named_parameters():
+            out.append((name, p.detach(), comm.broadcast(p.detach(), src=0)))
+    return out

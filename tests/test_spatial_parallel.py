@@ -12,6 +12,7 @@ from cases import assert_triples
 from spatial_cases import (
     bad_grid,
     bad_layout,
+    constructed_on_every_rank,
     conv_configs,
     conv_transpose_configs,
     failures,
@@ -102,4 +103,9 @@ def test_blocks_must_be_tensor_split(ranks):
 @pytest.mark.parametrize(("size", "grid"), [(1, None), (3, None), (4, (2, 2)), (2, (1, 2))])
 def test_scatter_gather(ranks, size, grid):
     for triples in ranks(size).run(scatter_gather, grid):
+        assert_triples(triples)
+
+
+def test_parameters_start_as_rank_0s(ranks):
+    for triples in ranks(3).run(constructed_on_every_rank):
         assert_triples(triples)

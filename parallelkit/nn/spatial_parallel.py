@@ -74,6 +74,16 @@ def _empty_output(
     return y
 
 
+def _same_on_every_rank(layer: nn.Module, comm: Communicator) -> None:
+    """Replicated parameters start as rank 0's: ranks may have drawn different ones."""
+    if comm.size == 1:
+        return
+    with torch.no_grad():
+        for p in layer.parameters():
+            if p.device.type != "meta":
+                comm.broadcast(p.data, src=0, out=p.data)
+
+
 def _pair(v: int | Sequence[int]) -> tuple[int, int]:
     return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
 
@@ -84,7 +94,8 @@ class SpatialParallelConv2d(nn.Conv2d):
     Any kernel size, stride, padding (ints, tuples, "same", "valid"), dilation and groups;
     uneven splits and blocks thinner than the halo (rows then come from further ranks).
     Forward: fetch the halo, convolve with no padding; backward: return the halo gradients and
-    sum the parameter gradients over the grid.
+    sum the parameter gradients over the grid. Constructed directly, every rank must construct
+    it: the parameters start as rank 0's.
     """
 
     def __init__(
@@ -114,6 +125,7 @@ class SpatialParallelConv2d(nn.Conv2d):
             padding_mode, device, dtype,
         )  # fmt: skip
         self.comm, self.grid = comm, grid_of(comm, grid)
+        _same_on_every_rank(self, comm)
         pads = conv_padding(padding, self.kernel_size, self.dilation)
         self.windows = tuple(
             Window(k, s, lo, hi, d)
@@ -193,6 +205,7 @@ class SpatialConvTranspose2d(nn.ConvTranspose2d):
             bias, dilation, padding_mode, device, dtype,
         )  # fmt: skip
         self.comm, self.grid = comm, grid_of(comm, grid)
+        _same_on_every_rank(self, comm)
 
     def forward(self, x_blk: torch.Tensor, size: tuple[int, int] | None = None) -> torch.Tensor:
         size = size or self.grid.global_size(x_blk, type(self).__name__)

@@ -117,7 +117,7 @@ class SyncBatchNorm(_BatchNorm):
     def to_dense(self) -> nn.Module:
         """The plain ``torch.nn.BatchNorm*d`` holding this layer's parameters and buffers.
 
-        Which of 1d/2d/3d: the layer it was made from, else the last input's rank, else 2d.
+        Which of 1d/2d/3d: from the last input's rank, else the layer it was made from, else 2d.
         """
         dense = _DENSE[getattr(self, "_input_dim", 4)](
             self.num_features, self.eps, self.momentum, self.affine, self.track_running_stats
