@@ -35,12 +35,9 @@ Rank 0 writes its results to a JSON file that the parent reads, prints and saves
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
 import os
-import platform
-import shlex
 import shutil
 import statistics
 import subprocess
@@ -48,11 +45,23 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from _common import (
+    WARMUP,
+    Sync,
+    alternating,
+    choose_iters,
+    command_line,
+    environment,
+    save,
+    time_block,
+    torch_sync,
+)
 
 if TYPE_CHECKING:
     from parallelkit.comm.mpi import MPICommunicator
@@ -61,9 +70,6 @@ if TYPE_CHECKING:
 DEFAULT_SIZES = [4**k * 1024 for k in range(1, 9)]  # 4 KiB .. 64 MiB
 QUICK_SIZES = [4 * 1024, 1024**2, 16 * 1024**2]
 MEASURED = ("all_reduce", "all_gather", "reduce_scatter", "neighbor_exchange")
-WARMUP = 3  # untimed calls of every variant before calibrating
-MIN_ITERS = 3
-MAX_ITERS = 10_000
 WORKER_TIMEOUT_S = 1200.0
 RAW, PK, PK_NEW, PK_LEARNED = "raw", "pk", "pk (new output)", "pk (sizes learned)"
 
@@ -80,36 +86,7 @@ class Config:
     ranks: list[int]  # rank counts of the whole run (for the report)
 
 
-class Sync(NamedTuple):
-    """The raw backend's barrier and max-reduction of one float, used around timed blocks."""
-
-    barrier: Callable[[], None]
-    max: Callable[[float], float]
-
-
 # ---------------------------------------------------------------------------- timing (ranks)
-def time_block(fn: Callable[[], object], iters: int, sync: Sync) -> float:
-    """Seconds per call of ``fn`` over ``iters`` calls, on the slowest rank."""
-    sync.barrier()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return sync.max(time.perf_counter() - start) / iters
-
-
-def choose_iters(fn: Callable[[], object], sync: Sync, target_s: float) -> int:
-    """Calls per timed block so that a block lasts about ``target_s`` (at least MIN_ITERS).
-
-    Every rank gets the same answer, since block times are all-reduced with max.
-    """
-    iters = 1
-    while True:
-        total = time_block(fn, iters, sync) * iters
-        if total >= target_s / 10 or iters >= MAX_ITERS:
-            return max(MIN_ITERS, min(MAX_ITERS, round(iters * target_s / total)))
-        iters *= 4
-
-
 def measure(variants: Variants, sync: Sync, cfg: Config) -> dict[str, Any]:
     """Warm up, calibrate on the raw call, then time all variants in alternating order."""
     for fn in variants.values():
@@ -118,9 +95,8 @@ def measure(variants: Variants, sync: Sync, cfg: Config) -> dict[str, Any]:
     iters = choose_iters(variants[RAW], sync, cfg.target_s)
     names = list(variants)
     times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(cfg.repeats):
-        for name in names if r % 2 == 0 else names[::-1]:
-            times[name].append(time_block(variants[name], iters, sync))
+    for name in alternating(names, cfg.repeats):
+        times[name].append(time_block(variants[name], iters, sync))
     return {"iters": iters, "times": times}
 
 
@@ -262,17 +238,6 @@ def run_benchmark(
                     }
                 )
     return rows
-
-
-def torch_sync(group: Any) -> Sync:
-    import torch.distributed as dist
-
-    def allmax(x: float) -> float:
-        t = torch.tensor([x], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return t.item()
-
-    return Sync(lambda: dist.barrier(group=group), allmax)
 
 
 def mpi_sync(mc: Any) -> Sync:
@@ -419,8 +384,8 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def environment() -> dict[str, str]:
-    """Versions and machine, for the header of the results."""
+def mpi_version() -> str:
+    """mpi4py's and the MPI library's versions, for the header of the results."""
     try:
         import mpi4py
 
@@ -430,23 +395,7 @@ def environment() -> dict[str, str]:
         mpi = f"mpi4py {mpi4py.__version__}, {MPI.Get_library_version().splitlines()[0].strip()}"
     except ImportError:
         mpi = "mpi4py not installed"
-    cpu = "unknown"
-    with open("/proc/cpuinfo") as f:
-        cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    return {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "mpi": " ".join(mpi.split()),
-        "cpu": cpu,
-        "nproc": str(os.cpu_count()),
-    }
-
-
-def command_line() -> str:
-    threads = os.environ.get("OMP_NUM_THREADS")
-    prefix = [f"OMP_NUM_THREADS={threads}"] if threads else []
-    return shlex.join([*prefix, os.path.relpath(sys.executable), *sys.argv])
+    return " ".join(mpi.split())
 
 
 def oversubscribed(cfg: Config, env: dict[str, str]) -> str:
@@ -542,14 +491,11 @@ def main() -> None:
             print(f"\n## {backend}, {n} ranks ({time.monotonic() - start:.0f} s)\n", flush=True)
             print(markdown_table(mine), flush=True)
             rows += mine
-    env = environment()
+    env = environment(mpi=mpi_version())
     text = report(rows, env, cfg)
     print("\n## Summary\n\n" + summary_table(rows))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    record = {"command": command_line(), "env": env, "config": asdict(cfg), "rows": rows}
-    args.out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
-    print(f"\nwrote {args.out} and {args.out.with_suffix('.json')}")
+    json_path = save(args.out, text, env, cfg, rows)
+    print(f"\nwrote {args.out} and {json_path}")
 
 
 if __name__ == "__main__":

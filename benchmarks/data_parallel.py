@@ -37,23 +37,28 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import json
 import os
-import platform
-import shlex
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from _common import (
+    OtherLoad,
+    alternating,
+    command_line,
+    environment,
+    library_state,
+    save,
+    time_block_cpu,
+    torch_sync,
+)
 
 if TYPE_CHECKING:
     from parallelkit.comm.torch_dist import TorchCommunicator
@@ -131,39 +136,6 @@ class ResNet18(nn.Module):
         return self.head(y.mean(dim=(2, 3)))
 
 
-# ---------------------------------------------------------------------------- timing (ranks)
-class Sync(NamedTuple):
-    """The raw backend's barrier and max-reduction of one float, used around timed blocks."""
-
-    barrier: Callable[[], None]
-    max: Callable[[float], float]
-
-
-def torch_sync(group: Any) -> Sync:
-    import torch.distributed as dist
-
-    def allmax(x: float) -> float:
-        t = torch.tensor([x], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return t.item()
-
-    return Sync(lambda: dist.barrier(group=group), allmax)
-
-
-def time_block(fn: Callable[[], object], iters: int, sync: Sync) -> tuple[float, float]:
-    """Seconds per call of ``fn`` over ``iters`` calls on the slowest rank: wall and CPU time.
-
-    CPU time counts all threads of the rank (gloo's too), so it is what the rank consumed,
-    whereas wall time also holds waiting for peers and for cores that others hold.
-    """
-    sync.barrier()
-    cpu, start = time.process_time(), time.perf_counter()
-    for _ in range(iters):
-        fn()
-    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-    return sync.max(wall) / iters, sync.max(cpu) / iters
-
-
 # ---------------------------------------------------------------------------- variants (ranks)
 def wrap(model: nn.Module, variant: Variant, comm: TorchCommunicator) -> nn.Module:
     """``model`` as the variant runs it; 1-rank parallelkit runs on a LocalCommunicator."""
@@ -224,11 +196,10 @@ def rank_run(
     names = list(steps)
     times: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeats):
-        for name in names if r % 2 == 0 else names[::-1]:
-            wall, cpu_s = time_block(steps[name], cfg.steps, sync)
-            times[name].append(wall)
-            cpu[name].append(cpu_s)
+    for name in alternating(names, repeats):
+        wall, cpu_s = time_block_cpu(steps[name], cfg.steps, sync)
+        times[name].append(wall)
+        cpu[name].append(cpu_s)
     return {
         "times": times,
         "cpu_times": cpu,
@@ -238,33 +209,6 @@ def rank_run(
 
 
 # ---------------------------------------------------------------------------- launch (parent)
-def cpu_jiffies() -> tuple[int, int]:
-    """(busy, total) CPU time of the whole machine so far, from /proc/stat (clock ticks)."""
-    with open("/proc/stat") as f:
-        ticks = [int(v) for v in f.readline().split()[1:9]]
-    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)  # idle and iowait are not busy
-
-
-def tree_jiffies() -> int:
-    """CPU time (clock ticks) of this process and its descendants, living or reaped."""
-    parent, ticks = {}, {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path("/proc", entry, "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parent[int(entry)] = int(fields[1])
-        ticks[int(entry)] = sum(int(v) for v in fields[11:15])  # utime stime cutime cstime
-    mine, todo = set(), [os.getpid()]
-    while todo:
-        pid = todo.pop()
-        mine.add(pid)
-        todo += [p for p, pp in parent.items() if pp == pid and p not in mine]
-    return sum(ticks[p] for p in mine if p in ticks)
-
-
 def variants_for(n: int, cfg: Config, sweep: bool) -> list[Variant]:
     if n == 1:
         return [Variant("bare", "bare"), Variant("pk", "pk"), Variant("ddp", "ddp")]
@@ -288,14 +232,11 @@ def run_all(cfg: Config) -> list[dict[str, Any]]:
                 start = time.monotonic()
                 variants = variants_for(n, cfg, sweep=i == 0)
                 repeats = cfg.repeats[i]
-                busy0, total0 = cpu_jiffies()
-                mine0 = tree_jiffies()
+                load = OtherLoad()
                 result = ranks.run(rank_run, cfg, hw, repeats, variants, timeout=WORKER_TIMEOUT_S)
-                busy1, total1 = cpu_jiffies()
-                others = busy1 - busy0 - (tree_jiffies() - mine0)
                 row = {"ranks": n, "image_size": hw, "repeats": repeats, **result[0]}
                 # Cores that processes outside this benchmark kept busy meanwhile.
-                row["other_load_cores"] = max(0.0, others / (total1 - total0) * os.cpu_count())
+                row["other_load_cores"] = load.cores()
                 row["caps"] = {v.name: v.bucket_cap_mb for v in variants if v.wrapper != "bare"}
                 row["seconds"] = time.monotonic() - start
                 print(f"\n## {run_title(row)}, {row['seconds']:.0f} s\n")
@@ -398,43 +339,6 @@ def summary_table(summary: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def library_state() -> str:
-    """The commit measured, and whether parallelkit/ held uncommitted changes."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head, dirty = (
-            subprocess.run(
-                ["git", "-C", str(root), *args], capture_output=True, text=True, check=True
-            ).stdout.strip()
-            for args in (["rev-parse", "--short", "HEAD"], ["status", "--porcelain", "parallelkit"])
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (no git checkout)"
-    changed = len(dirty.splitlines())
-    return f"commit {head}" + (f" + uncommitted changes to {changed} file(s)" if changed else "")
-
-
-def environment() -> dict[str, str]:
-    """Versions and machine, for the header of the results."""
-    cpu = "unknown"
-    with open("/proc/cpuinfo") as f:
-        cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    return {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "parallelkit": library_state(),
-        "cpu": cpu,
-        "nproc": str(os.cpu_count()),
-    }
-
-
-def command_line() -> str:
-    threads = os.environ.get("OMP_NUM_THREADS")
-    prefix = [f"OMP_NUM_THREADS={threads}"] if threads else []
-    return shlex.join([*prefix, os.path.relpath(sys.executable), *sys.argv])
-
-
 def report(rows: list[dict[str, Any]], summary: list[dict[str, Any]], env, cfg: Config) -> str:
     """The whole markdown document."""
     params = rows[0]["params"]
@@ -522,23 +426,15 @@ def main() -> None:
     args = parse_args()
     cfg = config(args)
     os.environ["OMP_NUM_THREADS"] = "1"
-    env = environment()  # at the start: the code and the date of what is measured
+    # At the start: the code and the date of what is measured.
+    env = environment(parallelkit=library_state())
     start = time.monotonic()
     rows = run_all(cfg)
     summary = summary_rows(rows)
     print("\n## Summary\n\n" + summary_table(summary))
     print(f"\ntotal {time.monotonic() - start:.0f} s")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report(rows, summary, env, cfg))
-    record = {
-        "command": command_line(),
-        "env": env,
-        "config": asdict(cfg),
-        "summary": summary,
-        "rows": rows,
-    }
-    args.out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
-    print(f"\nwrote {args.out} and {args.out.with_suffix('.json')}")
+    json_path = save(args.out, report(rows, summary, env, cfg), env, cfg, rows, summary=summary)
+    print(f"\nwrote {args.out} and {json_path}")
 
 
 if __name__ == "__main__":

@@ -55,22 +55,19 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import json
 import os
-import platform
-import shlex
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from _common import OtherLoad, alternating, command_line, environment, save, time_block, torch_sync
 
 if TYPE_CHECKING:
     from parallelkit.comm.torch_dist import TorchCommunicator
@@ -106,32 +103,19 @@ class Config:
 
 
 # ---------------------------------------------------------------------------- timing (ranks)
-def time_block(fn: Callable[[], None], iters: int, comm: TorchCommunicator) -> float:
-    """Seconds per call of ``fn`` over ``iters`` calls, on the slowest rank."""
-    import torch.distributed as dist
-
-    dist.barrier(group=comm.group)
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    t = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=comm.group)
-    return t.item() / iters
-
-
 def measure(variants: Variants, comm: TorchCommunicator, cfg: Config) -> dict[str, Any]:
     """Warm up and calibrate each variant, then time them all in alternating order."""
+    sync = torch_sync(comm.group)
     iters = {}
     for name, fn in variants.items():
         for _ in range(cfg.warmup - 1):
             fn()
-        t = time_block(fn, 1, comm)  # the last warm-up step, timed to calibrate
+        t = time_block(fn, 1, sync)  # the last warm-up step, timed to calibrate
         iters[name] = max(1, min(MAX_ITERS, round(cfg.target_s / t)))
     names = list(variants)
     times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(cfg.repeats):
-        for name in names if r % 2 == 0 else names[::-1]:
-            times[name].append(time_block(variants[name], iters[name], comm))
+    for name in alternating(names, cfg.repeats):
+        times[name].append(time_block(variants[name], iters[name], sync))
     ms = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
     return {"iters": iters, "times": times, "ms": ms}
 
@@ -354,42 +338,12 @@ def network_step(
 
 
 # ---------------------------------------------------------------------------- launch (parent)
-def cpu_jiffies() -> tuple[int, int]:
-    """(busy, total) CPU time of the whole machine so far, from /proc/stat (clock ticks)."""
-    with open("/proc/stat") as f:
-        ticks = [int(v) for v in f.readline().split()[1:9]]
-    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
-
-
-def tree_jiffies() -> int:
-    """CPU time (clock ticks) of this process and its descendants, living or reaped."""
-    parent, ticks = {}, {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path("/proc", entry, "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parent[int(entry)] = int(fields[1])
-        ticks[int(entry)] = sum(int(v) for v in fields[11:15])  # utime stime cutime cstime
-    mine, todo = set(), [os.getpid()]
-    while todo:
-        pid = todo.pop()
-        mine.add(pid)
-        todo += [p for p, pp in parent.items() if pp == pid and p not in mine]
-    return sum(ticks[p] for p in mine if p in ticks)
-
-
 def run_job(ranks: Any, fn: Callable[..., dict], *args: Any) -> dict[str, Any]:
     """``fn`` on every rank; rank 0's result, the wall time, and the other processes' load."""
-    busy0, total0 = cpu_jiffies()
-    mine0, start = tree_jiffies(), time.monotonic()
+    load, start = OtherLoad(), time.monotonic()
     results = ranks.run(fn, *args, timeout=WORKER_TIMEOUT_S)
-    busy1, total1 = cpu_jiffies()
-    others = busy1 - busy0 - (tree_jiffies() - mine0)
     out = {**results[0], "seconds": time.monotonic() - start}
-    out["other_load_cores"] = max(0.0, others / max(1, total1 - total0) * os.cpu_count())
+    out["other_load_cores"] = load.cores()
     if "bytes_fwd" in out:  # per rank, not only rank 0's
         out["bytes_fwd"] = [res["bytes_fwd"] for res in results]
         out["bytes_bwd"] = [res["bytes_bwd"] for res in results]
@@ -589,25 +543,6 @@ def headlines(rows: list[dict]) -> list[str]:
     return out
 
 
-def environment() -> dict[str, str]:
-    cpu = "unknown"
-    with open("/proc/cpuinfo") as f:
-        cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    return {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpu": cpu,
-        "nproc": str(os.cpu_count()),
-    }
-
-
-def command_line() -> str:
-    threads = os.environ.get("OMP_NUM_THREADS")
-    prefix = [f"OMP_NUM_THREADS={threads}"] if threads else []
-    return shlex.join([*prefix, os.path.relpath(sys.executable), *sys.argv])
-
-
 def report(rows: list[dict], env: dict[str, str], cfg: Config, seconds: float) -> str:
     """The whole markdown document."""
     oversub = {n for n in cfg.ranks if n > int(env["nproc"])}
@@ -758,17 +693,8 @@ def main() -> None:
     env = environment()
     text = report(rows, env, cfg, time.monotonic() - start)
     print("\n" + text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    record = {
-        "command": command_line(),
-        "env": env,
-        "config": asdict(cfg),
-        "goals": goals(rows),
-        "rows": rows,
-    }
-    args.out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
-    print(f"wrote {args.out} and {args.out.with_suffix('.json')}")
+    json_path = save(args.out, text, env, cfg, rows, goals=goals(rows))
+    print(f"wrote {args.out} and {json_path}")
     bad = [
         (r["size"], r["ranks"]) for r in rows if r["part"] == "spatial" and not r["halo"]["agree"]
     ]

@@ -27,22 +27,30 @@ Goal (measured, not tuned for): sync <= 1.3 x local at 2 ranks for (32, 64, 56, 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
-import shlex
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+from _common import (
+    WARMUP,
+    OtherLoad,
+    Sync,
+    alternating,
+    choose_iters,
+    command_line,
+    environment,
+    library_state,
+    save,
+    time_block_cpu,
+    torch_sync,
+)
 
 if TYPE_CHECKING:
     from parallelkit.comm.base import Communicator
@@ -51,9 +59,6 @@ if TYPE_CHECKING:
 DEFAULT_SHAPES = [(32, 64, 56, 56), (32, 128, 28, 28), (32, 256, 14, 14), (32, 512, 7, 7)]
 QUICK_SHAPES = [(32, 64, 56, 56), (32, 512, 7, 7)]
 GOAL_SHAPE, GOAL_RANKS, GOAL = (32, 64, 56, 56), 2, 1.3
-WARMUP = 3  # untimed calls of every variant before calibrating
-MIN_ITERS = 3
-MAX_ITERS = 10_000
 WORKER_TIMEOUT_S = 1200.0
 LOCAL, SYNC, COLL = "local", "sync", "collectives"
 
@@ -70,40 +75,7 @@ class Config:
     ranks: list[int]  # rank counts of the whole run
 
 
-class Sync(NamedTuple):
-    """The raw backend's barrier and max-reduction of one float, used around timed blocks."""
-
-    barrier: Callable[[], None]
-    max: Callable[[float], float]
-
-
 # ---------------------------------------------------------------------------- timing (ranks)
-def time_block(fn: Callable[[], object], iters: int, sync: Sync) -> tuple[float, float]:
-    """Seconds per call of ``fn`` over ``iters`` calls on the slowest rank: wall and CPU time.
-
-    CPU time counts all threads of the rank (gloo's too): what it consumed, not what it waited.
-    """
-    sync.barrier()
-    cpu, start = time.process_time(), time.perf_counter()
-    for _ in range(iters):
-        fn()
-    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-    return sync.max(wall) / iters, sync.max(cpu) / iters
-
-
-def choose_iters(fn: Callable[[], object], sync: Sync, target_s: float) -> int:
-    """Calls per timed block so that a block lasts about ``target_s`` (at least MIN_ITERS).
-
-    Every rank gets the same answer, since block times are all-reduced with max.
-    """
-    iters = 1
-    while True:
-        total = time_block(fn, iters, sync)[0] * iters
-        if total >= target_s / 10 or iters >= MAX_ITERS:
-            return max(MIN_ITERS, min(MAX_ITERS, round(iters * target_s / total)))
-        iters *= 4
-
-
 def measure(variants: Variants, sync: Sync, cfg: Config) -> dict[str, Any]:
     """Warm up, calibrate every variant, then time them in alternating order."""
     for fn in variants.values():
@@ -113,11 +85,10 @@ def measure(variants: Variants, sync: Sync, cfg: Config) -> dict[str, Any]:
     names = list(variants)
     times: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(cfg.repeats):
-        for name in names if r % 2 == 0 else names[::-1]:
-            wall, cpu_s = time_block(variants[name], iters[name], sync)
-            times[name].append(wall)
-            cpu[name].append(cpu_s)
+    for name in alternating(names, cfg.repeats):
+        wall, cpu_s = time_block_cpu(variants[name], iters[name], sync)
+        times[name].append(wall)
+        cpu[name].append(cpu_s)
     return {"iters": iters, "times": times, "cpu_times": cpu}
 
 
@@ -154,17 +125,6 @@ def variants_for(comm: Communicator, shape: tuple[int, int, int, int]) -> Varian
 
 
 # ---------------------------------------------------------------------------- worker (ranks)
-def torch_sync(group: Any) -> Sync:
-    import torch.distributed as dist
-
-    def allmax(x: float) -> float:
-        t = torch.tensor([x], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return t.item()
-
-    return Sync(lambda: dist.barrier(group=group), allmax)
-
-
 def gloo_rank(comm: TorchCommunicator, cfg: Config) -> list[dict[str, Any]]:
     """Every shape on this rank (started by parallelkit.testing.Ranks); returns its rows."""
     from parallelkit.comm.local import LocalCommunicator
@@ -189,46 +149,15 @@ def gloo_rank(comm: TorchCommunicator, cfg: Config) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------- launch (parent)
-def cpu_jiffies() -> tuple[int, int]:
-    """(busy, total) CPU time of the whole machine so far, from /proc/stat (clock ticks)."""
-    with open("/proc/stat") as f:
-        ticks = [int(v) for v in f.readline().split()[1:9]]
-    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)  # idle and iowait are not busy
-
-
-def tree_jiffies() -> int:
-    """CPU time (clock ticks) of this process and its descendants, living or reaped."""
-    parent, ticks = {}, {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path("/proc", entry, "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parent[int(entry)] = int(fields[1])
-        ticks[int(entry)] = sum(int(v) for v in fields[11:15])  # utime stime cutime cstime
-    mine, todo = set(), [os.getpid()]
-    while todo:
-        pid = todo.pop()
-        mine.add(pid)
-        todo += [p for p, pp in parent.items() if pp == pid and p not in mine]
-    return sum(ticks[p] for p in mine if p in ticks)
-
-
 def run_one(n: int, cfg: Config) -> tuple[list[dict[str, Any]], float]:
     """The rows of one rank count, and the cores other processes used meanwhile."""
     from parallelkit.testing import Ranks
 
-    busy0, total0 = cpu_jiffies()
-    mine0 = tree_jiffies()
+    load = OtherLoad()
     with Ranks(n, "gloo", comm_timeout=300) as ranks:
         rows = ranks.run(gloo_rank, cfg, timeout=WORKER_TIMEOUT_S)[0]
     # The ranks have been joined: their CPU time is in this process's cutime and cstime.
-    busy1, total1 = cpu_jiffies()
-    mine1 = tree_jiffies()
-    others = (busy1 - busy0 - (mine1 - mine0)) / max(total1 - total0, 1) * os.cpu_count()
-    return [{"ranks": n, **row} for row in rows], max(others, 0.0)
+    return [{"ranks": n, **row} for row in rows], load.cores()
 
 
 # ---------------------------------------------------------------------------- reporting (parent)
@@ -276,43 +205,6 @@ def goal_line(rows: list[dict[str, Any]]) -> str:
         f"Goal sync/local <= {GOAL} at {GOAL_RANKS} ranks for {shape_label(list(GOAL_SHAPE))}: "
         f"{ratio:.2f}, {verdict}."
     )
-
-
-def library_state() -> str:
-    """The commit measured, and whether parallelkit/ held uncommitted changes."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head, dirty = (
-            subprocess.run(
-                ["git", "-C", str(root), *args], capture_output=True, text=True, check=True
-            ).stdout.strip()
-            for args in (["rev-parse", "--short", "HEAD"], ["status", "--porcelain", "parallelkit"])
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (no git checkout)"
-    changed = len(dirty.splitlines())
-    return f"commit {head}" + (f" + uncommitted changes to {changed} file(s)" if changed else "")
-
-
-def environment() -> dict[str, str]:
-    """Versions and machine, for the header of the results."""
-    cpu = "unknown"
-    with open("/proc/cpuinfo") as f:
-        cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    return {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "parallelkit": library_state(),
-        "cpu": cpu,
-        "nproc": str(os.cpu_count()),
-    }
-
-
-def command_line() -> str:
-    threads = os.environ.get("OMP_NUM_THREADS")
-    prefix = [f"OMP_NUM_THREADS={threads}"] if threads else []
-    return shlex.join([*prefix, os.path.relpath(sys.executable), *sys.argv])
 
 
 def report(rows, others: dict[int, float], env: dict[str, str], cfg: Config) -> str:
@@ -387,7 +279,8 @@ def main() -> None:
     args = parse_args()
     cfg = config(args)
     os.environ["OMP_NUM_THREADS"] = "1"
-    env = environment()  # at the start: the code and the date of what is measured
+    # At the start: the code and the date of what is measured.
+    env = environment(parallelkit=library_state())
     rows, others = [], {}
     for n in cfg.ranks:
         start = time.monotonic()
@@ -398,17 +291,9 @@ def main() -> None:
         print(markdown_table(mine), flush=True)
         rows += mine
     print("\n" + goal_line(rows))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report(rows, others, env, cfg))
-    record = {
-        "command": command_line(),
-        "env": env,
-        "config": asdict(cfg),
-        "other_load_cores": others,
-        "rows": rows,
-    }
-    args.out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
-    print(f"\nwrote {args.out} and {args.out.with_suffix('.json')}")
+    text = report(rows, others, env, cfg)
+    json_path = save(args.out, text, env, cfg, rows, other_load_cores=others)
+    print(f"\nwrote {args.out} and {json_path}")
 
 
 if __name__ == "__main__":
