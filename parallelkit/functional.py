@@ -319,6 +319,33 @@ def _row_plan(rank: int, sizes, want):
     return starts[rank], plan
 
 
+def _swap_rows(
+    t: torch.Tensor,
+    t_first: int,
+    comm: Communicator,
+    dim: int,
+    outgoing: Sequence[tuple[int, tuple[int, int]]],
+    incoming: Sequence[tuple[int, tuple[int, int]]],
+) -> list[tuple[int, torch.Tensor]]:
+    """Send each peer its global rows ``outgoing`` (cut from ``t``, whose first row is global
+    row ``t_first``) and receive ``incoming`` ones: ``(first global row, rows)`` per receive.
+
+    Empty ranges and this rank itself are skipped; every rank calls the exchange, even with
+    nothing to move (debug mode checks it).
+    """
+    send = [
+        (q, t.narrow(dim, a - t_first, b - a)) for q, (a, b) in outgoing if q != comm.rank and b > a
+    ]
+    recv, firsts = [], []
+    for q, (a, b) in incoming:
+        if q != comm.rank and b > a:
+            shape = list(t.shape)
+            shape[dim] = b - a
+            recv.append((q, t.new_empty(shape)))
+            firsts.append(a)
+    return list(zip(firsts, comm.neighbor_exchange(send, recv), strict=True))
+
+
 class _GatherRows(Function):
     """Forward: assemble the wanted rows. Backward: :class:`_ScatterAddRows`.
 
@@ -341,23 +368,14 @@ class _GatherRows(Function):
         if hi > total:
             first = max(total, lo)
             out.narrow(dim, first - lo, hi - first).fill_(fill)
-        send, recv, places = [], [], []
-        for q, (give, take) in enumerate(plan):
-            if q == comm.rank:
-                if take[1] > take[0]:
-                    rows = x.narrow(dim, take[0] - start, take[1] - take[0])
-                    out.narrow(dim, take[0] - lo, take[1] - take[0]).copy_(rows)
-                continue
-            if give[1] > give[0]:
-                send.append((q, x.narrow(dim, give[0] - start, give[1] - give[0])))
-            if take[1] > take[0]:
-                shape[dim] = take[1] - take[0]
-                buf = x.new_empty(shape)
-                recv.append((q, buf))
-                places.append((take[0] - lo, buf))
-        comm.neighbor_exchange(send, recv)  # every rank calls it (debug mode checks it)
-        for offset, buf in places:
-            out.narrow(dim, offset, buf.shape[dim]).copy_(buf)
+        own = plan[comm.rank][1]
+        if own[1] > own[0]:
+            rows = x.narrow(dim, own[0] - start, own[1] - own[0])
+            out.narrow(dim, own[0] - lo, own[1] - own[0]).copy_(rows)
+        outgoing = [(q, give) for q, (give, _) in enumerate(plan)]
+        incoming = [(q, take) for q, (_, take) in enumerate(plan)]
+        for first, buf in _swap_rows(x, start, comm, dim, outgoing, incoming):
+            out.narrow(dim, first - lo, buf.shape[dim]).copy_(buf)
         return out
 
     @staticmethod
@@ -387,21 +405,11 @@ class _ScatterAddRows(Function):
                 out.narrow(dim, own[0] - start, own[1] - own[0]).copy_(
                     g.narrow(dim, own[0] - lo, own[1] - own[0])
                 )
-        send, recv, places = [], [], []
-        for q, (give, take) in enumerate(plan):
-            if q == comm.rank:
-                continue
-            if take[1] > take[0]:
-                send.append((q, g.narrow(dim, take[0] - lo, take[1] - take[0])))
-            if give[1] > give[0]:
-                shape = list(g.shape)
-                shape[dim] = give[1] - give[0]
-                buf = g.new_empty(shape)
-                recv.append((q, buf))
-                places.append((give[0] - start, buf))
-        comm.neighbor_exchange(send, recv)  # every rank calls it (debug mode checks it)
-        for offset, buf in places:
-            out.narrow(dim, offset, buf.shape[dim]).add_(buf)
+        # The mirror image of the forward: what this rank took goes back, what it gave returns.
+        outgoing = [(q, take) for q, (_, take) in enumerate(plan)]
+        incoming = [(q, give) for q, (give, _) in enumerate(plan)]
+        for first, buf in _swap_rows(g, lo, comm, dim, outgoing, incoming):
+            out.narrow(dim, first - start, buf.shape[dim]).add_(buf)
         return out
 
     @staticmethod
