@@ -21,7 +21,7 @@ Legend: ``_blk`` this rank's block, ``H W`` global sizes, ``[o0, o1)`` output bl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -49,9 +49,8 @@ def _fetch(
     the whole block.
     """
     out, pads = [], []
-    for dim, (win, n, comm, parts) in enumerate(
-        zip(windows, size, (grid.col_comm, grid.row_comm), (grid.rows, grid.cols), strict=True)
-    ):
+    for dim, (win, n) in enumerate(zip(windows, size, strict=True)):
+        comm, parts, _ = grid.axis(dim)
         in_sizes, out_sizes, want = win.plan(n, parts)
         if native and parts == 1 and win.pad_lo == win.pad_hi:
             pads.append(win.pad_lo)
@@ -60,6 +59,42 @@ def _fetch(
             pads.append(0)
         out.append(out_sizes[comm.rank])
     return x_blk, (out[0], out[1]), (pads[0], pads[1])
+
+
+def _fetch_ranges(
+    x_blk: torch.Tensor,
+    grid: SpatialGrid,
+    size: tuple[int, int],
+    out_size: Callable[[int, int], int],
+    needs: Callable[[int, int, int, int], tuple[int, int]],
+) -> tuple[torch.Tensor, list[tuple[int, int]], list[int]]:
+    """For layers whose output blocks read input rows that no :class:`Window` describes
+    (transposed convolution, upsampling): along each dimension, ``out_size(dim, n)`` output
+    rows in tensor_split blocks, and ``needs(dim, o0, o1, n)`` the input rows block
+    ``[o0, o1)`` reads. Returns the fetched block, this rank's ``(o0, rows)`` output block and
+    the first fetched input row, per dimension.
+    """
+    blocks, firsts = [], []
+    for dim, n in enumerate(size):
+        comm, parts, _ = grid.axis(dim)
+        out_sizes = tensor_split_sizes(out_size(dim, n), parts)
+        want = [
+            needs(dim, o0, o0 + o, n) for o0, o in zip(starts(out_sizes), out_sizes, strict=True)
+        ]
+        x_blk = pkf.gather_rows(x_blk, comm, 2 + dim, tensor_split_sizes(n, parts), want)
+        blocks.append((starts(out_sizes)[comm.rank], out_sizes[comm.rank]))
+        firsts.append(want[comm.rank][0])
+    return x_blk, blocks, firsts
+
+
+def _crop(y: torch.Tensor, origins: Sequence[int], blocks: Sequence[tuple[int, int]]):
+    """Cut (or zero-extend) a local result whose first row along each dimension is global row
+    ``origins[dim]`` to this rank's output block ``(o0, rows)``: negative pads crop."""
+    (top, bottom), (left, right) = (
+        (origin - o0, o0 + o - origin - y.shape[2 + dim])
+        for dim, (origin, (o0, o)) in enumerate(zip(origins, blocks, strict=True))
+    )
+    return F.pad(y, (left, right, top, bottom))
 
 
 def _empty_output(
@@ -209,39 +244,25 @@ class SpatialConvTranspose2d(nn.ConvTranspose2d):
 
     def forward(self, x_blk: torch.Tensor, size: tuple[int, int] | None = None) -> torch.Tensor:
         size = size or self.grid.global_size(x_blk, type(self).__name__)
-        g = self.grid
-        crops, out_hw = [], []
-        for dim, n in enumerate(size):
-            k, s, p, d = (
-                self.kernel_size[dim],
-                self.stride[dim],
-                self.padding[dim],
-                self.dilation[dim],
-            )
-            comm, parts = (g.col_comm, g.rows) if dim == 0 else (g.row_comm, g.cols)
-            m = (n - 1) * s - 2 * p + d * (k - 1) + self.output_padding[dim] + 1
-            out_sizes = tensor_split_sizes(m, parts)
-            want = [
-                transposed_needs(o0, o0 + o, n, k, s, p, d)
-                for o0, o in zip(starts(out_sizes), out_sizes, strict=True)
-            ]
-            x_blk = pkf.gather_rows(x_blk, comm, 2 + dim, tensor_split_sizes(n, parts), want)
-            a, b = want[comm.rank]
-            o0, o = starts(out_sizes)[comm.rank], out_sizes[comm.rank]
-            local = (b - a - 1) * s + d * (k - 1) + 1 if b > a else 0
-            first = o0 - (a * s - p)  # where this block starts in the local output
-            crops.append((-first, o - (local - first)))
-            out_hw.append(o)
+        k, s, p, d = self.kernel_size, self.stride, self.padding, self.dilation
+
+        def out_size(dim: int, n: int) -> int:
+            span = d[dim] * (k[dim] - 1) + 1
+            return (n - 1) * s[dim] - 2 * p[dim] + span + self.output_padding[dim]
+
+        def needs(dim: int, o0: int, o1: int, n: int) -> tuple[int, int]:
+            return transposed_needs(o0, o1, n, k[dim], s[dim], p[dim], d[dim])
+
+        x_blk, blocks, firsts = _fetch_ranges(x_blk, self.grid, size, out_size, needs)
+        out_hw = (blocks[0][1], blocks[1][1])
         weight = pkf.copy_to_group(self.weight, self.comm)
         bias = None if self.bias is None else pkf.copy_to_group(self.bias, self.comm)
         if min(out_hw) == 0 or min(x_blk.shape[2:]) == 0:
-            y = _empty_output(x_blk, self.out_channels, (out_hw[0], out_hw[1]), x_blk, weight)
+            y = _empty_output(x_blk, self.out_channels, out_hw, x_blk, weight)
         else:
-            y = F.conv_transpose2d(
-                x_blk, weight, None, self.stride, 0, 0, self.groups, self.dilation
-            )
-            (top, bottom), (left, right) = crops
-            y = F.pad(y, (left, right, top, bottom))  # negative pads crop
+            y = F.conv_transpose2d(x_blk, weight, None, s, 0, 0, self.groups, d)
+            # Local row 0 is where the first fetched input row lands: a * stride - padding.
+            y = _crop(y, [firsts[i] * s[i] - p[i] for i in range(2)], blocks)
         return y if bias is None else y + bias.view(-1, 1, 1)
 
     @classmethod

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import parallelkit.functional as pkf
-from parallelkit.comm import Communicator, tensor_split_sizes
-from parallelkit.geometry import Window, starts
-from parallelkit.nn.spatial_parallel import _fetch, _pair
+from parallelkit.comm import Communicator
+from parallelkit.geometry import Window
+from parallelkit.nn.spatial_parallel import _crop, _empty_output, _fetch, _fetch_ranges, _pair
 from parallelkit.spatial.grid import SpatialGrid, grid_of
 
 
@@ -77,7 +77,7 @@ class SpatialMaxPool2d(_SpatialPool):
         # max_pool2d pads with -inf itself, like the fetch.
         x, out_hw, pad = self._fetch(x_blk, size)
         if min(out_hw) == 0:
-            return x.new_zeros(x.shape[0], x.shape[1], *out_hw) + 0 * x.sum()
+            return _empty_output(x, x.shape[1], out_hw, x)
         return F.max_pool2d(x, self.kernel_size, self.stride, pad, self.dilation)
 
     @classmethod
@@ -121,7 +121,7 @@ class SpatialAvgPool2d(_SpatialPool):
         )
         x, out_hw, pad = self._fetch(x_blk, size, native=plain)
         if min(out_hw) == 0:
-            return x.new_zeros(x.shape[0], x.shape[1], *out_hw) + 0 * x.sum()
+            return _empty_output(x, x.shape[1], out_hw, x)
         if plain:
             return F.avg_pool2d(
                 x, self.kernel_size, self.stride, pad, divisor_override=self.divisor_override
@@ -133,9 +133,8 @@ class SpatialAvgPool2d(_SpatialPool):
     def _real(self, x: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         """1 where the fetched block holds image pixels, 0 on padding (pure geometry)."""
         masks = []
-        g = self.grid
         for dim, (win, n) in enumerate(zip(self.windows, size, strict=True)):
-            parts, idx = (g.rows, g.row) if dim == 0 else (g.cols, g.col)
+            _, parts, idx = self.grid.axis(dim)
             _, _, want = win.plan(n, parts)
             lo, hi = want[idx]
             rows = torch.arange(lo, hi, device=x.device)
@@ -189,25 +188,16 @@ class SpatialUpsample(nn.Module):
 
     def forward(self, x_blk: torch.Tensor, size: tuple[int, int] | None = None) -> torch.Tensor:
         size = size or self.grid.global_size(x_blk, type(self).__name__)
-        s, g, extra = self.scale_factor, self.grid, 1 if self.mode == "bilinear" else 0
-        crops, out_hw = [], []
-        for dim, n in enumerate(size):
-            comm, parts = (g.col_comm, g.rows) if dim == 0 else (g.row_comm, g.cols)
-            out_sizes = tensor_split_sizes(n * s, parts)
-            want = [
-                (max(o0 // s - extra, 0), min(-(-(o0 + o) // s) + extra, n)) if o else (0, 0)
-                for o0, o in zip(starts(out_sizes), out_sizes, strict=True)
-            ]
-            x_blk = pkf.gather_rows(x_blk, comm, 2 + dim, tensor_split_sizes(n, parts), want)
-            a, b = want[comm.rank]
-            o0, o = starts(out_sizes)[comm.rank], out_sizes[comm.rank]
-            crops.append((a * s - o0, o0 + o - b * s))
-            out_hw.append(o)
-        if min(out_hw) == 0:
-            return x_blk.new_zeros(*x_blk.shape[:2], *out_hw) + 0 * x_blk.sum()
+        s, extra = self.scale_factor, 1 if self.mode == "bilinear" else 0
+
+        def needs(dim: int, o0: int, o1: int, n: int) -> tuple[int, int]:
+            return (max(o0 // s - extra, 0), min(-(-o1 // s) + extra, n)) if o1 > o0 else (0, 0)
+
+        x_blk, blocks, firsts = _fetch_ranges(x_blk, self.grid, size, lambda _, n: n * s, needs)
+        if min(o for _, o in blocks) == 0:
+            return _empty_output(x_blk, x_blk.shape[1], (blocks[0][1], blocks[1][1]), x_blk)
         y = F.interpolate(x_blk, scale_factor=s, mode=self.mode)
-        (top, bottom), (left, right) = crops
-        return F.pad(y, (left, right, top, bottom))  # negative pads crop
+        return _crop(y, [a * s for a in firsts], blocks)  # local row 0 is global row a * s
 
     @classmethod
     def from_dense(cls, up: nn.Upsample, comm: Communicator, grid=None) -> SpatialUpsample:

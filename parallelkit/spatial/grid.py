@@ -45,6 +45,14 @@ class SpatialGrid:
             f"SpatialGrid({self.rows} x {self.cols}, rank {self.comm.rank} at {self.row, self.col})"
         )
 
+    def axis(self, dim: int) -> tuple[Communicator, int, int]:
+        """(communicator, number of blocks, this rank's block) along H (dim 0) or W (dim 1)."""
+        return (
+            (self.col_comm, self.rows, self.row)
+            if dim == 0
+            else (self.row_comm, self.cols, self.col)
+        )
+
     def global_size(self, x: torch.Tensor, name: str = "spatial layer") -> tuple[int, int]:
         """(H, W) of the whole images whose block ``x`` (N, C, h, w) this rank holds.
 
