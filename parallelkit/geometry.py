@@ -126,8 +126,8 @@ def received_rows(sizes: Sequence[int], want: Sequence[Range]) -> list[int]:
     :func:`parallelkit.functional.gather_rows` moves): the wanted rows inside the tensor that
     another rank holds. Padding rows and the rank's own rows cost nothing."""
     total, out = sum(sizes), []
-    for r, (lo, hi) in enumerate(want):
-        a, b = starts(sizes)[r], starts(sizes)[r] + sizes[r]
+    for r, ((lo, hi), a) in enumerate(zip(want, starts(sizes), strict=True)):
+        b = a + sizes[r]
         inside = max(0, min(hi, total) - max(lo, 0))
         own = max(0, min(hi, b) - max(lo, a))
         out.append(inside - own)

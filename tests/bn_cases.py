@@ -142,23 +142,6 @@ def _is(t: torch.Tensor, fmt: torch.memory_format) -> torch.Tensor:
     return torch.tensor(t.is_contiguous(memory_format=fmt))
 
 
-def assert_parity(results) -> None:
-    for label, got, expected, tol in results:
-        assert got.dtype == expected.dtype, f"{label}: dtype {got.dtype} != {expected.dtype}"
-        torch.testing.assert_close(got, expected, **tol, msg=lambda m, label=label: f"{label}: {m}")
-
-
-def mismatches(results) -> list[str]:
-    """Labels of the triples that do not match (for the negative control)."""
-    bad = []
-    for label, got, expected, tol in results:
-        try:
-            torch.testing.assert_close(got, expected, **tol)
-        except AssertionError:
-            bad.append(label)
-    return bad
-
-
 # ----------------------------------------------------------------------------- counting
 _PRIMITIVES = (
     "_all_reduce",

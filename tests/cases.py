@@ -33,9 +33,25 @@ def reference(values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 
 
 def assert_triples(triples: list[Triple]) -> None:
-    for label, got, expected in triples:
+    assert_results([(label, got, expected, {}) for label, got, expected in triples])
+
+
+def assert_results(results) -> None:
+    """(label, got, expected, assert_close tolerances) quadruples: all must match."""
+    for label, got, expected, tol in results:
         assert got.dtype == expected.dtype, f"{label}: dtype {got.dtype} != {expected.dtype}"
-        torch.testing.assert_close(got, expected, msg=lambda m, label=label: f"{label}: {m}")
+        torch.testing.assert_close(got, expected, **tol, msg=lambda m, label=label: f"{label}: {m}")
+
+
+def mismatches(results) -> list[str]:
+    """Labels of the quadruples that do not match (for negative controls)."""
+    bad = []
+    for label, got, expected, tol in results:
+        try:
+            torch.testing.assert_close(got, expected, **tol)
+        except AssertionError:
+            bad.append(label)
+    return bad
 
 
 # ----------------------------------------------------------------------------- collectives

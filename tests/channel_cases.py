@@ -122,20 +122,15 @@ def block(total: int, groups: int, comm: Communicator) -> slice:
     return slice(start, start + len(mine) * per)
 
 
+def _conv_args(spec: dict) -> tuple:
+    """nn.Conv2d's positional arguments for a case, in its order."""
+    keys = ("in_c", "out_c", "k", "stride", "padding", "dilation", "groups", "bias", "padding_mode")
+    return tuple(spec[key] for key in keys)
+
+
 def dense_conv(spec: dict, seed: int = 0) -> nn.Conv2d:
     torch.manual_seed(seed)
-    return nn.Conv2d(
-        spec["in_c"],
-        spec["out_c"],
-        spec["k"],
-        spec["stride"],
-        spec["padding"],
-        spec["dilation"],
-        spec["groups"],
-        spec["bias"],
-        spec["padding_mode"],
-        dtype=spec["dtype"],
-    )
+    return nn.Conv2d(*_conv_args(spec), dtype=spec["dtype"])
 
 
 def parameter_results(
@@ -232,20 +227,7 @@ def round_trip(comm: Communicator, name: str, split: str) -> list[Result]:
     dense = dense_conv(spec, seed=3)
     back = ChannelParallelConv2d.from_dense(dense, comm, split=split).to_dense()
     torch.manual_seed(3)
-    layer = ChannelParallelConv2d(
-        spec["in_c"],
-        spec["out_c"],
-        spec["k"],
-        spec["stride"],
-        spec["padding"],
-        spec["dilation"],
-        spec["groups"],
-        spec["bias"],
-        spec["padding_mode"],
-        dtype=spec["dtype"],
-        comm=comm,
-        split=split,
-    )
+    layer = ChannelParallelConv2d(*_conv_args(spec), dtype=spec["dtype"], comm=comm, split=split)
     made = layer.to_dense()
     x = torch.randn(2, spec["in_c"], *spec["hw"], dtype=spec["dtype"])
     exact: dict = dict(rtol=0, atol=0)
@@ -325,19 +307,3 @@ def errors(comm: Communicator) -> list[str]:
         comm.debug = debug
     messages.append(str(info.value))
     return messages
-
-
-def assert_results(results: list[Result]) -> None:
-    for label, got, expected, tol in results:
-        assert got.dtype == expected.dtype, f"{label}: dtype {got.dtype} != {expected.dtype}"
-        torch.testing.assert_close(got, expected, **tol, msg=lambda m, label=label: f"{label}: {m}")
-
-
-def mismatches(results: list[Result]) -> list[str]:
-    bad = []
-    for label, got, expected, tol in results:
-        try:
-            torch.testing.assert_close(got, expected, **tol)
-        except AssertionError:
-            bad.append(label)
-    return bad

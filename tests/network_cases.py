@@ -100,10 +100,8 @@ def _grads(at: str, model: nn.Module, dense: nn.Module) -> list[Triple]:
     wanted = dict(dense.named_parameters())
     out = []
     for name, p in model.named_parameters():
-        key = name
-        for prefix in ("module.", "module."):
-            key = key.removeprefix(prefix)
-        key = key.replace(".module.", ".")
+        # Wrappers (DataParallel, SpatialRegion, keep_dense) add "module" to the path.
+        key = ".".join(part for part in name.split(".") if part != "module")
         q = wanted.get(key)
         if q is not None and p.shape == q.shape and p.grad is not None:
             out.append((f"{at} {key} grad", p.grad.clone(), q.grad.clone()))

@@ -11,18 +11,16 @@ from torch import nn
 from parallelkit.comm.local import LocalCommunicator
 from parallelkit.nn import ChannelParallelConv2d
 
-from cases import WORLD_SIZES
+from cases import WORLD_SIZES, assert_results, mismatches
 from channel_cases import (
     BAD_SPLITS,
     CASES,
     CHAINS,
     OPTIONS,
-    assert_results,
     chain,
     collective_counts,
     errors,
     grouped_shortcut,
-    mismatches,
     parity,
     replicated_bias,
     round_trip,

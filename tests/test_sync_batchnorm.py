@@ -13,20 +13,18 @@ from parallelkit.nn import SyncBatchNorm, convert_sync_batchnorm
 from bn_cases import (
     CASES,
     all_empty,
-    assert_parity,
     collective_counts,
-    mismatches,
     one_value_raises,
     parity,
 )
-from cases import WORLD_SIZES, assert_triples
+from cases import WORLD_SIZES, assert_results, assert_triples, mismatches
 
 
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("size", WORLD_SIZES)
 def test_parity_with_dense_batchnorm(ranks, size, name):
     for results in ranks(size).run(parity, name):
-        assert_parity(results)
+        assert_results(results)
 
 
 @pytest.mark.parametrize("name", ["(N, C, H, W)", "height split"])

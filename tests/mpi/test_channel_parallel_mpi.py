@@ -8,16 +8,15 @@ import zlib
 import pytest
 import torch
 
+from cases import assert_results, mismatches
 from channel_cases import (
     CASES,
     CHAINS,
     OPTIONS,
-    assert_results,
     chain,
     collective_counts,
     errors,
     grouped_shortcut,
-    mismatches,
     parity,
     round_trip,
     spec_of,

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from bn_cases import CASES, assert_parity, collective_counts, mismatches, parity
+from bn_cases import CASES, collective_counts, parity
+from cases import assert_results, mismatches
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_parity_with_dense_batchnorm(comm, name):
-    assert_parity(parity(comm, name))
+    assert_results(parity(comm, name))
 
 
 def test_per_rank_batchnorm_does_not_match(comm):
