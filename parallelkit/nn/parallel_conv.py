@@ -91,12 +91,12 @@ class ParallelConv2d(nn.Module):
         gather_output: bool = True,
     ) -> ParallelConv2d:
         """A drop-in layer holding ``conv``'s weights (channel: this rank's block)."""
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        if mode not in MODES:
-            raise ValueError(f"ParallelConv2d: mode must be one of {MODES}, got {mode!r}")
-        layer.mode, layer.comm, layer.grid = mode, comm, grid
-        layer.input_is_split, layer.gather_output = input_is_split, gather_output
+        layer = cls(
+            conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+            conv.dilation, conv.groups, conv.bias is not None, conv.padding_mode, device="meta",
+            comm=comm, mode=mode, grid=grid, input_is_split=input_is_split,
+            gather_output=gather_output,
+        )  # fmt: skip
         if mode == "channel":
             layer.conv = ChannelParallelConv2d.from_dense(conv, comm, **layer._channel_layout())
         else:
