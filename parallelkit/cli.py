@@ -1,6 +1,11 @@
-"""The ``parallelkit`` command. Subcommands grow with the library.
+"""The ``parallelkit`` command.
 
-parallelkit info      versions, available backends and what ``pk.init("auto")`` would pick
+parallelkit train [--config FILE] [--resume] [key=value ...]
+                        train (see parallelkit.train.config for every key); starts
+                        parallel.ranks local ranks, or joins torchrun / mpiexec / srun
+parallelkit data shard SRC OUT --samples-per-shard N
+                        write a data set as WebDataset tar shards
+parallelkit info        versions, available backends and what ``pk.init("auto")`` would pick
 """
 
 from __future__ import annotations
@@ -8,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import platform
+import sys
 
 import torch
 
@@ -33,10 +39,61 @@ def info() -> str:
     return "\n".join(lines)
 
 
+def train(argv: list[str]) -> int:
+    """Parse the config; start the local ranks, or be one rank of a launched job."""
+    from parallelkit.train import config, launch, trainer
+
+    parser = argparse.ArgumentParser(
+        prog="parallelkit train",
+        description="Train a network; overrides are OmegaConf dot-lists, e.g. "
+        "parallel.strategy=spatial parallel.ranks=4 train.epochs=3",
+    )
+    parser.add_argument("--config", help="a YAML file with any part of the config")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest checkpoint in train.run_dir")  # fmt: skip
+    parser.add_argument("--print-config", action="store_true", help="print it and exit")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    args = parser.parse_args(argv)
+    overrides = [*args.overrides, *(["train.resume=true"] if args.resume else [])]
+    try:
+        cfg = config.load(args.config, overrides)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.print_config:
+        print(config.to_yaml(cfg), end="")
+        return 0
+    if launch.under_launcher():
+        trainer.run(cfg)
+    elif cfg.parallel.backend == "xla":
+        launch.launch_xla(trainer.run, cfg)
+    elif launch.local_command(cfg, argv) is None:
+        trainer.run(cfg)
+    else:
+        status = launch.launch(cfg, argv)
+        if status:
+            print(f"parallelkit train: a rank failed (exit status {status}); see above",
+                  file=sys.stderr)  # fmt: skip
+        return status
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # train and data hand the rest of the line to their own parsers.
+    if argv[:1] == ["train"]:
+        return train(argv[1:])
+    if argv[:2] == ["data", "shard"]:
+        from parallelkit.data import shard_main
+
+        return shard_main(argv[2:])
     parser = argparse.ArgumentParser(prog="parallelkit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, backends, and what pk.init('auto') picks")
+    sub.add_parser("train", help="train a network (parallelkit train --help)")
+    data = sub.add_parser("data", help="data tools (parallelkit data shard --help)")
+    data.add_subparsers(dest="data_command", required=True).add_parser(
+        "shard", help="write WebDataset tar shards"
+    )
     args = parser.parse_args(argv)
     if args.command == "info":
         print(info())

@@ -18,7 +18,7 @@ from torch import nn
 
 import parallelkit as pk
 from parallelkit.comm import Communicator
-from parallelkit.models import Discriminator, Generator, resnet18
+from parallelkit.models import Bottleneck, Discriminator, Generator, ResNet, resnet18
 
 Triple = tuple[str, torch.Tensor, torch.Tensor]
 
@@ -27,6 +27,14 @@ NETWORKS = {
     "resnet18": (
         lambda: resnet18(widths=(4, 6, 8, 8), num_classes=5),
         (3, 32, 32),
+        lambda out, t: F.cross_entropy(out, t % 5, reduction="sum"),
+        (),
+    ),
+    # Bottleneck blocks (1x1 convs, the stride on the 3x3, identity and projection shortcuts);
+    # inner widths 3 and 5 split unevenly, and some convs have fewer channels than ranks.
+    "bottleneck resnet": (
+        lambda: ResNet((1, 2), widths=(3, 5), num_classes=5, stem="cifar", block=Bottleneck),
+        (3, 16, 16),
         lambda out, t: F.cross_entropy(out, t % 5, reduction="sum"),
         (),
     ),

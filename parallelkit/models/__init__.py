@@ -1,6 +1,41 @@
-"""Models written against plain torch.nn, taking layer types as arguments; no parallelism."""
+"""Models written against plain torch.nn, taking layer types as arguments; no parallelism.
+
+Build one by name with :func:`create` (names: :func:`list_models`):
+
+==========================  ===============================================================
+``"resnet18"``              :func:`resnet18`: BasicBlock 2-2-2-2, 11.7 M parameters
+``"resnet34"``              :func:`resnet34`: BasicBlock 3-4-6-3, 21.8 M parameters
+``"resnet50"``              :func:`resnet50`: Bottleneck 3-4-6-3, 25.6 M parameters
+``"dcgan_generator"``       :class:`Generator`: noise -> image, 8x8 to 1024x1024
+``"dcgan_discriminator"``   :class:`Discriminator`: image -> logit, 8x8 to 1024x1024
+==========================  ===============================================================
+
+(parameter counts for the ImageNet stem and 1000 classes, equal to torchvision's.)
+"""
 
 from parallelkit.models.dcgan import Discriminator, Generator
-from parallelkit.models.resnet import BasicBlock, ResNet, resnet18
+from parallelkit.models.registry import create, list_models, register
+from parallelkit.models.resnet import (
+    BasicBlock,
+    Bottleneck,
+    Layer,
+    ResNet,
+    resnet18,
+    resnet34,
+    resnet50,
+)
 
-__all__ = ["BasicBlock", "Discriminator", "Generator", "ResNet", "resnet18"]
+__all__ = [
+    "BasicBlock",
+    "Bottleneck",
+    "Discriminator",
+    "Generator",
+    "Layer",
+    "ResNet",
+    "create",
+    "list_models",
+    "register",
+    "resnet18",
+    "resnet34",
+    "resnet50",
+]

@@ -1,0 +1,68 @@
+"""Data for training: datasets, per-rank loaders, and WebDataset tar shards.
+
+    from parallelkit.data import DataConfig, build_loader
+    loader = build_loader(DataConfig(name="digits"), "train", rank=grid.data_comm.rank,
+                          size=grid.data_comm.size, batch_size=32, seed=0)
+
+Modules, one idea each:
+
+    config       DataConfig (part of the OmegaConf training config) and its checks
+    datasets     map-style datasets: digits, synthetic, image folders, CIFAR-10 batches
+    sampler      RankSampler: torch's DistributedSampler + exact evaluation cover + resume
+    shardio      tar shards on disk: write_shards, manifest.json, reading and decoding samples
+    shardstream  which shard pieces each data rank and DataLoader worker streams
+    loader       build_loader and Loader, the one entry point the trainer uses
+    shard        the ``parallelkit data shard`` command (``python -m parallelkit.data.shard``)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from parallelkit.data.config import DATASETS, DataConfig, check_config
+from parallelkit.data.datasets import (
+    Cifar10Dataset,
+    DigitsDataset,
+    ImageFolderDataset,
+    SyntheticDataset,
+    denormalize,
+    load_dataset,
+    normalize,
+)
+from parallelkit.data.loader import Loader, build_loader
+from parallelkit.data.sampler import RankSampler
+from parallelkit.data.shardio import ShardError, check_shards, load_split, write_shards
+
+if TYPE_CHECKING:
+    from parallelkit.data.shard import shard_main
+
+__all__ = [
+    "DATASETS",
+    "Cifar10Dataset",
+    "DataConfig",
+    "DigitsDataset",
+    "ImageFolderDataset",
+    "Loader",
+    "RankSampler",
+    "ShardError",
+    "SyntheticDataset",
+    "build_loader",
+    "check_config",
+    "check_shards",
+    "denormalize",
+    "load_dataset",
+    "load_split",
+    "normalize",
+    "shard_main",
+    "write_shards",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use, so that `python -m parallelkit.data.shard` does not find the
+    # module already imported by its package (runpy warns about that).
+    if name == "shard_main":
+        from parallelkit.data.shard import shard_main
+
+        return shard_main
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,68 @@
+"""The data section of a training config, and its checks.
+
+A plain dataclass of plain types, so that it can sit inside an OmegaConf structured config
+(``OmegaConf.structured(TrainConfig)``) and be overridden from the command line
+(``data.name=synthetic data.image_size=256``). Everything that reads it accepts a
+``DataConfig`` or an OmegaConf ``DictConfig`` of the same fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DATASETS: tuple[str, ...] = ("digits", "synthetic", "imagefolder", "cifar10", "webdataset")
+SPLITS: tuple[str, ...] = ("train", "test")
+
+
+@dataclass
+class DataConfig:
+    """Which images to train on and how each rank loads them.
+
+    ``name`` picks the source:
+
+    - ``digits``: scikit-learn's 1,797 8x8 digits (installed with scikit-learn, no download),
+      a fixed 80/20 train/test split, bilinear-upscaled to ``image_size``.
+    - ``synthetic``: random images of any size, generated per index on demand (benchmarks).
+    - ``imagefolder``: ``root/train/<class>/*.png|jpg`` and ``root/test`` (or ``root/val``).
+    - ``cifar10``: ``root`` is the ``cifar-10-batches-py`` directory of pickled batches.
+    - ``webdataset``: ``root`` holds ``train-*.tar``, ``test-*.tar`` and ``manifest.json``
+      as written by ``parallelkit data shard``.
+    """
+
+    name: str = "digits"
+    root: str | None = None
+    image_size: int = 32
+    channels: int = 3
+    num_classes: int = 10  # synthetic only; the other sources know their own
+    train_samples: int = 1024  # synthetic only
+    test_samples: int = 256  # synthetic only
+    workers: int = 0  # DataLoader worker processes per rank
+    shuffle: bool = True
+
+
+def check_config(cfg: DataConfig, split: str) -> None:
+    """Raise ``ValueError`` naming the field when ``cfg`` or ``split`` cannot work.
+
+    Called before any file is opened, with information every rank has, so every rank fails
+    the same way before the first collective.
+    """
+    if cfg.name not in DATASETS:
+        raise ValueError(f"data.name={cfg.name!r} is not one of {', '.join(DATASETS)}")
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} must be one of {', '.join(SPLITS)}")
+    if cfg.channels not in (1, 3):
+        raise ValueError(f"data.channels={cfg.channels} must be 1 (grayscale) or 3 (RGB)")
+    positive = {"data.image_size": cfg.image_size}
+    if cfg.name == "synthetic":
+        positive |= {
+            "data.num_classes": cfg.num_classes,
+            "data.train_samples": cfg.train_samples,
+            "data.test_samples": cfg.test_samples,
+        }
+    for key, value in positive.items():
+        if int(value) != value or value < 1:
+            raise ValueError(f"{key}={value} must be a positive integer")
+    if cfg.workers < 0:
+        raise ValueError(f"data.workers={cfg.workers} must be >= 0")
+    if cfg.name in ("imagefolder", "cifar10", "webdataset") and not cfg.root:
+        raise ValueError(f"data.name={cfg.name!r} needs data.root, the directory to read")

@@ -1,0 +1,185 @@
+"""``build_loader``: one data-parallel rank's batches of a split, for the training loop.
+
+    loader = build_loader(cfg.data, "train", rank=grid.data_comm.rank,
+                          size=grid.data_comm.size, batch_size=32, seed=cfg.seed)
+    for epoch in range(start_epoch, epochs):
+        loader.set_epoch(epoch, start_batch=step_in_epoch if epoch == start_epoch else 0)
+        for images, labels in loader: ...
+
+``rank``/``size`` are the *data-parallel* coordinates: the ranks of one spatial or channel
+group pass the same data rank and so read the same batches, which is what those layers need.
+
+Two rules, one per value of ``drop_last`` (default: True for "train", False for "test"):
+
+- ``drop_last=True`` (training): ``len(loader)`` is the same on every rank and every batch is
+  full, computed without communication from what every rank knows (the dataset length, or the
+  shard manifest). A rank with one batch more would wait forever in the gradient all-reduce.
+  The epoch's order is a pure function of ``(seed, epoch)`` and the loader's geometry.
+- ``drop_last=False`` (evaluation): every sample is read by exactly one rank, once, so summed
+  counts give exact global metrics. The last batch of a rank may be partial and ranks may
+  have one batch more or fewer, so **the evaluation loop must not run a collective over the
+  data-parallel group per batch**: accumulate ``(correct, count)`` locally and all-reduce
+  once after the loop. (Spatial and channel groups are fine: their ranks share a data rank
+  and so have the same batches.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import DataLoader
+
+from parallelkit.data.config import DataConfig, check_config
+from parallelkit.data.datasets import load_dataset
+from parallelkit.data.sampler import RankSampler
+from parallelkit.data.shardio import check_shards, load_split
+from parallelkit.data.shardstream import ShardStream
+
+
+class Loader:
+    """Iterable of ``(images (N, C, S, S) float32 in about [-1, 1], labels (N,) int64)``.
+
+    ``len(loader)`` is the number of batches of a whole epoch on this rank, whatever
+    ``set_epoch``'s ``start_batch`` (an epoch resumed at batch k yields ``len(loader) - k``).
+    ``num_samples`` is the split's global size, over all ranks.
+    """
+
+    def __init__(
+        self,
+        dataloader: DataLoader,
+        *,
+        batches: int,
+        batch_size: int,
+        num_classes: int,
+        channels: int,
+        image_size: int,
+        num_samples: int,
+    ) -> None:
+        self.dataloader = dataloader
+        self.batches, self.batch_size = batches, batch_size
+        self.num_classes, self.channels = num_classes, channels
+        self.image_size, self.num_samples = image_size, num_samples
+        self.epoch, self.start_batch = 0, 0
+
+    def __len__(self) -> int:
+        return self.batches
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return iter(self.dataloader)
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Iterate epoch ``epoch``'s order from its batch ``start_batch`` on.
+
+        Holds until the next call. Skipping happens before any image is decoded (at the
+        sampler, or by reading past shard members), and the batches yielded are exactly those
+        an uninterrupted epoch yields from ``start_batch`` on.
+        """
+        if not 0 <= start_batch <= self.batches:
+            raise ValueError(
+                f"set_epoch: start_batch={start_batch} must lie in [0, {self.batches}] "
+                "(the batches of one epoch on this rank)"
+            )
+        if epoch < 0:
+            raise ValueError(f"set_epoch: epoch={epoch} must be >= 0")
+        self.epoch, self.start_batch = epoch, start_batch
+        source = self.dataloader.sampler if self._map_style else self.dataloader.dataset
+        source.set_epoch(epoch, start_batch)  # type: ignore[attr-defined]
+
+    @property
+    def _map_style(self) -> bool:
+        return isinstance(self.dataloader.sampler, RankSampler)
+
+    def __repr__(self) -> str:
+        return (
+            f"Loader({len(self)} batches of {self.batch_size}, {self.num_samples} samples, "
+            f"{self.channels}x{self.image_size}x{self.image_size}, {self.num_classes} classes)"
+        )
+
+
+def build_loader(
+    cfg: DataConfig,
+    split: str,
+    *,
+    rank: int,
+    size: int,
+    batch_size: int,
+    seed: int = 0,
+    drop_last: bool | None = None,
+    shuffle_buffer: int = 512,
+) -> Loader:
+    """Data rank ``rank`` of ``size``'s loader of ``split``, ``batch_size`` images per batch.
+
+    Shuffles (``cfg.shuffle``) only the "train" split. ``shuffle_buffer`` is how many samples
+    a WebDataset worker holds (compressed) to shuffle within; map-style datasets shuffle
+    globally. Raises ``ValueError`` when the arguments or the data cannot work, e.g. a training
+    split too small to give every rank one full batch.
+    """
+    check_config(cfg, split)
+    if size < 1 or not 0 <= rank < size:
+        raise ValueError(f"build_loader: rank={rank} must lie in [0, size={size})")
+    if batch_size < 1:
+        raise ValueError(f"build_loader: batch_size={batch_size} must be >= 1")
+    if seed < 0:
+        raise ValueError(f"build_loader: seed={seed} must be >= 0")
+    drop_last = split == "train" if drop_last is None else drop_last
+    shuffle = bool(cfg.shuffle) and split == "train"
+    # A private generator: iterating must not draw from the global RNG (model init, dropout).
+    generator = torch.Generator().manual_seed(seed)
+    if cfg.name == "webdataset":
+        shards = load_split(str(cfg.root), split)
+        check_shards(shards)
+        stream = ShardStream(
+            shards,
+            rank=rank,
+            size=size,
+            batch_size=batch_size,
+            image_size=cfg.image_size,
+            channels=cfg.channels,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            buffer=shuffle_buffer,
+        )
+        dataloader = DataLoader(
+            stream, batch_size=None, num_workers=cfg.workers, generator=generator
+        )
+        batches, num_samples, num_classes = len(stream), shards.num_samples, shards.num_classes
+    else:
+        dataset = load_dataset(cfg, split)
+        sampler = RankSampler(
+            dataset,  # type: ignore[arg-type]
+            rank=rank,
+            size=size,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+        )
+        dataloader = DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            num_workers=cfg.workers,
+            drop_last=drop_last,
+            generator=generator,
+        )
+        n = sampler.num_samples
+        batches = n // batch_size if drop_last else -(-n // batch_size)
+        num_samples = len(dataset)  # type: ignore[arg-type]
+        num_classes = int(getattr(dataset, "num_classes", cfg.num_classes))
+    if drop_last and batches == 0:
+        raise ValueError(
+            f"build_loader: the {split} split of {cfg.name!r} has {num_samples} samples, too "
+            f"few for one full batch of {batch_size} on each of {size} data-parallel ranks; "
+            "lower the batch size or use more data"
+        )
+    return Loader(
+        dataloader,
+        batches=batches,
+        batch_size=batch_size,
+        num_classes=num_classes,
+        channels=cfg.channels,
+        image_size=cfg.image_size,
+        num_samples=num_samples,
+    )

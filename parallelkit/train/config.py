@@ -1,0 +1,196 @@
+"""The training configuration: typed dataclasses that OmegaConf turns into a structured config.
+
+A run is described by one :class:`Config`. It is built from the defaults below, then an
+optional YAML file, then command-line overrides in OmegaConf's dot-list form::
+
+    parallelkit train --config examples/dcgan/dcgan.yaml train.epochs=3 parallel.ranks=4
+
+OmegaConf checks every key and type against the dataclasses (a misspelt key or a string where
+an int belongs is an error naming the key); :func:`validate` then checks what types cannot say
+(a batch that does not split over the data ranks, an unknown strategy). The resolved config is
+saved as ``config.yaml`` in the run directory, so a run can be repeated from it alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from parallelkit.data.config import DataConfig, check_config
+
+TASKS = ("classify", "gan")
+STRATEGIES = ("data", "spatial", "channel", "hybrid")
+OPTIMIZERS = ("sgd", "adam", "lars")
+SCHEDULES = ("cosine", "constant")
+PRECISIONS = ("fp32", "bf16")
+
+
+@dataclass
+class ModelConfig:
+    """Which network. ``name`` is a :func:`parallelkit.models.create` name; for the GAN task
+    it names the generator and the discriminator is its mirror."""
+
+    name: str = "resnet18"
+    stem: str = "cifar"  # resnet: "cifar" (3x3, no pooling) for small images, or "imagenet"
+    width: int = 64  # resnet: channels of the first stage; dcgan: ngf and ndf
+    nz: int = 100  # dcgan: noise dimension
+    kwargs: dict[str, Any] = field(default_factory=dict)  # more arguments for create()
+
+
+@dataclass
+class ParallelConfig:
+    """How the ranks share the work.
+
+    ``strategy`` alone spends every rank on it: "data" splits the batch, "spatial" splits each
+    image by rows, "channel" splits convolution channels. Grid dimensions (``rows``, ``cols``,
+    ``channel``) choose a hybrid: the ranks left over (``world / (rows * cols * channel)``)
+    split the batch. ``ranks`` is how many local processes ``parallelkit train`` starts when no
+    launcher (torchrun, mpiexec, srun, torch_xla.launch) started it.
+    """
+
+    strategy: str = "data"
+    ranks: int = 2
+    backend: str = "auto"  # auto | gloo | nccl | mpi | xla | local
+    rows: int = 1
+    cols: int = 1
+    channel: int = 1
+    timeout: float = 300.0  # seconds before a stuck collective (a dead rank) stops the job
+    bucket_cap_mb: float = 25.0
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer and learning-rate schedule.
+
+    With ``scale_lr`` the rate is ``lr * batch_size / base_batch`` (Goyal et al.'s linear
+    scaling rule), reached by a linear warm-up over ``warmup_epochs`` and then held or cosine
+    decayed. "lars" is SGD with You et al.'s layer-wise trust ratio for large batches.
+    """
+
+    name: str = "sgd"
+    lr: float = 0.1
+    base_batch: int = 256
+    scale_lr: bool = True
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    betas: tuple[float, float] = (0.9, 0.999)  # adam
+    trust_coefficient: float = 0.001  # lars
+    warmup_epochs: float = 1.0
+    schedule: str = "cosine"
+
+
+@dataclass
+class TrainConfig:
+    """The loop. ``batch_size`` is global (all data ranks together), so a run with the same
+    seed and batch size sees the same batches on any number of ranks."""
+
+    task: str = "classify"
+    epochs: int = 8
+    batch_size: int = 64
+    accumulate: int = 1  # micro-batches per optimizer step
+    precision: str = "fp32"
+    seed: int = 0
+    max_steps: int = 0  # stop after this many optimizer steps (0: run every epoch)
+    log_every: int = 10  # steps between global loss reductions and log lines
+    eval_every: int = 1  # epochs
+    checkpoint_every: int = 0  # steps; 0: at the end of every epoch
+    keep_checkpoints: int = 2
+    run_dir: str = "runs/${model.name}-${data.name}-${parallel.strategy}"
+    resume: bool = False  # continue from the newest complete checkpoint in run_dir
+    progress: bool = True
+    tensorboard: bool = True
+    fail_at_step: int = -1  # testing aid: the last rank dies at this step
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+def load(path: str | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults, then the YAML file at ``path``, then ``key=value`` overrides; validated."""
+    try:
+        cfg = OmegaConf.structured(Config)
+        if path is not None:
+            if not Path(path).is_file():
+                raise ValueError(f"config file {path} does not exist")
+            cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
+        if bad := [o for o in overrides if "=" not in o]:
+            raise ValueError(f"overrides must look like key=value, got {bad}")
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+        OmegaConf.resolve(cfg)
+        config: Config = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as e:
+        raise ValueError(f"config: {e}") from None
+    validate(config)
+    return config
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def _one_of(value: str, allowed: tuple[str, ...], key: str) -> None:
+    if value not in allowed:
+        raise ValueError(f"config: {key} must be one of {allowed}, got {value!r}")
+
+
+def validate(cfg: Config) -> None:
+    """What the types cannot say; checks that need the world size are in :func:`grid_dims`."""
+    t, o, p = cfg.train, cfg.optim, cfg.parallel
+    check_config(cfg.data, "train")
+    _one_of(t.task, TASKS, "train.task")
+    _one_of(p.strategy, STRATEGIES, "parallel.strategy")
+    _one_of(o.name, OPTIMIZERS, "optim.name")
+    _one_of(o.schedule, SCHEDULES, "optim.schedule")
+    _one_of(t.precision, PRECISIONS, "train.precision")
+    positive = {
+        "train.epochs": t.epochs,
+        "train.batch_size": t.batch_size,
+        "train.accumulate": t.accumulate,
+        "train.log_every": t.log_every,
+        "train.eval_every": t.eval_every,
+        "parallel.ranks": p.ranks,
+        "parallel.rows": p.rows,
+        "parallel.cols": p.cols,
+        "parallel.channel": p.channel,
+        "optim.base_batch": o.base_batch,
+    }
+    if bad := {k: v for k, v in positive.items() if v < 1}:
+        raise ValueError(f"config: these must be at least 1: {bad}")
+    if (t.task == "gan") != (cfg.model.name == "dcgan"):
+        raise ValueError(
+            f"config: train.task={t.task} with model.name={cfg.model.name}; the GAN task trains "
+            "model.name=dcgan, classification a ResNet"
+        )
+    if p.strategy == "hybrid" and p.rows * p.cols * p.channel == 1:
+        raise ValueError(
+            "config: parallel.strategy=hybrid needs a model-parallel grid, e.g. parallel.rows=2"
+        )
+    if p.rows * p.cols > 1 and p.channel > 1:
+        raise ValueError("config: spatial (rows/cols) and channel parallelism cannot be combined")
+
+
+def grid_dims(cfg: ParallelConfig, world: int) -> dict[str, int]:
+    """``Grid`` dimensions (data, rows, cols, channel) for ``world`` ranks."""
+    rows, cols, channel = cfg.rows, cfg.cols, cfg.channel
+    if rows * cols * channel == 1:  # the strategy alone: every rank on it
+        if cfg.strategy == "spatial":
+            rows = world
+        elif cfg.strategy == "channel":
+            channel = world
+    model = rows * cols * channel
+    if world % model:
+        raise ValueError(
+            f"config: {world} ranks do not split into groups of rows x cols x channel = "
+            f"{rows} x {cols} x {channel}; choose a grid whose product divides {world}"
+        )
+    return {"data": world // model, "rows": rows, "cols": cols, "channel": channel}

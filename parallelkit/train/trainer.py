@@ -1,0 +1,215 @@
+"""The training loop that ``parallelkit train`` runs on every rank.
+
+    comm, grid   pk.init + a Grid (data x rows x cols x channel) from the config
+    data         every data rank reads its rows of each global batch; ranks of one spatial or
+                 channel group read the same rows (they share a data rank)
+    task         networks parallelized with pk.parallelize, optimizers, one step, evaluation
+    loop         epochs of steps; every log_every steps one reduction of the losses (the only
+                 host synchronisation); checkpoints; evaluation at epoch ends
+    end          the dense model(s) exported, a summary table on rank 0
+
+A step is deterministic given the seed, the step number and the checkpointed state, so a run
+resumed from a checkpoint continues exactly as the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import parallelkit as pk
+from parallelkit.data import build_loader
+from parallelkit.parallel import Grid
+from parallelkit.train import checkpoint
+from parallelkit.train.config import Config, grid_dims, to_yaml
+from parallelkit.train.monitor import Monitor, table
+from parallelkit.train.tasks import Classify, Gan
+
+
+def device_for(comm: pk.Communicator) -> torch.device:
+    if comm.backend == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if comm.backend == "xla":
+        import torch_xla
+
+        return torch_xla.device()
+    return torch.device("cpu")
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """This process's peak memory: device memory on GPUs, resident set size on CPUs."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def end_of_step(device: torch.device) -> None:
+    """Cut the lazy XLA graph after each step, so that every step is the same graph."""
+    if device.type == "xla":
+        import torch_xla
+
+        torch_xla.sync()
+
+
+def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
+    """Train as configured; returns the final metrics (the same on every rank)."""
+    comm = comm or pk.init(cfg.parallel.backend, timeout=cfg.parallel.timeout)
+    grid = Grid(comm, **grid_dims(cfg.parallel, comm.size))
+    t = cfg.train
+    if t.batch_size % (grid.data * t.accumulate):
+        raise ValueError(
+            f"train.batch_size={t.batch_size} must split into {grid.data} data-parallel ranks x "
+            f"{t.accumulate} micro-batches (train.accumulate)"
+        )
+    if t.task == "gan" and t.accumulate > 1:
+        raise ValueError("train.accumulate > 1 is supported for train.task=classify only")
+    device = device_for(comm)
+    run_dir = Path(t.run_dir)
+    lead = comm.rank == 0
+    if lead:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+
+    per_rank = t.batch_size // grid.data
+    loaders = {
+        split: build_loader(
+            cfg.data,
+            split,
+            rank=grid.data_comm.rank,
+            size=grid.data,
+            batch_size=per_rank,
+            seed=t.seed,
+        )
+        for split in ("train", "test")
+    }
+    train = loaders["train"]
+    if len(train) == 0:
+        raise ValueError(
+            f"train.batch_size={t.batch_size} is larger than the {train.num_samples} training "
+            f"samples of data.name={cfg.data.name}"
+        )
+    torch.manual_seed(t.seed)  # the same initial weights on every rank
+    if t.task == "classify":
+        task = Classify(cfg, grid, device, len(train), train.channels, train.num_classes)
+    else:
+        task = Gan(cfg, grid, device, len(train), train.channels, train.image_size)
+
+    step = 0
+    if t.resume and (found := checkpoint.latest(run_dir)) is not None:
+        state = checkpoint.load(found, grid)
+        task.load_state(state["task"])
+        step = state["step"]
+    monitor = Monitor(run_dir, lead, progress=t.progress, tensorboard=t.tensorboard)
+    monitor.print(
+        f"parallelkit train: {t.task} {cfg.model.name} on {cfg.data.name}, {comm.size} ranks "
+        f"({comm.backend}), {grid}, global batch {t.batch_size}"
+        + (f", resumed at step {step}" if step else "")
+    )
+    total = task.total_steps
+    window = {"start": time.perf_counter(), "steps": 0}
+    sums: dict[str, torch.Tensor] = {}
+    last: dict[str, float] = {}
+    evals: dict[str, float] = {}
+    started = time.perf_counter()
+    images = 0
+
+    def log_window() -> None:
+        """Reduce the window's losses over the data group: one host synchronisation."""
+        names = sorted(sums)
+        means = grid.data_comm.all_reduce(torch.stack([sums[k] for k in names]).cpu(), "mean")
+        elapsed = time.perf_counter() - window["start"]
+        rate = window["steps"] * t.batch_size / elapsed
+        last.update({k: v / window["steps"] for k, v in zip(names, means.tolist(), strict=True)})
+        last.update(img_s=rate, img_s_per_rank=rate / comm.size, lr=task.lr())
+        monitor.log("train", step, epoch=epoch, **last)
+        monitor.advance(0, **{k: last[k] for k in names})
+        sums.clear()
+        window.update(start=time.perf_counter(), steps=0)
+
+    for epoch in range(step // len(train), t.epochs):
+        if step >= total:
+            break
+        done = step - epoch * len(train)
+        train.set_epoch(epoch, start_batch=done)
+        monitor.start_epoch(epoch, t.epochs, min(len(train), total - epoch * len(train)), done)
+        for x, y in train:
+            if step == t.fail_at_step and comm.rank == comm.size - 1:
+                os._exit(3)  # a crash without goodbye, for the fault-handling tests
+            losses = task.step(x.to(device), y.to(device), step)
+            end_of_step(device)
+            step += 1
+            images += len(x)
+            window["steps"] += 1
+            for k, v in losses.items():
+                sums[k] = sums.get(k, 0) + v.float()
+            monitor.advance(1)
+            if step % t.log_every == 0 or step == total:
+                log_window()
+            if t.checkpoint_every and step % t.checkpoint_every == 0:
+                checkpoint.save(
+                    run_dir, step, {"step": step, "task": task.state()}, grid, t.keep_checkpoints
+                )
+            if step >= total:
+                break
+        monitor.end_epoch()
+        if window["steps"]:
+            log_window()
+        if not t.checkpoint_every and (step == (epoch + 1) * len(train) or step >= total):
+            checkpoint.save(
+                run_dir, step, {"step": step, "task": task.state()}, grid, t.keep_checkpoints
+            )
+        if isinstance(task, Classify) and ((epoch + 1) % t.eval_every == 0 or step >= total):
+            evals = task.evaluate(loaders["test"])
+            monitor.log("eval", step, epoch=epoch, **evals)
+            monitor.print(
+                f"epoch {epoch + 1}: test loss {evals['loss']:.4f}, "
+                f"accuracy {100 * evals['accuracy']:.2f}% ({evals['count']} images)"
+            )
+        if isinstance(task, Gan):
+            task.samples(run_dir / "samples" / f"epoch-{epoch + 1:03d}.png" if lead else None)
+
+    seconds = time.perf_counter() - started
+    mine = [images / max(seconds, 1e-9), peak_memory_mib(device)]
+    rates, memory = comm.all_gather(torch.tensor([mine], dtype=torch.float64)).T
+    dense = task.dense_state()
+    if lead:
+        for name, state in dense.items():
+            torch.save(state, run_dir / f"{name}.pt")
+    result = {
+        **last,
+        **{f"test_{k}": v for k, v in evals.items()},
+        "steps": step,
+        "seconds": seconds,
+        "peak_memory_mib": memory.max().item(),
+    }
+    monitor.log("summary", step, **result)
+    rows = [
+        ("task", f"{t.task} ({cfg.model.name} on {cfg.data.name})"),
+        ("ranks", f"{comm.size} ({comm.backend})"),
+        (
+            "grid (data x rows x cols x channel)",
+            f"{grid.data} x {grid.rows} x {grid.cols} x {grid.channel}",
+        ),
+        ("steps", str(step)),
+        ("global batch", str(t.batch_size)),
+        ("wall time (s)", f"{seconds:.1f}"),
+        ("images/s, global", f"{images * grid.data / max(seconds, 1e-9):.1f}"),
+        ("images/s per rank (min..max)", f"{rates.min():.1f} .. {rates.max():.1f}"),
+        ("peak memory per rank, MiB (max)", f"{memory.max():.0f}"),
+    ]
+    rows += [(f"train {k}", f"{last[k]:.4f}") for k in sorted(last) if k.startswith("loss")]
+    if evals:
+        rows += [
+            ("test loss", f"{evals['loss']:.4f}"),
+            ("test accuracy", f"{100 * evals['accuracy']:.2f}%"),
+        ]
+    rows.append(("run directory", str(run_dir)))
+    monitor.print(table(rows, "parallelkit train: done"))
+    monitor.close()
+    return result

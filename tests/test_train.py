@@ -1,0 +1,214 @@
+"""``parallelkit train`` end to end, run the way a user runs it: the command in a subprocess.
+
+The central check: for a fixed seed and global batch, the loss curve of every strategy on 1, 2
+and 4 ranks equals the 1-process curve. Then resume exactness, a rank that dies, evaluation
+that counts every test image once, the GAN task, and clear errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from parallelkit.data import DataConfig, build_loader
+
+# A ResNet-18 of width 4 on 16x16 digits: every layer type, seconds per run.
+TINY = [
+    "model.width=4",
+    "data.image_size=16",
+    "data.channels=1",
+    "train.batch_size=16",
+    "train.max_steps=4",
+    "train.log_every=1",
+    "train.progress=false",
+    "train.tensorboard=false",
+    "parallel.timeout=120",
+    "optim.lr=0.4",
+]
+GAN = [
+    "train.task=gan",
+    "model.name=dcgan",
+    "model.width=4",
+    "model.nz=8",
+    "data.image_size=16",
+    "data.channels=1",
+    "train.batch_size=16",
+    "train.max_steps=3",
+    "train.log_every=1",
+    "train.progress=false",
+    "train.tensorboard=false",
+    "parallel.timeout=120",
+    "optim.name=adam",
+    "optim.lr=2e-4",
+    "optim.scale_lr=false",
+    "optim.betas=[0.5,0.999]",
+    "optim.warmup_epochs=0",
+    "optim.schedule=constant",
+    "optim.weight_decay=0",
+]
+MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent))
+
+
+def train(run_dir: Path, *overrides: str, ok: bool = True, timeout: float = 300):
+    """Run ``parallelkit train``; returns the completed process (checked when ``ok``)."""
+    cmd = [sys.executable, "-m", "parallelkit.cli", "train", f"train.run_dir={run_dir}", *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if ok:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def records(run_dir: Path, kind: str = "train") -> dict[int, dict]:
+    """The last metrics record of each step (a resumed run logs some steps twice)."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines) if r["kind"] == kind}
+
+
+def curve(run_dir: Path, key: str = "loss") -> list[float]:
+    return [r[key] for _, r in sorted(records(run_dir).items())]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[str, list[float]]:
+    """1-process curves, computed once."""
+    root = tmp_path_factory.mktemp("reference")
+    out = {}
+    for name, overrides in {
+        "classify": TINY,
+        "accumulate": [*TINY, "train.accumulate=2"],
+        "lars": [*TINY, "optim.name=lars", "optim.lr=2.0"],
+    }.items():
+        train(root / name, *overrides, "parallel.ranks=1")
+        out[name] = curve(root / name)
+    train(root / "gan", *GAN, "parallel.ranks=1")
+    out["gan_d"], out["gan_g"] = curve(root / "gan", "loss_d"), curve(root / "gan", "loss_g")
+    return out
+
+
+def assert_curves_equal(got: list[float], want: list[float]) -> None:
+    assert len(got) == len(want)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=2e-4, atol=1e-5)
+
+
+def test_the_curve_moves(reference):
+    # The comparisons below would pass vacuously if nothing trained.
+    loss = reference["classify"]
+    assert len(loss) == 4 and len(set(loss)) == 4
+
+
+@pytest.mark.parametrize(
+    ("ranks", "grid"),
+    [
+        (2, ["parallel.strategy=data"]),
+        (4, ["parallel.strategy=data"]),
+        (2, ["parallel.strategy=spatial"]),
+        (4, ["parallel.strategy=spatial", "parallel.rows=2", "parallel.cols=2"]),
+        (2, ["parallel.strategy=channel"]),
+        (4, ["parallel.strategy=hybrid", "parallel.rows=2"]),
+        (4, ["parallel.strategy=hybrid", "parallel.channel=2"]),
+    ],
+    ids=["data2", "data4", "spatial2", "spatial2x2", "channel2", "data2xrows2", "data2xchannel2"],
+)
+def test_loss_curve_equals_one_process(tmp_path, reference, ranks, grid):
+    train(tmp_path, *TINY, *grid, f"parallel.ranks={ranks}")
+    assert_curves_equal(curve(tmp_path), reference["classify"])
+    # Every test image counted once, whatever the grid.
+    evals = records(tmp_path, "eval")
+    test = build_loader(
+        DataConfig(image_size=16, channels=1), "test", rank=0, size=1, batch_size=16
+    )
+    assert [r["count"] for r in evals.values()] == [test.num_samples]
+
+
+def test_negative_control_other_seed_differs(tmp_path, reference):
+    train(tmp_path, *TINY, "parallel.ranks=1", "train.seed=1")
+    assert abs(curve(tmp_path)[-1] - reference["classify"][-1]) > 1e-3
+
+
+def test_accumulation_on_two_ranks(tmp_path, reference):
+    train(tmp_path, *TINY, "train.accumulate=2", "parallel.ranks=2")
+    assert_curves_equal(curve(tmp_path), reference["accumulate"])
+    assert curve(tmp_path) != reference["classify"]  # accumulation changed BatchNorm batches
+
+
+def test_lars_on_channel_shards(tmp_path, reference):
+    # The trust ratio of a channel-split weight uses the norm of the whole weight.
+    train(tmp_path, *TINY, "optim.name=lars", "optim.lr=2.0", "parallel.strategy=channel")
+    assert_curves_equal(curve(tmp_path), reference["lars"])
+
+
+@pytest.mark.parametrize("strategy", ["data", "spatial", "channel"])
+def test_gan_curves(tmp_path, reference, strategy):
+    train(tmp_path, *GAN, f"parallel.strategy={strategy}", "parallel.ranks=2")
+    assert_curves_equal(curve(tmp_path, "loss_d"), reference["gan_d"])
+    assert_curves_equal(curve(tmp_path, "loss_g"), reference["gan_g"])
+    assert (tmp_path / "samples" / "epoch-001.png").is_file()
+    assert {p.name for p in tmp_path.glob("*.pt")} == {"generator.pt", "discriminator.pt"}
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install mpich)")
+def test_mpi_backend(tmp_path, reference):
+    train(tmp_path, *TINY, "parallel.backend=mpi", "parallel.ranks=2")
+    assert_curves_equal(curve(tmp_path), reference["classify"])
+
+
+def test_resume_is_exact_after_a_rank_dies(tmp_path):
+    run = [
+        *TINY,
+        "train.max_steps=6",
+        "train.checkpoint_every=2",
+        "parallel.ranks=2",
+        "parallel.timeout=600",
+    ]
+    train(tmp_path / "whole", *run)
+
+    start = time.monotonic()
+    proc = train(tmp_path / "broken", *run, "train.fail_at_step=3", ok=False)
+    # The surviving rank did not sit out its 600 s timeout: the launcher stopped it.
+    assert proc.returncode != 0 and time.monotonic() - start < 120
+    assert "a rank failed" in proc.stderr
+    assert sorted(p.name for p in (tmp_path / "broken/checkpoints").iterdir()) == ["step-000000002"]
+
+    train(tmp_path / "broken", *run, "--resume")
+    whole, resumed = records(tmp_path / "whole"), records(tmp_path / "broken")
+    assert [whole[s]["loss"] for s in range(1, 7)] == [resumed[s]["loss"] for s in range(1, 7)]
+    a = torch.load(tmp_path / "whole/model.pt", weights_only=True)
+    b = torch.load(tmp_path / "broken/model.pt", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_dense_export_loads_into_the_plain_model(tmp_path):
+    from parallelkit import models
+
+    train(tmp_path, *TINY, "parallel.strategy=channel", "parallel.ranks=2")
+    plain = models.create(
+        "resnet18", num_classes=10, in_channels=1, stem="cifar", widths=(4, 8, 16, 32)
+    )
+    plain.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
+    assert (tmp_path / "config.yaml").is_file()
+
+
+def test_bf16_and_progress_bar(tmp_path):
+    proc = train(tmp_path, *TINY, "train.precision=bf16", "parallel.ranks=1", "train.progress=true")
+    assert "epoch 1/" in proc.stderr  # the bar
+    assert "test accuracy" in proc.stdout  # the final table
+    assert all(torch.isfinite(torch.tensor(curve(tmp_path))))
+
+
+def test_config_error_exits_before_starting_ranks(tmp_path):
+    proc = train(tmp_path, "train.epoch=3", ok=False)
+    assert proc.returncode == 2 and "epoch" in proc.stderr
+
+
+def test_batch_that_does_not_split_fails_on_every_rank(tmp_path):
+    proc = train(tmp_path, *TINY, "train.batch_size=15", "parallel.ranks=2", ok=False)
+    assert proc.returncode != 0 and "must split into 2 data-parallel ranks" in proc.stderr
