@@ -23,6 +23,7 @@ from parallelkit.data import DataConfig, build_loader
 # A ResNet-18 of width 4 on 16x16 digits: every layer type, seconds per run.
 TINY = [
     "model.width=4",
+    "model.stem=cifar",
     "data.image_size=16",
     "data.channels=1",
     "train.batch_size=16",
@@ -197,11 +198,34 @@ def test_dense_export_loads_into_the_plain_model(tmp_path):
     assert (tmp_path / "config.yaml").is_file()
 
 
-def test_bf16_and_progress_bar(tmp_path):
-    proc = train(tmp_path, *TINY, "train.precision=bf16", "parallel.ranks=1", "train.progress=true")
+def test_bf16_progress_bar_and_tensorboard(tmp_path):
+    proc = train(
+        tmp_path,
+        *TINY,
+        "train.precision=bf16",
+        "parallel.ranks=1",
+        "train.progress=true",
+        "train.tensorboard=true",
+    )
     assert "epoch 1/" in proc.stderr  # the bar
     assert "test accuracy" in proc.stdout  # the final table
     assert all(torch.isfinite(torch.tensor(curve(tmp_path))))
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_webdataset_shards_end_to_end(tmp_path):
+    """`parallelkit data shard`, then training on the shards over two ranks."""
+    shards = tmp_path / "shards"
+    cmd = [sys.executable, "-m", "parallelkit.cli", "data", "shard", "digits", str(shards)]
+    subprocess.run(
+        [*cmd, "--samples-per-shard", "300", "--image-size", "16", "--channels", "1"],
+        check=True,
+        timeout=120,
+    )
+    assert len(list(shards.glob("train-*.tar"))) == 5  # 1,438 images
+    run = tmp_path / "run"
+    train(run, *TINY, "data.name=webdataset", f"data.root={shards}", "parallel.ranks=2")
+    assert [r["count"] for r in records(run, "eval").values()] == [359]
 
 
 def test_config_error_exits_before_starting_ranks(tmp_path):

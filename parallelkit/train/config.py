@@ -35,7 +35,10 @@ class ModelConfig:
     it names the generator and the discriminator is its mirror."""
 
     name: str = "resnet18"
-    stem: str = "cifar"  # resnet: "cifar" (3x3, no pooling) for small images, or "imagenet"
+    # resnet: "imagenet" (7x7 stride 2 + max pool) or "cifar" (3x3, no pooling). The default
+    # main job uses "imagenet" on 32x32 digits: they are 8x8 images upscaled, so the 4x
+    # downsampling loses nothing (99.7% test accuracy) and a step is 6x cheaper.
+    stem: str = "imagenet"
     width: int = 64  # resnet: channels of the first stage; dcgan: ngf and ndf
     nz: int = 100  # dcgan: noise dimension
     kwargs: dict[str, Any] = field(default_factory=dict)  # more arguments for create()
@@ -89,7 +92,7 @@ class TrainConfig:
     seed and batch size sees the same batches on any number of ranks."""
 
     task: str = "classify"
-    epochs: int = 8
+    epochs: int = 6
     batch_size: int = 64
     accumulate: int = 1  # micro-batches per optimizer step
     precision: str = "fp32"
