@@ -65,7 +65,7 @@ def train(argv: list[str]) -> int:
     if launch.under_launcher():
         trainer.run(cfg)
     elif cfg.parallel.backend == "xla":
-        launch.launch_xla(trainer.run, cfg)
+        launch.launch_xla(cfg)
     elif launch.local_command(cfg, argv) is None:
         trainer.run(cfg)
     else:

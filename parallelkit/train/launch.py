@@ -72,8 +72,14 @@ def launch(cfg: Config, argv: list[str]) -> int:
     return subprocess.run(command, env=env).returncode
 
 
-def launch_xla(run, cfg: Config) -> None:
+def _xla_rank(index: int, cfg: Config) -> None:
+    from parallelkit.train.trainer import run
+
+    run(cfg)
+
+
+def launch_xla(cfg: Config) -> None:
     """One rank per local XLA device under torch_xla.launch (multi-host: one call per host)."""
     import torch_xla
 
-    torch_xla.launch(run, args=(cfg,))
+    torch_xla.launch(_xla_rank, args=(cfg,))

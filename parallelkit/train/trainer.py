@@ -49,6 +49,16 @@ def peak_memory_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+def on_device(loader, device: torch.device):
+    """XLA: batches move to the device in a background thread (MpDeviceLoader), so the step
+    graph never waits for a host copy. Elsewhere the loop moves each batch itself."""
+    if device.type != "xla":
+        return loader
+    from torch_xla.distributed.parallel_loader import MpDeviceLoader
+
+    return MpDeviceLoader(loader, device)
+
+
 def end_of_step(device: torch.device) -> None:
     """Cut the lazy XLA graph after each step, so that every step is the same graph."""
     if device.type == "xla":
@@ -122,7 +132,7 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
     def log_window() -> None:
         """Reduce the window's losses over the data group: one host synchronisation."""
         names = sorted(sums)
-        means = grid.data_comm.all_reduce(torch.stack([sums[k] for k in names]).cpu(), "mean")
+        means = grid.data_comm.all_reduce(torch.stack([sums[k] for k in names]), "mean")
         elapsed = time.perf_counter() - window["start"]
         rate = window["steps"] * t.batch_size / elapsed
         last.update({k: v / window["steps"] for k, v in zip(names, means.tolist(), strict=True)})
@@ -138,7 +148,7 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
         done = step - epoch * len(train)
         train.set_epoch(epoch, start_batch=done)
         monitor.start_epoch(epoch, t.epochs, min(len(train), total - epoch * len(train)), done)
-        for x, y in train:
+        for x, y in on_device(train, device):
             if step == t.fail_at_step and comm.rank == comm.size - 1:
                 os._exit(3)  # a crash without goodbye, for the fault-handling tests
             losses = task.step(x.to(device), y.to(device), step)
@@ -176,7 +186,7 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
 
     seconds = time.perf_counter() - started
     mine = [images / max(seconds, 1e-9), peak_memory_mib(device)]
-    rates, memory = comm.all_gather(torch.tensor([mine], dtype=torch.float64)).T
+    rates, memory = comm.all_gather(torch.tensor([mine], device=device)).cpu().T
     dense = task.dense_state()
     if lead:
         for name, state in dense.items():
