@@ -99,11 +99,6 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
         for split in ("train", "test")
     }
     train = loaders["train"]
-    if len(train) == 0:
-        raise ValueError(
-            f"train.batch_size={t.batch_size} is larger than the {train.num_samples} training "
-            f"samples of data.name={cfg.data.name}"
-        )
     torch.manual_seed(t.seed)  # the same initial weights on every rank
     if t.task == "classify":
         task = Classify(cfg, grid, device, len(train), train.channels, train.num_classes)
