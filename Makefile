@@ -1,5 +1,5 @@
 # The two commands of README.md. Each sets itself up on a fresh machine.
-#   make run    the main job: data-parallel training on scikit-learn's digits, 2 ranks (torchrun)
+#   make run    the main job: ResNet-18 on scikit-learn's digits, 2 ranks, data parallel + SyncBN
 #   make test   ruff + the whole suite: pure and gloo tiers, then the mpiexec tier on 1-4 ranks
 # and: make bench (every script under benchmarks/, ~35 min; results under benchmarks/results/)
 
@@ -11,19 +11,33 @@ TORCH ?= torch==2.13.0
 export OMP_NUM_THREADS := 1
 # A stuck MPI collective aborts the job after this many seconds (tests only).
 MPI_TEST_ENV := PARALLELKIT_TIMEOUT=120 MPIEXEC_TIMEOUT=600
+# torch_xla pins torch exactly, so the XLA tier has its own venv (PyPI's torch 2.9.0, ~7 GB
+# with its CUDA libraries; about 2.5 min to install). XLA CPU devices stand in for TPU cores.
+XLA_VENV ?= .venv-xla
+XLA_PY := $(XLA_VENV)/bin/python
+TORCH_XLA ?= torch==2.9.0 torch_xla==2.9.0
+XLA_TEST_ENV := PJRT_DEVICE=CPU PARALLELKIT_TIMEOUT=120
 
-.PHONY: run test lint test-py test-mpi bench clean
+.PHONY: run test lint test-py test-mpi test-xla bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)"
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[mpi,dev,data]" mpich
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[mpi,dev,data,tensorboard]" mpich
+	touch $@
+
+# torch and torch_xla first, pinned together; then the package and its test tools, which
+# accept that torch (torch>=2.4) and so leave it alone.
+$(XLA_VENV)/.installed: pyproject.toml Makefile
+	python3 -m venv $(XLA_VENV)
+	$(XLA_PY) -m pip install -q --disable-pip-version-check $(TORCH_XLA)
+	$(XLA_PY) -m pip install -q --disable-pip-version-check -e ".[dev]" $(TORCH_XLA)
 	touch $@
 
 run: $(VENV)/.installed
-	$(VENV)/bin/torchrun --nproc-per-node 2 examples/digits_allreduce/train.py
+	$(VENV)/bin/parallelkit train
 
-test: lint test-py test-mpi
+test: lint test-py test-mpi test-xla
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check parallelkit tests benchmarks examples
@@ -39,6 +53,9 @@ test-mpi: $(VENV)/.installed
 	done
 	@echo "== mpiexec -n 3 pytest tests/mpi, debug mode (every collective checked across ranks)"
 	PARALLELKIT_DEBUG=1 $(MPI_TEST_ENV) $(VENV)/bin/mpiexec -n 3 $(PY) -m pytest -q -p no:cacheprovider tests/mpi
+
+test-xla: $(XLA_VENV)/.installed
+	$(XLA_TEST_ENV) $(XLA_PY) -m pytest -q -p no:cacheprovider tests/xla
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/collectives.py

@@ -107,6 +107,17 @@ def bucket_counts(comm: Communicator, bucket_cap_mb: float) -> int:
     return len(model.buckets)
 
 
+def state_dict_after_backward(comm: Communicator) -> list[str]:
+    """The wrapper is a module like DDP: its buffers and state_dict still work once its
+    flat gradient buckets exist."""
+    model = DataParallel(small_cnn(), comm)
+    model(torch.randn(2, 1, 8, 8)).sum().backward()
+    assert [n for n, _ in model.named_buffers()] == [
+        f"module.{n}" for n, _ in model.module.named_buffers()
+    ]
+    return list(model.state_dict())
+
+
 # ----------------------------------------------------------------------------- overlap, order
 class _Branchy(nn.Module):
     """Parameters registered in a different order than they are used."""

@@ -17,6 +17,8 @@ from dp_cases import (
     globally_unused_keeps_none,
     launch_progress,
     reduce_over,
+    small_cnn,
+    state_dict_after_backward,
     training_parity,
     unused_parameters,
     unused_without_flag_raises,
@@ -52,6 +54,11 @@ def test_bucket_cap_changes_the_buckets(ranks):
     """Not vacuous: 0 MiB is one bucket per parameter, 25 MiB one bucket for the small model."""
     assert ranks(2).run(bucket_counts, 0) == [9, 9]
     assert ranks(2).run(bucket_counts, 25) == [1, 1]
+
+
+def test_state_dict_after_backward(ranks):
+    keys = ranks(2).run(state_dict_after_backward)[0]
+    assert keys == [f"module.{k}" for k in small_cnn().state_dict()]
 
 
 def test_all_reduce_starts_during_backward(ranks):

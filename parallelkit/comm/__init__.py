@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 from parallelkit.comm.base import (
@@ -28,9 +29,12 @@ _MPI_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_L
 def detect_backend() -> str:
     """What ``init("auto")`` picks, from the launcher's environment variables.
 
-    torchrun (``WORLD_SIZE`` set) -> nccl when CUDA is available, else gloo; mpiexec/srun ->
-    mpi; otherwise one local process. (XLA is chosen by name until its backend lands.)
+    A PJRT device configured (``PJRT_DEVICE`` set, as on a Cloud TPU VM or under
+    ``torch_xla.launch``) with torch_xla installed -> xla; torchrun (``WORLD_SIZE`` set) -> nccl
+    when CUDA is available, else gloo; mpiexec/srun -> mpi; otherwise one local process.
     """
+    if os.environ.get("PJRT_DEVICE") and importlib.util.find_spec("torch_xla") is not None:
+        return "xla"
     if "WORLD_SIZE" in os.environ and "MASTER_PORT" in os.environ:
         import torch
 
@@ -49,7 +53,8 @@ def init(
 
     backend: "auto" | "gloo" | "nccl" | "mpi" | "xla" | "local". gloo/nccl read the torchrun
     variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR defaulting to 127.0.0.1, MASTER_PORT);
-    mpi works under mpiexec/srun; "local" is one process.
+    mpi works under mpiexec/srun; xla in each replica under torch_xla.launch / xmp.spawn (one
+    per XLA device); "local" is one process.
     timeout: seconds before a stuck collective raises (torch) or aborts the job (MPI); default
         ``PARALLELKIT_TIMEOUT`` or 1800.
     debug: check before each collective that all ranks agree (default ``PARALLELKIT_DEBUG``).
@@ -80,7 +85,9 @@ def _create(backend: str, timeout: float | None, debug: bool | None) -> Communic
 
         return MPICommunicator.init(timeout=timeout, debug=debug)
     if backend == "xla":
-        raise NotImplementedError("the XLA backend is not written yet (see the TPU issue)")
+        from parallelkit.comm.xla import XlaCommunicator
+
+        return XlaCommunicator.init(timeout=timeout, debug=debug)
     from parallelkit.comm.local import LocalCommunicator
 
     return LocalCommunicator(timeout=timeout, debug=debug)

@@ -136,7 +136,7 @@ class DataParallel(nn.Module):
         # One flat buffer per bucket, plus (with find_unused_parameters) one "used" flag per
         # parameter at its end: the sum over ranks says which parameters were used anywhere.
         flags = self.find_unused_parameters
-        self._buffers = [
+        self._flat = [
             torch.zeros(
                 b.numel + (len(b.params) if flags else 0),
                 dtype=wire[b.params[0]],
@@ -178,7 +178,7 @@ class DataParallel(nn.Module):
     def _copy_in(self, i: int, grad: torch.Tensor | None) -> None:
         """Put ``grad / group size`` (zeros for no gradient) into parameter i's bucket slot."""
         k, slot = self._where[i]
-        bucket, buffer = self._buckets[k], self._buffers[k]
+        bucket, buffer = self._buckets[k], self._flat[k]
         p = self._params[i]
         view = buffer[bucket.offsets[slot] : bucket.offsets[slot] + p.numel()].view_as(p)
         scale = 1.0 / self._comms[i].size
@@ -197,7 +197,7 @@ class DataParallel(nn.Module):
         while len(self._works) < len(self._buckets) and self._missing[len(self._works)] == 0:
             k = len(self._works)
             comm = self._comms[self._buckets[k].params[0]]
-            self._works.append(comm.all_reduce_async(self._buffers[k], out=self._buffers[k]))
+            self._works.append(comm.all_reduce_async(self._flat[k], out=self._flat[k]))
 
     def _finish(self) -> None:
         """End of backward: reduce what is left, wait, and write the means into ``.grad``."""
@@ -225,7 +225,7 @@ class DataParallel(nn.Module):
         self._reset()
 
     def _copy_out(self, k: int) -> None:
-        bucket, buffer = self._buckets[k], self._buffers[k]
+        bucket, buffer = self._buckets[k], self._flat[k]
         for slot, i in enumerate(bucket.params):
             if self.find_unused_parameters and buffer[bucket.numel + slot] == 0:
                 continue  # unused on every rank: leave .grad alone

@@ -49,6 +49,7 @@ def parallelize(
     strategy: str | Grid = "data",
     *,
     keep_dense: Sequence[str] = (),
+    backend: str | None = None,
     **data_parallel_kwargs,
 ) -> nn.Module:
     """``model`` with its layers swapped for parallel ones (see the module docstring).
@@ -57,8 +58,17 @@ def parallelize(
     strategy: "data" | "spatial" | "channel", or a Grid (its model-parallel dimension picks the
         strategy, and its data dimension adds data parallelism).
     keep_dense: names of modules to run on whole tensors under spatial parallelism.
+    backend: None (layers over ``comm``) or "xla-spmd": the same strategies as XLA sharding
+        annotations (:func:`parallelkit.xla.parallelize`); ``comm`` is then a grid spec
+        (``parallelkit.xla.SpmdGrid``, a dict such as ``{"data": 2, "rows": 2}``, or None).
     data_parallel_kwargs: passed to DataParallel when there is a data dimension.
     """
+    if backend == "xla-spmd":
+        from parallelkit.xla import parallelize as parallelize_spmd
+
+        return parallelize_spmd(model, comm, strategy)  # type: ignore[arg-type]
+    if backend is not None:
+        raise ValueError(f"parallelize: backend must be None or 'xla-spmd', got {backend!r}")
     grid = _grid(comm, strategy)
     if isinstance(strategy, Grid):
         strategy = (
