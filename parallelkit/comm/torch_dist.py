@@ -8,6 +8,7 @@ noticed through gloo's connection errors or, at worst, through the collective ti
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import inspect
@@ -64,6 +65,10 @@ class TorchCommunicator(Communicator):
                 torch.cuda.set_device(local_rank)
                 kwargs["device_id"] = torch.device("cuda", local_rank)
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=seconds), **kwargs)
+            # Tear the group down before the interpreter does: gloo's threads, still alive at
+            # interpreter shutdown, can abort the process ("terminate called without an
+            # active exception") after the job's work is done.
+            atexit.register(_destroy_default_group)
         return cls(timeout=timeout, debug=debug)
 
     @contextlib.contextmanager
@@ -167,3 +172,15 @@ class _TorchWork:
         with self._comm._errors("all_reduce"):
             self._work.wait()
         return self._out
+
+
+def _destroy_default_group() -> None:
+    """Leave together, then tear down: a rank that exits while a peer still talks to the
+    store or the group can abort that peer. A peer that is gone (a failed job) costs at most
+    the 30 s of the monitored barrier."""
+    if not dist.is_initialized():
+        return
+    with contextlib.suppress(Exception):
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
+        dist.destroy_process_group()
