@@ -18,8 +18,14 @@ from tqdm import tqdm
 
 class Monitor:
     def __init__(
-        self, run_dir: Path, enabled: bool, progress: bool = True, tensorboard: bool = True
+        self,
+        run_dir: Path,
+        enabled: bool,
+        progress: bool = True,
+        tensorboard: bool = True,
+        append: bool = False,
     ) -> None:
+        """append: keep the records of an earlier run (a resumed one); else start afresh."""
         self.enabled = enabled
         self.bar: tqdm | None = None
         self.progress = progress and enabled
@@ -27,7 +33,7 @@ class Monitor:
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = (run_dir / "metrics.jsonl").open("a")
+        self.jsonl = (run_dir / "metrics.jsonl").open("a" if append else "w")
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

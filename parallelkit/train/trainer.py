@@ -110,7 +110,9 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
         state = checkpoint.load(found, grid)
         task.load_state(state["task"])
         step = state["step"]
-    monitor = Monitor(run_dir, lead, progress=t.progress, tensorboard=t.tensorboard)
+    monitor = Monitor(
+        run_dir, lead, progress=t.progress, tensorboard=t.tensorboard, append=t.resume
+    )
     monitor.print(
         f"parallelkit train: {t.task} {cfg.model.name} on {cfg.data.name}, {comm.size} ranks "
         f"({comm.backend}), {grid}, global batch {t.batch_size}"
@@ -180,8 +182,8 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
             task.samples(run_dir / "samples" / f"epoch-{epoch + 1:03d}.png" if lead else None)
 
     seconds = time.perf_counter() - started
-    mine = [images / max(seconds, 1e-9), peak_memory_mib(device)]
-    rates, memory = comm.all_gather(torch.tensor([mine], device=device)).cpu().T
+    memory = comm.all_gather(torch.tensor([peak_memory_mib(device)], device=device)).cpu()
+    rate = images * grid.data / max(seconds, 1e-9)  # each data replica saw its own images
     dense = task.dense_state()
     if lead:
         for name, state in dense.items():
@@ -191,6 +193,7 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
         **{f"test_{k}": v for k, v in evals.items()},
         "steps": step,
         "seconds": seconds,
+        "run_img_s": rate,  # over the whole run, evaluation and checkpoints included
         "peak_memory_mib": memory.max().item(),
     }
     monitor.log("summary", step, **result)
@@ -204,8 +207,8 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
         ("steps", str(step)),
         ("global batch", str(t.batch_size)),
         ("wall time (s)", f"{seconds:.1f}"),
-        ("images/s, global", f"{images * grid.data / max(seconds, 1e-9):.1f}"),
-        ("images/s per rank (min..max)", f"{rates.min():.1f} .. {rates.max():.1f}"),
+        ("images/s, global (whole run)", f"{rate:.1f}"),
+        ("images/s per rank", f"{rate / comm.size:.1f}"),
         ("peak memory per rank, MiB (max)", f"{memory.max():.0f}"),
     ]
     rows += [(f"train {k}", f"{last[k]:.4f}") for k in sorted(last) if k.startswith("loss")]
