@@ -23,7 +23,7 @@ XLA_TEST_ENV := PJRT_DEVICE=CPU PARALLELKIT_TIMEOUT=120
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)"
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[mpi,dev,data,tensorboard]" mpich
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[mpi,dev,data,tensorboard,examples]" mpich
 	touch $@
 
 # torch and torch_xla first, pinned together; then the package and its test tools, which
