@@ -117,6 +117,6 @@ def test_lightning_trains_with_parallelkit_sync_batchnorm():
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "batch norm layers: parallelkit.nn.sync_batchnorm.SyncBatchNorm" in proc.stdout
-    row = re.search(r"\| 2 \| parallelkit \| 1 \| ([\d.]+) \| ([\d.]+)% \|", proc.stdout)
+    row = re.search(r"\| 2 \| parallelkit \| 3 \| ([\d.]+) \| ([\d.]+)% \|", proc.stdout)
     assert row, proc.stdout
     assert float(row.group(2)) > 80.0  # 98% measured; chance is 10%
