@@ -66,10 +66,10 @@ def train(argv: list[str]) -> int:
         trainer.run(cfg)
     elif cfg.parallel.backend == "xla":
         launch.launch_xla(cfg)
-    elif launch.local_command(cfg, argv) is None:
+    elif (command := launch.local_command(cfg, argv)) is None:
         trainer.run(cfg)
     else:
-        status = launch.launch(cfg, argv)
+        status = launch.launch(command)
         if status:
             print(f"parallelkit train: a rank failed (exit status {status}); see above",
                   file=sys.stderr)  # fmt: skip

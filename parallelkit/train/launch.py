@@ -63,10 +63,8 @@ def local_command(cfg: Config, argv: list[str]) -> list[str] | None:
     ]
 
 
-def launch(cfg: Config, argv: list[str]) -> int:
-    """Start the local ranks and wait; the exit status is the job's."""
-    command = local_command(cfg, argv)
-    assert command is not None
+def launch(command: list[str]) -> int:
+    """Run :func:`local_command`'s command and wait; the exit status is the job's."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores
     return subprocess.run(command, env=env).returncode

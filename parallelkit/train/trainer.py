@@ -139,6 +139,10 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
         sums.clear()
         window.update(start=time.perf_counter(), steps=0)
 
+    def save_checkpoint() -> None:
+        state = {"step": step, "task": task.state()}
+        checkpoint.save(run_dir, step, state, grid, t.keep_checkpoints)
+
     for epoch in range(step // len(train), t.epochs):
         if step >= total:
             break
@@ -159,18 +163,14 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
             if step % t.log_every == 0 or step == total:
                 log_window()
             if t.checkpoint_every and step % t.checkpoint_every == 0:
-                checkpoint.save(
-                    run_dir, step, {"step": step, "task": task.state()}, grid, t.keep_checkpoints
-                )
+                save_checkpoint()
             if step >= total:
                 break
         monitor.end_epoch()
         if window["steps"]:
             log_window()
         if not t.checkpoint_every and (step == (epoch + 1) * len(train) or step >= total):
-            checkpoint.save(
-                run_dir, step, {"step": step, "task": task.state()}, grid, t.keep_checkpoints
-            )
+            save_checkpoint()
         if isinstance(task, Classify) and ((epoch + 1) % t.eval_every == 0 or step >= total):
             evals = task.evaluate(loaders["test"])
             monitor.log("eval", step, epoch=epoch, **evals)
