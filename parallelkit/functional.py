@@ -49,7 +49,7 @@ def all_gather(
     if comm.size == 1:
         return x
     if sizes is None:
-        sizes = comm.all_gather(torch.tensor([x.shape[dim]])).tolist()
+        sizes = [n for (n,) in comm.all_gather_ints([x.shape[dim]])]
     return _AllGather.apply(x, comm, dim, tuple(sizes))
 
 
@@ -123,7 +123,7 @@ def gather_from_group(
         return x
     dim = dim % x.dim()
     if sizes is None:
-        sizes = comm.all_gather(torch.tensor([x.shape[dim]])).tolist()
+        sizes = [n for (n,) in comm.all_gather_ints([x.shape[dim]])]
     return _GatherFromGroup.apply(x, comm, dim, tuple(sizes))
 
 

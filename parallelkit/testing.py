@@ -10,6 +10,13 @@ only after a failure. A rank that raises fails the call at once with that rank's
 a rank that dies or a call that overruns ``timeout`` fails it too. Nothing can hang.
 
 Functions and arguments travel by pickle: ``fn`` must be importable (a module-level function).
+Tensors in results come back in host memory.
+
+``Ranks(n, device="lazy")`` declares every rank's communicator for torch's lazy-tensor device
+(``torch._lazy``, which computes on the CPU): its collectives then refuse host tensors, as NCCL's
+do, and stage device tensors through host memory, as gloo does with CUDA tensors. Code that
+hands a host tensor to a data collective fails there on a CPU-only machine, before any GPU
+run.
 """
 
 from __future__ import annotations
@@ -47,7 +54,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, size: int, port: int, backend: str, timeout: float, inbox, outbox) -> None:
+def _worker(
+    rank: int, size: int, port: int, backend: str, timeout: float, device, inbox, outbox
+) -> None:
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(size),
@@ -57,15 +66,25 @@ def _worker(rank: int, size: int, port: int, backend: str, timeout: float, inbox
         OMP_NUM_THREADS="1",
     )
     import torch
+    from torch.utils._pytree import tree_map
 
     torch.set_num_threads(1)
+    if device is not None and str(device).startswith("lazy"):
+        import torch._lazy.ts_backend
+
+        torch._lazy.ts_backend.init()
     import parallelkit as pk
 
-    comm = pk.init(backend, timeout=timeout)
+    comm = pk.init(backend, timeout=timeout, device=device)
+
+    def on_host(v: Any) -> Any:
+        return v.detach().cpu() if isinstance(v, torch.Tensor) else v
+
     while (job := inbox.get()) is not None:
         try:
             fn, args, kwargs = pickle.loads(job)
-            outbox.put((rank, True, pickle.dumps(fn(comm, *args, **kwargs))))
+            result = tree_map(on_host, fn(comm, *args, **kwargs))
+            outbox.put((rank, True, pickle.dumps(result)))
         except BaseException:
             outbox.put((rank, False, traceback.format_exc()))
 
@@ -73,11 +92,19 @@ def _worker(rank: int, size: int, port: int, backend: str, timeout: float, inbox
 class Ranks:
     """A pool of ``size`` processes on one machine, each holding ``pk.init(backend)``.
 
-    ``comm_timeout`` is the communicators' collective timeout inside the workers.
+    ``comm_timeout`` is the communicators' collective timeout inside the workers; ``device``
+    the device their communicators are declared for (see the module docstring).
     """
 
-    def __init__(self, size: int, backend: str = "gloo", comm_timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        size: int,
+        backend: str = "gloo",
+        comm_timeout: float = 60.0,
+        device: str | None = None,
+    ) -> None:
         self.size, self.backend, self.comm_timeout = size, backend, comm_timeout
+        self.device = device
         self._procs: list[Any] = []
 
     def __enter__(self) -> Ranks:
@@ -100,6 +127,7 @@ class Ranks:
                     port,
                     self.backend,
                     self.comm_timeout,
+                    self.device,
                     self._inboxes[r],
                     self._outbox,
                 ),

@@ -61,10 +61,13 @@ CASES: dict[str, dict] = {
 TOLERANCE = {torch.bfloat16: dict(rtol=2e-2, atol=2e-2), torch.float16: dict(rtol=2e-3, atol=2e-3)}
 
 
-def parity(comm: Communicator, name: str, per_rank: bool = False) -> list[Triple]:
+def parity(
+    comm: Communicator, name: str, per_rank: bool = False, device: str | None = None
+) -> list[Triple]:
     """SyncBatchNorm over ``comm`` on this rank's slice vs. dense BatchNorm on the whole batch.
 
     ``per_rank=True`` is the negative control: each rank normalizes with its own statistics.
+    ``device``: where SyncBatchNorm and its input live (the reference stays on the CPU).
     """
     spec = CASES[name]
     features, dtype = spec["features"], spec.get("dtype", torch.float32)
@@ -94,6 +97,7 @@ def parity(comm: Communicator, name: str, per_rank: bool = False) -> list[Triple
     )
     sync.load_state_dict(dense.state_dict())
     sync.to(dtype if dtype.itemsize > 4 else None)
+    sync.to(device)
 
     triples: list[Triple] = []
     tol = spec.get("tol", TOLERANCE.get(dtype, {}))
@@ -103,18 +107,18 @@ def parity(comm: Communicator, name: str, per_rank: bool = False) -> list[Triple
         x = torch.randn(shape, generator=g, dtype=torch.float64) * 2 + spec.get("offset", 0.0)
         x = x.to(dtype).contiguous(memory_format=fmt)
         dy = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
-        x_mine = x.narrow(dim, start, mine).clone().contiguous(memory_format=fmt)
+        x_mine = x.narrow(dim, start, mine).clone().to(device).contiguous(memory_format=fmt)
         x.requires_grad_()
         x_mine.requires_grad_()
         y = dense(x.to(ref_dtype))
         y.backward(dy.to(ref_dtype))
         y_mine = sync(x_mine)
-        y_mine.backward(dy.narrow(dim, start, mine))
+        y_mine.backward(dy.narrow(dim, start, mine).to(device))
 
         at = f"step {step}"
         triples.append((f"{at} output", y_mine, y.narrow(dim, start, mine)))
         triples.append((f"{at} input grad", x_mine.grad, x.grad.narrow(dim, start, mine)))
-        if fmt != torch.contiguous_format:
+        if fmt != torch.contiguous_format and device is None:
             triples.append((f"{at} output format", _is(y_mine, fmt), torch.tensor(True)))
         if dense.affine:
             for p, q in ((sync.weight, dense.weight), (sync.bias, dense.bias)):
@@ -133,7 +137,11 @@ def parity(comm: Communicator, name: str, per_rank: bool = False) -> list[Triple
         x = torch.randn((total, *features), generator=torch.Generator().manual_seed(9)).to(dtype)
         with torch.no_grad():
             triples.append(
-                ("eval output", sync(x.narrow(dim, start, mine)), dense(x).narrow(dim, start, mine))
+                (
+                    "eval output",
+                    sync(x.narrow(dim, start, mine).to(device)),
+                    dense(x).narrow(dim, start, mine),
+                )
             )
     return [(label, got, expected.to(got.dtype), tol) for label, got, expected in triples]
 

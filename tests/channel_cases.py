@@ -154,12 +154,15 @@ def parameter_results(
     return triples
 
 
-def parity(comm: Communicator, name: str, split: str, **options) -> list[Result]:
-    """ChannelParallelConv2d over ``comm`` vs. nn.Conv2d on the whole input, same weights."""
+def parity(
+    comm: Communicator, name: str, split: str, device: str | None = None, **options
+) -> list[Result]:
+    """ChannelParallelConv2d over ``comm`` vs. nn.Conv2d on the whole input, same weights;
+    ``device``: where the parallel layer runs."""
     spec = spec_of(name)
     dtype, groups = spec["dtype"], spec["groups"]
     dense = dense_conv(spec)
-    layer = ChannelParallelConv2d.from_dense(dense, comm, split=split, **options)
+    layer = ChannelParallelConv2d.from_dense(dense, comm, split=split, **options).to(device)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, spec["in_c"], *spec["hw"], generator=g, dtype=dtype, requires_grad=True)
     y = dense(x)
@@ -169,9 +172,9 @@ def parity(comm: Communicator, name: str, split: str, **options) -> list[Result]
     cols = block(spec["in_c"], groups, comm) if options.get("input_is_split") else slice(None)
     split_out = options.get("scatter_output") or not options.get("gather_output", True)
     rows = block(spec["out_c"], groups, comm) if split_out else slice(None)
-    x_mine = x.detach()[:, cols].clone().requires_grad_()
+    x_mine = x.detach()[:, cols].clone().to(device).requires_grad_()
     y_mine = layer(x_mine)
-    y_mine.backward(dy[:, rows])
+    y_mine.backward(dy[:, rows].to(device))
     triples = [
         ("output", y_mine, y[:, rows]),
         ("input grad", x_mine.grad, x.grad[:, cols]),

@@ -22,3 +22,19 @@ def ranks() -> Iterator[Callable[[int], Ranks]]:
     yield get
     for pool in pools.values():
         pool.close()
+
+
+@pytest.fixture(scope="session")
+def device_ranks() -> Iterator[Callable[[int], Ranks]]:
+    """``device_ranks(n)``: n gloo ranks whose communicators are declared for the lazy-tensor
+    device, so that they refuse host tensors as NCCL does (``parallelkit.testing``)."""
+    pools: dict[int, Ranks] = {}
+
+    def get(n: int) -> Ranks:
+        if n not in pools:
+            pools[n] = Ranks(n, "gloo", device="lazy")
+        return pools[n]
+
+    yield get
+    for pool in pools.values():
+        pool.close()

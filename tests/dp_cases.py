@@ -59,13 +59,14 @@ def training_parity(
     steps: int = 5,
     dtype: torch.dtype = torch.float64,
     micro: int = 1,
+    device: str | None = None,
     **dp_kwargs,
 ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """SGD with momentum for ``steps`` steps: parameters and buffers after every step.
 
     ``micro > 1`` splits each rank's slice into micro-batches, all but the last under
     ``no_sync()``: gradient accumulation must equal the big batch (without BatchNorm, whose
-    statistics would then differ by construction).
+    statistics would then differ by construction). ``device``: where the replicas train.
     """
     sizes = [BATCHES[batches](r, comm.size) for r in range(comm.size)]
     total, start, mine = sum(sizes), sum(sizes[: comm.rank]), sizes[comm.rank]
@@ -76,7 +77,7 @@ def training_parity(
     if comm.rank > 0:
         for p in local.parameters():
             p.data.normal_()
-    model = DataParallel(convert_sync_batchnorm(local, comm), comm, **dp_kwargs)
+    model = DataParallel(convert_sync_batchnorm(local, comm).to(device), comm, **dp_kwargs)
     opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
 
@@ -88,7 +89,7 @@ def training_parity(
         opt_ref.step()
 
         opt.zero_grad()
-        x_mine, y_mine = x[start : start + mine], y[start : start + mine]
+        x_mine, y_mine = x[start : start + mine].to(device), y[start : start + mine].to(device)
         # The mean over ranks of these gradients is the global batch's gradient.
         scale = comm.size / total
         pieces = list(zip(x_mine.tensor_split(micro), y_mine.tensor_split(micro), strict=True))

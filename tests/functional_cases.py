@@ -95,13 +95,14 @@ def _randn(shape, seed: int, rank: int) -> torch.Tensor:
 
 
 def adjoint_products(
-    comm: Communicator, name: str, wrong_adjoint: bool = False
+    comm: Communicator, name: str, wrong_adjoint: bool = False, device: str | None = None
 ) -> tuple[float, float]:
     """This rank's shares of ⟨F x, y⟩ and ⟨x, F* y⟩ (replicated spaces counted once overall)."""
     f, shape, x_replicated, y_replicated = PRIMITIVES[name]
-    x = _randn(shape(comm.rank, comm.size), 1, 0 if x_replicated else comm.rank).requires_grad_()
+    x = _randn(shape(comm.rank, comm.size), 1, 0 if x_replicated else comm.rank)
+    x = x.to(device).requires_grad_()
     fx = f(x, comm)
-    y = _randn(fx.shape, 2, 0 if y_replicated else comm.rank)
+    y = _randn(fx.shape, 2, 0 if y_replicated else comm.rank).to(device)
     (fty,) = torch.autograd.grad(fx, x, y)
     if wrong_adjoint:  # an all-gather whose backward only slices its own block: wrong
         start = sum(shape(r, comm.size)[0] for r in range(comm.rank))

@@ -63,14 +63,17 @@ def network_parity(
     steps: int = 3,
     batch: int = 4,
     dtype: torch.dtype = torch.float64,
+    device: str | None = None,
 ) -> list[Triple]:
+    """``device``: where the parallelized network trains (the dense one stays on the CPU)."""
     build, shape, loss_fn, keep_dense = NETWORKS[name]
     torch.manual_seed(0)
     dense = build().to(dtype)
     if strategy == "data" and grid is None:
         grid = dict(data=comm.size)
     g = pk.Grid(comm, **grid) if grid else None
-    model = pk.parallelize(copy.deepcopy(dense), g or comm, g or strategy, keep_dense=keep_dense)
+    model = copy.deepcopy(dense).to(device)
+    model = pk.parallelize(model, g or comm, g or strategy, keep_dense=keep_dense)
     data, d = (g.data, g.coords[0]) if g else (1, 0)
     rows = torch.arange(batch).tensor_split(data)[d]
     opt_dense = torch.optim.SGD(dense.parameters(), lr=0.05, momentum=0.9)
@@ -86,9 +89,9 @@ def network_parity(
         loss = loss_fn(out, target) / batch
         loss.backward()
         opt.zero_grad()
-        out_mine = model(x[rows])
+        out_mine = model(x[rows].to(device))
         # DataParallel averages over the data group: scale so the mean is the batch's gradient.
-        loss_mine = loss_fn(out_mine, target[rows]) * data / batch
+        loss_mine = loss_fn(out_mine, target[rows].to(device)) * data / batch
         loss_mine.backward()
         at = f"step {step}"
         triples += [(f"{at} output", out_mine, out.detach()[rows])]

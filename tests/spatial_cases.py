@@ -59,15 +59,16 @@ def layer_parity(
     batch: int = 2,
     dtype: torch.dtype = torch.float64,
     no_halo: bool = False,
+    device: str | None = None,
     **kw,
 ) -> list[Triple]:
     """Spatial ``kind`` layer on this rank's block vs the dense layer on the whole input.
 
     ``no_halo=True`` is the negative control: each rank convolves its block alone, padding
-    its edges as if they were the image's.
+    its edges as if they were the image's. ``device``: where the spatial layer runs.
     """
     dense = dense_layer(kind, c_in, **kw).to(dtype)
-    layer = spatial_layer(kind, dense, comm, grid)
+    layer = spatial_layer(kind, dense, comm, grid).to(device)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(batch, c_in, *hw, generator=g, dtype=dtype, requires_grad=True)
     try:
@@ -82,9 +83,9 @@ def layer_parity(
     out_rows, out_cols = blocks.block(*y.shape[2:])
     if kind == "globalpool":  # ends the spatial region: the whole output on every rank
         out_rows, out_cols = slice(None), slice(None)
-    x_blk = x.detach()[:, :, rows, cols].clone().requires_grad_()
+    x_blk = x.detach()[:, :, rows, cols].clone().to(device).requires_grad_()
     y_blk = dense(x_blk) if no_halo else layer(x_blk)
-    y_blk.backward(dy[:, :, out_rows, out_cols])
+    y_blk.backward(dy[:, :, out_rows, out_cols].to(device))
     triples = [
         ("output", y_blk, y.detach()[:, :, out_rows, out_cols]),
         ("input grad", x_blk.grad, x.grad[:, :, rows, cols]),

@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import torch
+
 from parallelkit.comm.base import (
     DEFAULT_TIMEOUT_S,
     CommError,
@@ -47,7 +49,11 @@ def detect_backend() -> str:
 
 
 def init(
-    backend: str = "auto", *, timeout: float | None = None, debug: bool | None = None
+    backend: str = "auto",
+    *,
+    timeout: float | None = None,
+    debug: bool | None = None,
+    device: torch.device | str | None = None,
 ) -> Communicator:
     """The world communicator of this job.
 
@@ -58,9 +64,12 @@ def init(
     timeout: seconds before a stuck collective raises (torch) or aborts the job (MPI); default
         ``PARALLELKIT_TIMEOUT`` or 1800.
     debug: check before each collective that all ranks agree (default ``PARALLELKIT_DEBUG``).
+    device: where data tensors must live; collectives refuse others with a ValueError. Default:
+        ``cuda:LOCAL_RANK`` under NCCL, the XLA device under XLA, any device otherwise (gloo and
+        MPI stage device tensors through host memory).
     """
     global _WORLD
-    _WORLD = _create(backend, timeout, debug)
+    _WORLD = _create(backend, timeout, debug, device)
     return _WORLD
 
 
@@ -71,7 +80,9 @@ def world() -> Communicator:
     return _WORLD
 
 
-def _create(backend: str, timeout: float | None, debug: bool | None) -> Communicator:
+def _create(
+    backend: str, timeout: float | None, debug: bool | None, device: torch.device | str | None
+) -> Communicator:
     if backend not in BACKENDS:
         raise ValueError(f"pk.init: backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
@@ -79,18 +90,18 @@ def _create(backend: str, timeout: float | None, debug: bool | None) -> Communic
     if backend in ("gloo", "nccl"):
         from parallelkit.comm.torch_dist import TorchCommunicator
 
-        return TorchCommunicator.init(backend, timeout=timeout, debug=debug)
+        return TorchCommunicator.init(backend, timeout=timeout, debug=debug, device=device)
     if backend == "mpi":
         from parallelkit.comm.mpi import MPICommunicator
 
-        return MPICommunicator.init(timeout=timeout, debug=debug)
+        return MPICommunicator.init(timeout=timeout, debug=debug, device=device)
     if backend == "xla":
         from parallelkit.comm.xla import XlaCommunicator
 
         return XlaCommunicator.init(timeout=timeout, debug=debug)
     from parallelkit.comm.local import LocalCommunicator
 
-    return LocalCommunicator(timeout=timeout, debug=debug)
+    return LocalCommunicator(timeout=timeout, debug=debug, device=device)
 
 
 __all__ = [

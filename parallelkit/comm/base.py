@@ -9,7 +9,15 @@ fast path, and then hands a contiguous tensor to the backend's underscore method
 therefore implement a handful of short primitives on contiguous tensors along dimension 0:
 
     _all_reduce, _all_reduce_async, _all_gather, _reduce_scatter, _broadcast, _reduce,
-    _exchange, _barrier, _split
+    _exchange, _barrier, _split, _host_all_gather
+
+Two paths, kept apart. *Data* (activations, gradients, statistics) moves through the
+collectives above and stays on its device: a communicator that declares a ``device`` (NCCL:
+this rank's GPU) refuses tensors anywhere else with a ``ValueError``, instead of the backend's
+obscure failure. *Host metadata* (block sizes, split tables, bucket orders, debug signatures:
+small lists of Python ints) moves through :meth:`Communicator.all_gather_ints`, which each
+backend routes over a path that always works on the host: a gloo companion group beside NCCL,
+MPI's host buffers, XLA's host exchange. No layer builds a CPU tensor for a data collective.
 
 Operations are out of place: they return new tensors and leave their inputs alone, unless
 the caller passes ``out=`` (a buffer to write the result into, possibly the input itself).
@@ -73,6 +81,16 @@ def env_debug() -> bool:
     return os.environ.get("PARALLELKIT_DEBUG", "").lower() in ("1", "true", "yes")
 
 
+def resolve_device(device: torch.device | str | None) -> torch.device | None:
+    """``device`` as its tensors report it, index included (``"cuda"`` -> ``cuda:0``)."""
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.index is not None or device.type == "cpu":
+        return device
+    return torch.empty(0, device=device).device
+
+
 def tensor_split_sizes(total: int, parts: int) -> list[int]:
     """Block sizes of ``torch.tensor_split(range(total), parts)``: the first blocks one larger."""
     base, extra = divmod(total, parts)
@@ -93,6 +111,9 @@ class Communicator(ABC):
     backend: str
     timeout: float
     debug: bool
+    device: torch.device | None = None
+    """Where data tensors must live (NCCL: this rank's GPU); ``None`` accepts any device the
+    backend can move (host memory, or device memory staged through it)."""
 
     def __repr__(self) -> str:
         name = type(self).__name__
@@ -235,6 +256,7 @@ class Communicator(ABC):
         for _, buf in recv:
             if not buf.is_contiguous():
                 raise ValueError("neighbor_exchange: receive buffers must be contiguous")
+            self._check_device(buf, "neighbor_exchange")
         send = [(p, self._contiguous(t, "neighbor_exchange")) for p, t in send]
         if self.debug and self.size > 1:
             from parallelkit.comm import debug
@@ -259,6 +281,18 @@ class Communicator(ABC):
         """Wait until every rank has called ``barrier``."""
         if self.size > 1:
             self._barrier()
+
+    def all_gather_ints(self, values: Sequence[int]) -> list[list[int]]:
+        """Every rank's ``values``, in rank order, over the host path (never a data device).
+
+        For small host metadata: sizes, split tables, orders. Every rank passes the same number
+        of values (a rank that does not know how many the others send first gathers the count).
+        """
+        row = torch.tensor([int(v) for v in values], dtype=torch.int64)
+        if self.size == 1:
+            return [row.tolist()]
+        table = self._host_all_gather(row, row.new_empty(self.size * row.numel()))
+        return table.view(self.size, row.numel()).tolist()
 
     def split(self, color: int, key: int = 0) -> Communicator:
         """Sub-communicator of the ranks that pass the same ``color`` (``MPI_Comm_split``).
@@ -309,6 +343,10 @@ class Communicator(ABC):
     @abstractmethod
     def _split(self, color: int, key: int) -> Communicator: ...
 
+    @abstractmethod
+    def _host_all_gather(self, row: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """All-gather of equal-length int64 rows in host memory, on the host path."""
+
     # ------------------------------------------------------------------ shared helpers
     def _contiguous(self, t: torch.Tensor, name: str) -> torch.Tensor:
         if not isinstance(t, torch.Tensor):
@@ -316,7 +354,16 @@ class Communicator(ABC):
         if t.dtype not in DTYPES:
             supported = ", ".join(str(d).removeprefix("torch.") for d in DTYPES)
             raise ValueError(f"{name}: dtype {t.dtype} is not supported; use one of {supported}")
+        self._check_device(t, name)
         return t.contiguous()
+
+    def _check_device(self, t: torch.Tensor, name: str) -> None:
+        if self.device is not None and t.device != self.device:
+            raise ValueError(
+                f"{name}: this {self.backend} communicator moves tensors on {self.device}, got a "
+                f"{tuple(t.shape)} tensor on {t.device}; move it with .to(comm.device) (small "
+                "host metadata goes through comm.all_gather_ints)"
+            )
 
     def _reduce_input(
         self, t: torch.Tensor, op: str, name: str, check: bool = True
@@ -374,9 +421,8 @@ class Communicator(ABC):
             debug.check_call(self, name, t, masked_dim, extra)
 
     def _exchange_sizes(self, n: int) -> list[int]:
-        """Every rank's ``n``, by one small all-gather."""
-        mine = torch.tensor([n], dtype=torch.int64)
-        return self._all_gather(mine, [1] * self.size, mine.new_empty(self.size)).tolist()
+        """Every rank's ``n``, by one small host all-gather."""
+        return [row[0] for row in self.all_gather_ints([n])]
 
 
 class _ThenWork:

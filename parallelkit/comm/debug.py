@@ -3,8 +3,8 @@
 A collective that ranks enter with different shapes, dtypes, roots or operations hangs or
 corrupts memory. With ``PARALLELKIT_DEBUG=1`` (or ``pk.init(debug=True)``) the communicator
 first all-gathers a small signature of the call and, when the ranks disagree, raises the same
-``ValueError`` on every rank, listing what each one called. It costs two small all-gathers per
-call, so it is off by default.
+``ValueError`` on every rank, listing what each one called. It costs two small host all-gathers
+per call (:meth:`Communicator.all_gather_ints`), so it is off by default.
 """
 
 from __future__ import annotations
@@ -71,13 +71,11 @@ def check_exchange(comm: Communicator, send: Sequence[Message], recv: Sequence[M
 
 
 def _gather_rows(comm: Communicator, local: list[int]) -> list[list[int]]:
-    """Every rank's list of integers (of any length), by the backend's raw all-gather."""
+    """Every rank's list of integers (of any length), on the host path."""
     lengths = comm._exchange_sizes(len(local))
     width = max(lengths)
-    row = torch.tensor([*local, *[0] * (width - len(local))], dtype=torch.int64)
-    table = comm._all_gather(row, [width] * comm.size, row.new_empty(comm.size * width))
-    table = table.view(comm.size, width)
-    return [table[r, : lengths[r]].tolist() for r in range(comm.size)]
+    table = comm.all_gather_ints([*local, *[0] * (width - len(local))])
+    return [row[:n] for row, n in zip(table, lengths, strict=True)]
 
 
 def _describe(row: list[int]) -> str:

@@ -8,14 +8,29 @@ from __future__ import annotations
 
 import torch
 
-from parallelkit.comm.base import Communicator, DoneWork, Op, Work, env_debug, env_timeout
+from parallelkit.comm.base import (
+    Communicator,
+    DoneWork,
+    Op,
+    Work,
+    env_debug,
+    env_timeout,
+    resolve_device,
+)
 
 
 class LocalCommunicator(Communicator):
     """A group of one rank (``pk.init("local")``): what single-device code runs on."""
 
-    def __init__(self, *, timeout: float | None = None, debug: bool | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        timeout: float | None = None,
+        debug: bool | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
         self.rank, self.size, self.backend = 0, 1, "local"
+        self.device = resolve_device(device)
         self.timeout = env_timeout() if timeout is None else timeout
         self.debug = env_debug() if debug is None else debug
 
@@ -46,4 +61,7 @@ class LocalCommunicator(Communicator):
         pass
 
     def _split(self, color: int, key: int) -> LocalCommunicator:
-        return LocalCommunicator(timeout=self.timeout, debug=self.debug)
+        return LocalCommunicator(timeout=self.timeout, debug=self.debug, device=self.device)
+
+    def _host_all_gather(self, row: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(row)

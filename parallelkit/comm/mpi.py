@@ -3,8 +3,9 @@
 Tensors travel through mpi4py's buffer interface as zero-copy NumPy views of contiguous CPU
 tensors (never pickled). MPI has no 16-bit float types: float16 and bfloat16 are moved as
 16-bit integers (bit-exact) and reduced in float32, then rounded once. CUDA tensors are passed
-straight to a CUDA-aware MPI when the library reports one (or ``PARALLELKIT_MPI_CUDA_AWARE=1``),
-otherwise staged through host memory explicitly.
+straight to a CUDA-aware MPI when the library reports one (or ``PARALLELKIT_MPI_CUDA_AWARE=1``);
+tensors on any other device (CUDA without a CUDA-aware MPI, XLA, lazy) are staged through host
+memory explicitly: copied out, moved, copied back into the caller's device buffer.
 
 MPI collectives cannot time out, so a watchdog thread aborts the whole job (``MPI_Abort``) when
 one has not finished within the communicator's timeout, and an except hook aborts the job when
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
-from parallelkit.comm.base import Communicator, Op, Work, env_debug, env_timeout
+from parallelkit.comm.base import Communicator, Op, Work, env_debug, env_timeout, resolve_device
 
 _MPI_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 _MPI_TYPES = {
@@ -64,8 +65,10 @@ class MPICommunicator(Communicator):
         *,
         timeout: float | None = None,
         debug: bool | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         self.comm = comm if comm is not None else MPI.COMM_WORLD
+        self.device = resolve_device(device)
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.backend = "mpi"
@@ -74,19 +77,26 @@ class MPICommunicator(Communicator):
         self.cuda_aware = _cuda_aware()
 
     @classmethod
-    def init(cls, *, timeout: float | None = None, debug: bool | None = None) -> MPICommunicator:
+    def init(
+        cls,
+        *,
+        timeout: float | None = None,
+        debug: bool | None = None,
+        device: torch.device | str | None = None,
+    ) -> MPICommunicator:
         """The world communicator, with the abort-on-exception hook installed.
 
         ``PARALLELKIT_MPI_ABORT_ON_EXCEPTION=0`` leaves ``sys.excepthook`` alone.
         """
         if os.environ.get("PARALLELKIT_MPI_ABORT_ON_EXCEPTION", "1") != "0":
             install_abort_hook()
-        return cls(timeout=timeout, debug=debug)
+        return cls(timeout=timeout, debug=debug, device=device)
 
-    # Every blocking MPI call runs under the watchdog. CUDA tensors go through host memory
-    # unless the MPI library can read device memory; 16-bit floats are reduced in float32.
+    # Every blocking MPI call runs under the watchdog. Device tensors go through host memory
+    # unless the MPI library can read them (CUDA-aware); 16-bit floats are reduced in float32.
     def _host(self, t: torch.Tensor) -> torch.Tensor:
-        return t.cpu() if t.is_cuda and not self.cuda_aware else t
+        direct = t.device.type == "cpu" or (t.is_cuda and self.cuda_aware)
+        return t if direct else t.cpu()
 
     def _reduction_buffers(
         self, t: torch.Tensor, out: torch.Tensor
@@ -173,7 +183,12 @@ class MPICommunicator(Communicator):
     def _split(self, color: int, key: int) -> MPICommunicator:
         with _WATCHDOG.watch(self, "split"):
             sub = self.comm.Split(color, key)
-        return MPICommunicator(sub, timeout=self.timeout, debug=self.debug)
+        return MPICommunicator(sub, timeout=self.timeout, debug=self.debug, device=self.device)
+
+    def _host_all_gather(self, row: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        with _WATCHDOG.watch(self, "all_gather_ints"):
+            self.comm.Allgather(_buf(row), _buf(out))
+        return out
 
 
 class _MPIWork:

@@ -4,6 +4,14 @@ Collectives run on a ``ProcessGroup``; ranks given to and returned by this commu
 ranks within that group. torch.distributed has no way to abort a peer, so a failed rank is
 noticed through gloo's connection errors or, at worst, through the collective timeout given to
 ``init_process_group``; errors are re-raised as :class:`CommError` saying so.
+
+Devices. An NCCL group moves CUDA tensors only, so ``pk.init("nccl")`` creates the world
+group as ``"cpu:gloo,cuda:nccl"``: data on the GPU goes through NCCL and the small host
+metadata of :meth:`~parallelkit.comm.Communicator.all_gather_ints` through gloo, in the same
+group (sub-groups inherit both). A group made elsewhere without a CPU backend gets a gloo
+companion group for its host metadata. The communicator declares ``device`` (this rank's GPU
+under NCCL) and refuses data tensors elsewhere. A gloo group moves host memory: tensors on a
+device (several ranks sharing one GPU, say) are staged through host buffers explicitly.
 """
 
 from __future__ import annotations
@@ -18,7 +26,15 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from parallelkit.comm.base import CommError, Communicator, Op, Work, env_debug, env_timeout
+from parallelkit.comm.base import (
+    CommError,
+    Communicator,
+    Op,
+    Work,
+    env_debug,
+    env_timeout,
+    resolve_device,
+)
 
 # torch 2.13 renamed the single-tensor collectives; older releases (torch_xla's) have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -28,7 +44,12 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp
 
 
 class TorchCommunicator(Communicator):
-    """A communicator over a torch.distributed process group (the world group by default)."""
+    """A communicator over a torch.distributed process group (the world group by default).
+
+    ``device``: where data tensors must be (default: the current CUDA device under NCCL, any
+    device otherwise). ``host_group``: the group for host metadata (default: ``group`` itself
+    when it has a CPU backend, else a new gloo group over the same ranks).
+    """
 
     def __init__(
         self,
@@ -36,18 +57,34 @@ class TorchCommunicator(Communicator):
         *,
         timeout: float | None = None,
         debug: bool | None = None,
+        device: torch.device | str | None = None,
+        host_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.size = dist.get_world_size(self.group)
-        self.backend = str(dist.get_backend(self.group))
+        config = str(dist.get_backend_config(self.group))  # e.g. "cpu:gloo,cuda:nccl"
+        self.backend = "nccl" if "nccl" in config else str(dist.get_backend(self.group))
         self.timeout = env_timeout() if timeout is None else timeout
         self.debug = env_debug() if debug is None else debug
         self._global = [dist.get_global_rank(self.group, r) for r in range(self.size)]
+        if device is None and self.backend == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = resolve_device(device)
+        # gloo reads and writes host memory: tensors on a device are staged through it.
+        self._stage = self.backend != "nccl"
+        if host_group is None:
+            host_group = self.group if "cpu:" in config else _gloo_group(self._global)
+        self._host_group = host_group
 
     @classmethod
     def init(
-        cls, backend: str, *, timeout: float | None = None, debug: bool | None = None
+        cls,
+        backend: str,
+        *,
+        timeout: float | None = None,
+        debug: bool | None = None,
+        device: torch.device | str | None = None,
     ) -> TorchCommunicator:
         """Join (or create) the default process group from the torchrun environment."""
         if not dist.is_initialized():
@@ -64,12 +101,13 @@ class TorchCommunicator(Communicator):
                 local_rank = int(os.environ.get("LOCAL_RANK", 0))
                 torch.cuda.set_device(local_rank)
                 kwargs["device_id"] = torch.device("cuda", local_rank)
+                backend = "cpu:gloo,cuda:nccl"  # host metadata on gloo, data on NCCL
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=seconds), **kwargs)
             # Tear the group down before the interpreter does: gloo's threads, still alive at
             # interpreter shutdown, can abort the process ("terminate called without an
             # active exception") after the job's work is done.
             atexit.register(_destroy_default_group)
-        return cls(timeout=timeout, debug=debug)
+        return cls(timeout=timeout, debug=debug, device=device)
 
     @contextlib.contextmanager
     def _errors(self, name: str) -> Iterator[None]:
@@ -84,76 +122,108 @@ class TorchCommunicator(Communicator):
                 f"{self.timeout:g} s (pk.init(timeout=...) or PARALLELKIT_TIMEOUT)."
             ) from e
 
+    # Staging (gloo with device tensors): inputs are copied to the host, results computed in
+    # host buffers and copied back into the caller's ``out``; otherwise both are used as given.
+    def _staged(self, t: torch.Tensor) -> bool:
+        return self._stage and t.device.type != "cpu"
+
+    def _on_host(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``, or its host copy when staged."""
+        return t.cpu() if self._staged(t) else t
+
+    def _host_buffer(self, out: torch.Tensor) -> torch.Tensor:
+        """``out``, or a host buffer of its shape when staged."""
+        return torch.empty(out.shape, dtype=out.dtype) if self._staged(out) else out
+
+    def _in_place_buffer(self, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """A buffer holding ``t`` for an in-place collective: ``out`` or a host copy of ``t``."""
+        if self._staged(t):
+            return t.cpu()
+        return out if out is t else out.copy_(t)
+
     def _all_reduce(self, t: torch.Tensor, op: Op, out: torch.Tensor) -> torch.Tensor:
         return self._all_reduce_async(t, op, out).wait()
 
     def _all_reduce_async(self, t: torch.Tensor, op: Op, out: torch.Tensor) -> Work:
-        if out is not t:
-            out.copy_(t)
+        buf = self._in_place_buffer(t, out)
         with self._errors("all_reduce"):
-            work = dist.all_reduce(out, op=_OPS[op], group=self.group, async_op=True)
-        return _TorchWork(self, work, out)
+            work = dist.all_reduce(buf, op=_OPS[op], group=self.group, async_op=True)
+        return _TorchWork(self, work, buf, out)
 
     def _all_gather(self, t: torch.Tensor, sizes: list[int], out: torch.Tensor) -> torch.Tensor:
+        src, dst = self._on_host(t), self._host_buffer(out)
         block = max(sizes)
         if min(sizes) == block:
             with self._errors("all_gather"):
-                _all_gather_single(out, t, group=self.group)
-            return out
+                _all_gather_single(dst, src, group=self.group)
+            return _copy_back(out, dst)
         # gloo gathers equal sizes only: pad every rank's block to the largest.
-        padded = torch.cat([t, t.new_zeros(block - t.shape[0], *t.shape[1:])])
-        gathered = t.new_empty(self.size * block, *t.shape[1:])
+        padded = torch.cat([src, src.new_zeros(block - src.shape[0], *src.shape[1:])])
+        gathered = src.new_empty(self.size * block, *src.shape[1:])
         with self._errors("all_gather"):
             _all_gather_single(gathered, padded, group=self.group)
         pieces = [gathered[r * block : r * block + n] for r, n in enumerate(sizes)]
-        return torch.cat(pieces, out=out)
+        return _copy_back(out, torch.cat(pieces, out=dst))
 
     def _reduce_scatter(
         self, t: torch.Tensor, sizes: list[int], op: Op, out: torch.Tensor
     ) -> torch.Tensor:
+        src, dst = self._on_host(t), self._host_buffer(out)
         block = max(sizes)
         if min(sizes) == block:
             with self._errors("reduce_scatter"):
-                _reduce_scatter_single(out, t, op=_OPS[op], group=self.group)
-            return out
-        padded = t.new_zeros(self.size * block, *t.shape[1:])  # every block padded to the largest
-        for r, piece in enumerate(torch.split(t, sizes)):
+                _reduce_scatter_single(dst, src, op=_OPS[op], group=self.group)
+            return _copy_back(out, dst)
+        padded = src.new_zeros(self.size * block, *src.shape[1:])  # blocks padded to the largest
+        for r, piece in enumerate(torch.split(src, sizes)):
             padded[r * block : r * block + sizes[r]] = piece
-        mine = t.new_empty(block, *t.shape[1:])
+        mine = src.new_empty(block, *src.shape[1:])
         with self._errors("reduce_scatter"):
             _reduce_scatter_single(mine, padded, op=_OPS[op], group=self.group)
         return out.copy_(mine[: sizes[self.rank]])
 
     def _broadcast(self, out: torch.Tensor, src: int) -> torch.Tensor:
+        buf = self._on_host(out)
         with self._errors("broadcast"):
-            dist.broadcast(out, src=self._global[src], group=self.group)
-        return out
+            dist.broadcast(buf, src=self._global[src], group=self.group)
+        return _copy_back(out, buf)
 
     def _reduce(self, t: torch.Tensor, dst: int, op: Op, out: torch.Tensor) -> torch.Tensor:
-        if out is not t:
-            out.copy_(t)
+        buf = self._in_place_buffer(t, out)
         with self._errors("reduce"):
-            dist.reduce(out, dst=self._global[dst], op=_OPS[op], group=self.group)
-        return out if self.rank == dst else out.zero_()
+            dist.reduce(buf, dst=self._global[dst], op=_OPS[op], group=self.group)
+        return _copy_back(out, buf if self.rank == dst else buf.zero_())
 
     def _exchange(
         self, send: list[tuple[int, int, torch.Tensor]], recv: list[tuple[int, int, torch.Tensor]]
     ) -> None:
-        ops = [dist.P2POp(dist.isend, t, self._global[p], self.group, tag) for p, tag, t in send]
-        ops += [dist.P2POp(dist.irecv, t, self._global[p], self.group, tag) for p, tag, t in recv]
+        host_recv = [(p, tag, self._host_buffer(t)) for p, tag, t in recv]
+        ops = [
+            dist.P2POp(dist.isend, self._on_host(t), self._global[p], self.group, tag)
+            for p, tag, t in send
+        ]
+        ops += [
+            dist.P2POp(dist.irecv, t, self._global[p], self.group, tag) for p, tag, t in host_recv
+        ]
         with self._errors("neighbor_exchange"):
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
+        for (_, _, buf), (_, _, host) in zip(recv, host_recv, strict=True):
+            _copy_back(buf, host)
 
     def _barrier(self) -> None:
         with self._errors("barrier"):
-            dist.barrier(group=self.group)
+            dist.barrier(group=self._host_group)
+
+    def _host_all_gather(self, row: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        with self._errors("all_gather_ints"):
+            _all_gather_single(out, row, group=self._host_group)
+        return out
 
     def _split(self, color: int, key: int) -> TorchCommunicator:
         # torch has no comm_split for gloo: learn every rank's (color, key), then each new group
         # is created by its own members only (use_local_synchronization).
-        mine = torch.tensor([[color, key]], dtype=torch.int64)
-        table = self._all_gather(mine, [1] * self.size, mine.new_empty(self.size, 2)).tolist()
+        table = self.all_gather_ints([color, key])
         members = sorted((k, r) for r, (c, k) in enumerate(table) if c == color)
         ranks = [self._global[r] for _, r in members]
         kwargs = {"sort_ranks": False} if "sort_ranks" in _NEW_GROUP_ARGS else {}
@@ -161,17 +231,35 @@ class TorchCommunicator(Communicator):
             raise ValueError("split: this torch sorts group ranks; order keys like ranks")
         with self._errors("split"):
             group = dist.new_group(ranks, use_local_synchronization=True, **kwargs)
-        return TorchCommunicator(group, timeout=self.timeout, debug=self.debug)
+            host_group = None if self._host_group is self.group else _gloo_group(ranks)
+        return TorchCommunicator(
+            group, timeout=self.timeout, debug=self.debug, device=self.device, host_group=host_group
+        )
 
 
 class _TorchWork:
-    def __init__(self, comm: TorchCommunicator, work: dist.Work, out: torch.Tensor) -> None:
-        self._comm, self._work, self._out = comm, work, out
+    """An all-reduce in flight on ``buf``; ``wait()`` leaves the result in ``out``."""
+
+    def __init__(
+        self, comm: TorchCommunicator, work: dist.Work, buf: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        self._comm, self._work, self._buf, self._out = comm, work, buf, out
 
     def wait(self) -> torch.Tensor:
         with self._comm._errors("all_reduce"):
             self._work.wait()
-        return self._out
+        return _copy_back(self._out, self._buf)
+
+
+def _copy_back(out: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    """``out`` holding ``buf``'s data (a no-op unless ``buf`` is a host stand-in for ``out``)."""
+    return out if buf is out else out.copy_(buf)
+
+
+def _gloo_group(ranks: list[int]) -> dist.ProcessGroup:
+    """A gloo group over ``ranks`` (global ranks) for host metadata, made by its members."""
+    kwargs = {"sort_ranks": False} if "sort_ranks" in _NEW_GROUP_ARGS else {}
+    return dist.new_group(ranks, backend="gloo", use_local_synchronization=True, **kwargs)
 
 
 def _destroy_default_group() -> None:

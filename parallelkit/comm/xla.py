@@ -235,7 +235,15 @@ class XlaCommunicator(Communicator):
             members, groups, timeout=self.timeout, debug=self.debug, pin_layout=self.pin_layout
         )
 
+    def _host_all_gather(self, row: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self._host_gather(row), out=out)
+
     # ------------------------------------------------------------------ helpers
+    def _check_device(self, t: torch.Tensor, name: str) -> None:
+        """Host tensors are accepted too: every primitive sends them on the host exchange."""
+        if t.device.type != "cpu":
+            super()._check_device(t, name)
+
     def _host_gather(self, value: Any) -> list[Any]:
         """Every rank's ``value`` (host data), in rank order, without touching the device."""
         table = self._host.exchange(self.ordinal, value, self.timeout)

@@ -397,7 +397,7 @@ class ChannelParallelConv2d(nn.Module):
         their block sizes first, so that all of them raise the same error."""
         rank, size = self.comm.rank, self.comm.size
         if self.comm.debug and size > 1:
-            got = self.comm.all_gather(torch.tensor([x.shape[1]]), 0, [1] * size).tolist()
+            got = [n for (n,) in self.comm.all_gather_ints([x.shape[1]])]
             bad = [r for r in range(size) if got[r] != self.in_sizes[r]]
             seen = f"got {got} channels (wrong on ranks {bad})"
         else:

@@ -8,8 +8,11 @@ backward sums two per-channel reductions in one all-reduce. The same code serves
 data-parallel world, a sub-group, or the ranks that each hold a band of the same images
 (spatial parallelism), where the statistics then cover the whole image.
 
-On XLA (lazy tensors) reading a value on the host would run the graph mid-step, so there the
-global count stays a device tensor and the checks that need its value are skipped; two CPU
+The global count stays a device tensor: reading it on the host would stall a GPU stream every
+forward (and, on XLA, run the graph mid-step). Only a rank whose own slice holds at most one
+value per channel reads it, for torch's checks: the global count can be 1 (an error) or 0
+(nothing to update) only when every rank's slice is that small, so either every rank reads it
+and they all agree, or the count is known to be at least 2 without a read. On XLA two CPU
 kernels that XLA does not lower (``batch_norm_update_stats``, eval-mode
 ``native_batch_norm_backward``) are replaced by their lowered equivalents.
 
@@ -95,7 +98,7 @@ class SyncBatchNorm(_BatchNorm):
             )
         # One rank: plain batch_norm, except on XLA, whose batch_norm updates running_var with
         # the biased variance (torch uses the unbiased one): there the path below does it.
-        if not batch_stats or (comm.size == 1 and not _lazy(x)):
+        if not batch_stats or (comm.size == 1 and not _on_xla(x)):
             return F.batch_norm(
                 x,
                 self.running_mean if not self.training or self.track_running_stats else None,
@@ -198,7 +201,7 @@ def _local_stats(x: torch.Tensor) -> torch.Tensor:
     if n > 0:
         # torch's own one-pass, numerically stable per-channel kernel (3x faster on CPU than
         # var_mean over dims (0, 2, 3)); it keeps 16-bit inputs' dtype, hence the float copy.
-        if _lazy(x):  # not lowered to XLA (it would run on the host, ending the graph)
+        if _on_xla(x):  # not lowered to XLA (it would run on the host, ending the graph)
             var, mean = torch.var_mean(x.to(stat_dtype), [0, *range(2, x.dim())], correction=0)
         else:
             mean, var = torch.batch_norm_update_stats(x.to(stat_dtype), None, None, 0.0)
@@ -207,31 +210,23 @@ def _local_stats(x: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def _lazy(x: torch.Tensor) -> bool:
+def _on_xla(x: torch.Tensor) -> bool:
     """XLA tensor: its values exist only once the step's graph runs."""
     return x.device.type == "xla"
 
 
-def _merge(
-    gathered: torch.Tensor, c: int
-) -> tuple[torch.Tensor, torch.Tensor, int | torch.Tensor]:
+def _merge(gathered: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Chan et al.'s parallel merge of per-rank ``(n, mean, M2)`` rows: global mean, M2, count.
 
     mean = sum_r n_r mean_r / count;  M2 = sum_r M2_r + sum_r n_r (mean_r - mean)^2.
-    Differences of means, never of raw sums of squares, so large means lose no precision.
+    Differences of means, never of raw sums of squares, so large means lose no precision. The
+    count is a 0-d tensor on the data's device; an all-empty batch gives zeros.
     """
     n = gathered[:, :1]
     means, m2s = gathered[:, 1 : 1 + c], gathered[:, 1 + c :]
-    if _lazy(gathered):  # the count stays on the device (a 0-d tensor)
-        count = n.sum()
-        mean = (n * means).sum(0) / count
-        return mean, m2s.sum(0) + (n * (means - mean) ** 2).sum(0), count
-    count = float(n.sum())
-    if count == 0:
-        return means.new_zeros(c), means.new_zeros(c), 0
-    mean = (n * means).sum(0) / count
-    m2 = m2s.sum(0) + (n * (means - mean) ** 2).sum(0)
-    return mean, m2, round(count)
+    count = n.sum()
+    mean = (n * means).sum(0) / count.clamp(min=1)
+    return mean, m2s.sum(0) + (n * (means - mean) ** 2).sum(0), count
 
 
 def _per_channel(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -251,14 +246,15 @@ class _SyncBatchNorm(Function):
         # cancels catastrophically when |mean| >> std.)
         gathered = comm.all_gather(local.view(1, -1), sizes=[1] * comm.size)
         mean, m2, count = _merge(gathered, c)
-        lazy = _lazy(x)  # count is a tensor whose value is not known yet
-        if not lazy and count == 1:
+        # The count's value, read only where it can be below 2 (see the module docstring).
+        known = round(float(count)) if x.numel() <= c else None
+        if known == 1:
             raise ValueError(
                 "SyncBatchNorm: expected more than 1 value per channel when training, got "
                 f"1 over all {comm.size} ranks (this rank's input: {tuple(x.shape)})"
             )
-        var = m2 / (count if lazy else max(count, 1))
-        if running_mean is not None and (lazy or count > 0):
+        var = m2 / count.clamp(min=1)
+        if running_mean is not None and known != 0:
             running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype), alpha=factor)
             unbiased = m2 / (count - 1)
             running_var.mul_(1 - factor).add_(unbiased.to(running_var.dtype), alpha=factor)
@@ -286,7 +282,7 @@ class _SyncBatchNorm(Function):
             sum_dy_xhat, sum_dy = mean.new_zeros(c), mean.new_zeros(c)
         else:
             ones = torch.ones(c, dtype=stat_dtype, device=x.device)
-            if _lazy(x):  # XLA lowers the training-mode form (given mean and invstd) only
+            if _on_xla(x):  # XLA lowers the training-mode form (given mean and invstd) only
                 stats = (None, None, mean, torch.rsqrt(var + eps), True)
             else:
                 stats = (mean, var, None, None, False)

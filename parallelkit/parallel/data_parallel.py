@@ -239,7 +239,7 @@ class DataParallel(nn.Module):
     def _rebuild(self, arrival: list[int]) -> None:
         """Buckets in the order gradients arrived in the first backward, rank 0's order."""
         self._rebuild_pending = False
-        order = self.comm.broadcast(torch.tensor(arrival, dtype=torch.int64), src=0).tolist()
+        order = self.comm.all_gather_ints(arrival)[0]  # host metadata: rank 0's order
         if order != list(reversed(range(len(self._params)))):
             self._build_buckets(order)
 

@@ -56,7 +56,7 @@ class Grid:
 
     def _group(self, color: int, key: int, size: int) -> Communicator:
         if size == 1:
-            return LocalCommunicator(timeout=self.comm.timeout)
+            return LocalCommunicator(timeout=self.comm.timeout, device=self.comm.device)
         if size == self.comm.size:
             return self.comm
         return self.comm.split(color, key)

@@ -31,11 +31,12 @@ class SpatialGrid:
         self.row, self.col = divmod(comm.rank, cols)
         # Sub-communicators only where a dimension is really split (split() is collective,
         # and every rank takes the same branches since the grid shape is the same everywhere).
+        one = LocalCommunicator(timeout=comm.timeout, device=comm.device)
         if cols == 1:
             self.col_comm: Communicator = comm
-            self.row_comm: Communicator = LocalCommunicator(timeout=comm.timeout)
+            self.row_comm: Communicator = one
         elif rows == 1:
-            self.col_comm, self.row_comm = LocalCommunicator(timeout=comm.timeout), comm
+            self.col_comm, self.row_comm = one, comm
         else:
             self.col_comm = comm.split(color=self.col, key=self.row)
             self.row_comm = comm.split(color=self.row, key=self.col)
@@ -63,18 +64,18 @@ class SpatialGrid:
             raise ValueError(f"{name}: expected an (N, C, H, W) block, got shape {tuple(x.shape)}")
         if self.comm.size == 1:
             return x.shape[2], x.shape[3]
-        local = torch.tensor([[x.shape[2], x.shape[3]]])
-        hw = self.comm.all_gather(local, sizes=[1] * self.comm.size).view(self.rows, self.cols, 2)
-        heights, widths = hw[:, 0, 0].tolist(), hw[0, :, 1].tolist()
+        # Host metadata: every rank's (h, w), by grid position.
+        hw = self.comm.all_gather_ints([x.shape[2], x.shape[3]])
+        heights = [h for h, _ in hw[:: self.cols]]
+        widths = [w for _, w in hw[: self.cols]]
         h_total, w_total = sum(heights), sum(widths)
-        want_h = torch.tensor(tensor_split_sizes(h_total, self.rows)).view(-1, 1)
-        want_w = torch.tensor(tensor_split_sizes(w_total, self.cols)).view(1, -1)
-        if not (
-            torch.equal(hw[..., 0], want_h.expand_as(hw[..., 0]))
-            and torch.equal(hw[..., 1], want_w.expand_as(hw[..., 1]))
-        ):
+        want_h = tensor_split_sizes(h_total, self.rows)
+        want_w = tensor_split_sizes(w_total, self.cols)
+        want = [[want_h[r], want_w[c]] for r in range(self.rows) for c in range(self.cols)]
+        if hw != want:
+            blocks = [hw[r * self.cols : (r + 1) * self.cols] for r in range(self.rows)]
             raise ValueError(
-                f"{name}: the ranks' blocks {hw.tolist()} (h, w per grid position) are not the "
+                f"{name}: the ranks' blocks {blocks} (h, w per grid position) are not the "
                 f"tensor_split layout of {h_total} x {w_total} images over a {self.rows} x "
                 f"{self.cols} grid; use pk.spatial.scatter to split images"
             )
