@@ -1,6 +1,7 @@
 # The two commands of README.md. Each sets itself up on a fresh machine.
 #   make run    the main job: ResNet-18 on scikit-learn's digits, 2 ranks, data parallel + SyncBN
-#   make test   ruff + the whole suite: pure and gloo tiers, then the mpiexec tier on 1-4 ranks
+#   make test   ruff + the whole suite: pure and gloo tiers, the mpiexec tier on 1-4 ranks, the XLA
+#               tier, and the GPU tier (skipped without CUDA)
 # and: make bench (every script under benchmarks/, ~35 min; results under benchmarks/results/)
 
 VENV ?= .venv
@@ -18,7 +19,7 @@ XLA_PY := $(XLA_VENV)/bin/python
 TORCH_XLA ?= torch==2.9.0 torch_xla==2.9.0
 XLA_TEST_ENV := PJRT_DEVICE=CPU PARALLELKIT_TIMEOUT=120
 
-.PHONY: run test lint test-py test-mpi test-xla bench clean
+.PHONY: run test lint test-py test-mpi test-xla test-gpu bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -37,7 +38,7 @@ $(XLA_VENV)/.installed: pyproject.toml Makefile
 run: $(VENV)/.installed
 	$(VENV)/bin/parallelkit train
 
-test: lint test-py test-mpi test-xla
+test: lint test-py test-mpi test-xla test-gpu
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check parallelkit tests benchmarks examples
@@ -56,6 +57,11 @@ test-mpi: $(VENV)/.installed
 
 test-xla: $(XLA_VENV)/.installed
 	$(XLA_TEST_ENV) $(XLA_PY) -m pytest -q -p no:cacheprovider tests/xla
+
+# Needs a CUDA build of torch (skips cleanly here). On a GPU machine whose python has it:
+#   python3 -m pytest tests/gpu   (docs/gpu.md: the pure-Python wheels to bring along)
+test-gpu: $(VENV)/.installed
+	$(PY) -m pytest -q -p no:cacheprovider tests/gpu
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/collectives.py

@@ -27,6 +27,7 @@ STRATEGIES = ("data", "spatial", "channel", "hybrid")
 OPTIMIZERS = ("sgd", "adam", "lars")
 SCHEDULES = ("cosine", "constant")
 PRECISIONS = ("fp32", "bf16")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass
@@ -58,6 +59,9 @@ class ParallelConfig:
     strategy: str = "data"
     ranks: int = 2
     backend: str = "auto"  # auto | gloo | nccl | mpi | xla | local
+    # auto: the backend's device (a GPU under nccl, the XLA device under xla), else the CPU;
+    # cuda with gloo or mpi: each rank on GPU LOCAL_RANK % count, collectives staged on the host
+    device: str = "auto"  # auto | cpu | cuda
     rows: int = 1
     cols: int = 1
     channel: int = 1
@@ -155,6 +159,7 @@ def validate(cfg: Config) -> None:
     _one_of(o.name, OPTIMIZERS, "optim.name")
     _one_of(o.schedule, SCHEDULES, "optim.schedule")
     _one_of(t.precision, PRECISIONS, "train.precision")
+    _one_of(p.device, DEVICES, "parallel.device")
     positive = {
         "train.epochs": t.epochs,
         "train.batch_size": t.batch_size,

@@ -30,14 +30,25 @@ from parallelkit.train.monitor import Monitor, table
 from parallelkit.train.tasks import Classify, Gan
 
 
-def device_for(comm: pk.Communicator) -> torch.device:
-    if comm.backend == "nccl":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    if comm.backend == "xla":
-        import torch_xla
+def requested_device(name: str) -> torch.device | None:
+    """``parallel.device`` as the device this rank trains on; None leaves it to the backend.
 
-        return torch_xla.device()
-    return torch.device("cpu")
+    cuda: GPU ``LOCAL_RANK`` (modulo the GPUs there are, so several ranks may share one).
+    """
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("parallel.device=cuda: torch sees no CUDA device on this machine")
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return None
+
+
+def device_for(comm: pk.Communicator) -> torch.device:
+    """Where this rank trains: the communicator's declared device (NCCL: its GPU, chosen by
+    LOCAL_RANK; XLA: its XLA device), else the CPU."""
+    return comm.device if comm.device is not None else torch.device("cpu")
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -69,7 +80,11 @@ def end_of_step(device: torch.device) -> None:
 
 def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
     """Train as configured; returns the final metrics (the same on every rank)."""
-    comm = comm or pk.init(cfg.parallel.backend, timeout=cfg.parallel.timeout)
+    comm = comm or pk.init(
+        cfg.parallel.backend,
+        timeout=cfg.parallel.timeout,
+        device=requested_device(cfg.parallel.device),
+    )
     grid = Grid(comm, **grid_dims(cfg.parallel, comm.size))
     t = cfg.train
     if t.batch_size % (grid.data * t.accumulate):
