@@ -22,6 +22,26 @@ from parallelkit.models import Bottleneck, Discriminator, Generator, ResNet, res
 
 Triple = tuple[str, torch.Tensor, torch.Tensor]
 
+
+class BatchNormAct2d(nn.BatchNorm2d):
+    """Written like timm's ``BatchNormAct2d``: a BatchNorm2d subclass whose own forward calls
+    ``F.batch_norm`` and then an activation (here a leaky ReLU, so that dropping it shows)."""
+
+    def __init__(self, num_features: int) -> None:
+        super().__init__(num_features)
+        self.act = nn.LeakyReLU(0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+            factor = self.momentum if self.momentum is not None else 1 / self.num_batches_tracked
+        stats = self.training or self.running_mean is None
+        x = F.batch_norm(
+            x, self.running_mean, self.running_var, self.weight, self.bias, stats, factor, self.eps
+        )
+        return self.act(x)
+
 # name -> (build, input shape without batch, loss of (output, target), keep_dense)
 NETWORKS = {
     "resnet18": (
@@ -34,6 +54,21 @@ NETWORKS = {
     # inner widths 3 and 5 split unevenly, and some convs have fewer channels than ranks.
     "bottleneck resnet": (
         lambda: ResNet((1, 2), widths=(3, 5), num_classes=5, stem="cifar", block=Bottleneck),
+        (3, 16, 16),
+        lambda out, t: F.cross_entropy(out, t % 5, reduction="sum"),
+        (),
+    ),
+    # A BatchNorm subclass with behaviour of its own (timm's BatchNormAct2d): kept, synchronized.
+    "bottleneck resnet, BatchNormAct2d": (
+        lambda: ResNet(
+            (1, 1),
+            widths=(3, 5),
+            num_classes=5,
+            stem="cifar",
+            block=Bottleneck,
+            norm_layer=BatchNormAct2d,
+            act_layer=nn.Identity,
+        ),
         (3, 16, 16),
         lambda out, t: F.cross_entropy(out, t % 5, reduction="sum"),
         (),

@@ -5,12 +5,15 @@ the grid's validation and ``to_dense`` round trips."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
 
 import parallelkit as pk
 from parallelkit.comm.local import LocalCommunicator
+from parallelkit.nn import SyncBatchNorm, convert_sync_batchnorm
 
 from cases import assert_triples
 from network_cases import NETWORKS, chained, drop_in, network_parity
@@ -77,3 +80,43 @@ def test_parallel_conv2d_drops_into_a_dense_model(ranks, mode, size, grid):
 def test_chained_parallel_conv2d_keeps_tensors_split(ranks, mode, size):
     for triples in ranks(size).run(chained, mode):
         assert_triples(triples)
+
+
+class _ManualBatchNorm(nn.BatchNorm2d):
+    """Normalizes without F.batch_norm: its statistics cannot be synchronized."""
+
+    def forward(self, x):
+        mean = x.mean((0, 2, 3), keepdim=True)
+        var = x.var((0, 2, 3), unbiased=False, keepdim=True)
+        return (x - mean) / (var + self.eps).sqrt()
+
+
+@pytest.mark.parametrize("strategy", ["data", "spatial", "channel"])
+def test_batchnorm_subclass_keeps_its_behaviour(strategy):
+    from network_cases import BatchNormAct2d
+
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), BatchNormAct2d(4))
+    x = torch.randn(2, 3, 8, 8)
+    parallel = pk.parallelize(copy.deepcopy(dense), LocalCommunicator(), strategy)
+    torch.testing.assert_close(parallel(x), dense(x))
+    assert type(pk.to_dense(parallel)[1]) is BatchNormAct2d
+    assert list(pk.to_dense(parallel).state_dict()) == list(dense.state_dict())
+    # Negative control: a plain SyncBatchNorm in its place drops the activation.
+    plain = copy.deepcopy(dense)
+    plain[1] = SyncBatchNorm.from_dense(plain[1], LocalCommunicator())
+    assert not torch.allclose(plain(x), dense(x))
+
+
+def test_batchnorm_subclass_without_f_batch_norm_is_refused():
+    model = pk.parallelize(nn.Sequential(_ManualBatchNorm(3)), LocalCommunicator(), "data")
+    with pytest.raises(ValueError, match=r"does not call F\.batch_norm"):
+        model(torch.randn(2, 3, 4, 4))
+
+
+def test_convert_sync_batchnorm_keeps_subclasses():
+    from network_cases import BatchNormAct2d
+
+    model = convert_sync_batchnorm(nn.Sequential(BatchNormAct2d(3), nn.BatchNorm2d(3)))
+    assert isinstance(model[0], BatchNormAct2d) and not isinstance(model[0], SyncBatchNorm)
+    assert type(model[1]) is SyncBatchNorm

@@ -89,36 +89,18 @@ class SyncBatchNorm(_BatchNorm):
             if self.momentum is None:
                 factor = 1.0 / float(self.num_batches_tracked)
         batch_stats = self.training or self.running_mean is None
-        comm = self.comm if self.comm is not None else world()
-        weight, bias = self.weight, self.bias
-        if self.grad_comm is not None and weight is not None:
-            weight, bias = (
-                pkf.copy_to_group(weight, self.grad_comm),
-                pkf.copy_to_group(bias, self.grad_comm),
-            )
-        # One rank: plain batch_norm, except on XLA, whose batch_norm updates running_var with
-        # the biased variance (torch uses the unbiased one): there the path below does it.
-        if not batch_stats or (comm.size == 1 and not _on_xla(x)):
-            return F.batch_norm(
-                x,
-                self.running_mean if not self.training or self.track_running_stats else None,
-                self.running_var if not self.training or self.track_running_stats else None,
-                weight,
-                bias,
-                batch_stats,
-                factor,
-                self.eps,
-            )
-        running = self.training and self.track_running_stats
-        return _SyncBatchNorm.apply(
+        running = not self.training or self.track_running_stats
+        return sync_batch_norm(
             x,
-            weight,
-            bias,
             self.running_mean if running else None,
             self.running_var if running else None,
+            self.weight,
+            self.bias,
+            batch_stats,
             factor,
             self.eps,
-            comm,
+            comm=self.comm if self.comm is not None else world(),
+            grad_comm=self.grad_comm,
         )
 
     def extra_repr(self) -> str:
@@ -156,13 +138,50 @@ class SyncBatchNorm(_BatchNorm):
         return _copy_state(dense, sync)
 
 
+def sync_batch_norm(
+    x: torch.Tensor,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    *,
+    comm: Communicator,
+    grad_comm: Communicator | None = None,
+) -> torch.Tensor:
+    """``F.batch_norm`` with the batch statistics of every rank of ``comm`` (same arguments).
+
+    ``grad_comm`` sums the parameter-gradient shares over the ranks holding blocks of the same
+    images (see :class:`SyncBatchNorm`). Normalizing with given statistics, and a communicator
+    of one rank, is plain ``F.batch_norm``.
+    """
+    if grad_comm is not None:
+        weight = None if weight is None else pkf.copy_to_group(weight, grad_comm)
+        bias = None if bias is None else pkf.copy_to_group(bias, grad_comm)
+    # One rank: plain batch_norm, except on XLA, whose batch_norm updates running_var with
+    # the biased variance (torch uses the unbiased one): there the path below does it.
+    if not training or (comm.size == 1 and not _on_xla(x)):
+        return F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
+    return _SyncBatchNorm.apply(
+        x, weight, bias, running_mean, running_var, momentum, eps, comm
+    )
+
+
 def convert_sync_batchnorm(module: nn.Module, comm: Communicator | None = None) -> nn.Module:
     """Replace every ``BatchNorm1d/2d/3d`` (and torch's ``SyncBatchNorm``) by a SyncBatchNorm.
 
     Parameters (the same tensors), buffers and training mode are kept. Returns ``module``
-    itself converted in place, or the new layer if ``module`` is a batch norm.
+    itself converted in place, or the new layer if ``module`` is a batch norm. Other
+    subclasses of BatchNorm (timm's ``BatchNormAct2d``) keep their class and behaviour and
+    synchronize their ``F.batch_norm`` calls (``parallelkit.nn.batchnorm_subclass``).
     """
+    from parallelkit.nn.batchnorm_subclass import is_plain_batchnorm, sync_subclass
+
     if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
+        if not is_plain_batchnorm(module):
+            return sync_subclass(module, comm)
         return SyncBatchNorm.from_dense(module, comm)
     for name, child in module.named_children():
         converted = convert_sync_batchnorm(child, comm)

@@ -33,6 +33,7 @@ from torch import nn
 from parallelkit.comm import Communicator
 from parallelkit.nn import spatial_parallel as sp
 from parallelkit.nn import spatial_pooling as spool
+from parallelkit.nn.batchnorm_subclass import is_plain_batchnorm, sync_subclass
 from parallelkit.nn.channel_parallel import ChannelParallelConv2d
 from parallelkit.nn.channel_transposed import ChannelParallelConvTranspose2d
 from parallelkit.nn.sync_batchnorm import SyncBatchNorm
@@ -93,8 +94,7 @@ def parallelize(
     elif strategy == "channel":
         _swap(model, lambda m: _channel_layer(m, grid.channel_comm), skip=keep_dense)
     spatial_grad = grid.spatial_comm if strategy == "spatial" else None
-    _swap(model, lambda m: SyncBatchNorm.from_dense(m, grid.batch_comm, grad_comm=spatial_grad)
-          if isinstance(m, nn.modules.batchnorm._BatchNorm) else None)  # fmt: skip
+    _swap(model, lambda m: _sync_batchnorm(m, grid.batch_comm, spatial_grad))
     if strategy == "spatial":
         model = SpatialRegion(model, grid.spatial_comm, grid.spatial)
     if grid.data > 1:
@@ -176,6 +176,18 @@ def _spatial_layer(m: nn.Module, grid: Grid) -> nn.Module | None:
             )
         return spool.SpatialGlobalAvgPool2d(comm=comm)
     return None
+
+
+def _sync_batchnorm(
+    m: nn.Module, comm: Communicator, grad_comm: Communicator | None
+) -> nn.Module | None:
+    """BatchNorm -> SyncBatchNorm; a subclass with behaviour of its own keeps it and its class
+    and synchronizes the ``F.batch_norm`` calls of its forward."""
+    if not isinstance(m, nn.modules.batchnorm._BatchNorm):
+        return None
+    if is_plain_batchnorm(m):
+        return SyncBatchNorm.from_dense(m, comm, grad_comm=grad_comm)
+    return sync_subclass(m, comm, grad_comm)
 
 
 def _channel_layer(m: nn.Module, comm: Communicator) -> nn.Module | None:
