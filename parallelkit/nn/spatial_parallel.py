@@ -30,6 +30,7 @@ from torch import nn
 import parallelkit.functional as pkf
 from parallelkit.comm import Communicator, tensor_split_sizes
 from parallelkit.geometry import Window, conv_padding, starts, transposed_needs
+from parallelkit.spatial import layout
 from parallelkit.spatial.grid import SpatialGrid, grid_of
 
 
@@ -170,6 +171,8 @@ class SpatialParallelConv2d(nn.Conv2d):
         )
 
     def forward(self, x_blk: torch.Tensor, size: tuple[int, int] | None = None) -> torch.Tensor:
+        if not layout.is_split(x_blk):  # a whole tensor inside a spatial region
+            return self.to_dense()(x_blk)
         size = size or self.grid.global_size(x_blk, type(self).__name__)
         if x_blk.shape[1] != self.in_channels:
             raise ValueError(
@@ -243,6 +246,8 @@ class SpatialConvTranspose2d(nn.ConvTranspose2d):
         _same_on_every_rank(self, comm)
 
     def forward(self, x_blk: torch.Tensor, size: tuple[int, int] | None = None) -> torch.Tensor:
+        if not layout.is_split(x_blk):  # a whole tensor inside a spatial region
+            return self.to_dense()(x_blk)
         size = size or self.grid.global_size(x_blk, type(self).__name__)
         k, s, p, d = self.kernel_size, self.stride, self.padding, self.dilation
 

@@ -19,6 +19,7 @@ import parallelkit.functional as pkf
 from parallelkit.comm import Communicator
 from parallelkit.geometry import Window
 from parallelkit.nn.spatial_parallel import _crop, _empty_output, _fetch, _fetch_ranges, _pair
+from parallelkit.spatial import layout
 from parallelkit.spatial.grid import SpatialGrid, grid_of
 
 
@@ -74,6 +75,8 @@ class SpatialMaxPool2d(_SpatialPool):
         super().__init__(kernel_size, stride, padding, dilation, ceil_mode, comm, grid)
 
     def forward(self, x_blk: torch.Tensor, size: tuple[int, int] | None = None) -> torch.Tensor:
+        if not layout.is_split(x_blk):  # a whole tensor inside a spatial region
+            return self.to_dense()(x_blk)
         # max_pool2d pads with -inf itself, like the fetch.
         x, out_hw, pad = self._fetch(x_blk, size)
         if min(out_hw) == 0:
@@ -114,6 +117,8 @@ class SpatialAvgPool2d(_SpatialPool):
         self.count_include_pad, self.divisor_override = count_include_pad, divisor_override
 
     def forward(self, x_blk: torch.Tensor, size: tuple[int, int] | None = None) -> torch.Tensor:
+        if not layout.is_split(x_blk):  # a whole tensor inside a spatial region
+            return self.to_dense()(x_blk)
         size = size or self.grid.global_size(x_blk, type(self).__name__)
         # Zero padding counted in the mean (or none): avg_pool2d may pad by itself.
         plain = (
@@ -187,6 +192,8 @@ class SpatialUpsample(nn.Module):
         self.comm, self.grid = comm, grid_of(comm, grid)
 
     def forward(self, x_blk: torch.Tensor, size: tuple[int, int] | None = None) -> torch.Tensor:
+        if not layout.is_split(x_blk):  # a whole tensor inside a spatial region
+            return self.to_dense()(x_blk)
         size = size or self.grid.global_size(x_blk, type(self).__name__)
         s, extra = self.scale_factor, 1 if self.mode == "bilinear" else 0
 
@@ -216,11 +223,15 @@ class SpatialGlobalAvgPool2d(nn.Module):
     (N, C, 1, 1) means on every rank. One all-reduce of the local sums and pixel counts; its
     backward is the identity, right for a loss every rank computes identically."""
 
+    ends_spatial_region = True  # for parallelkit.parallel.spatial_guard
+
     def __init__(self, *, comm: Communicator) -> None:
         super().__init__()
         self.comm = comm
 
     def forward(self, x_blk: torch.Tensor) -> torch.Tensor:
+        if not layout.is_split(x_blk):  # a whole tensor inside a spatial region
+            return self.to_dense()(x_blk)
         n, c = x_blk.shape[:2]
         sums = x_blk.sum((2, 3)).reshape(-1)
         count = sums.new_tensor([x_blk.shape[2] * x_blk.shape[3]])

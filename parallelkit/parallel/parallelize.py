@@ -27,7 +27,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 
-import torch
 from torch import nn
 
 from parallelkit.comm import Communicator
@@ -39,7 +38,7 @@ from parallelkit.nn.channel_transposed import ChannelParallelConvTranspose2d
 from parallelkit.nn.sync_batchnorm import SyncBatchNorm
 from parallelkit.parallel.data_parallel import DataParallel
 from parallelkit.parallel.grid import Grid
-from parallelkit.spatial.grid import gather, scatter
+from parallelkit.parallel.spatial_region import SpatialRegion, _OnWholeImage
 
 STRATEGIES = ("data", "spatial", "channel")
 
@@ -100,45 +99,6 @@ def parallelize(
     if grid.data > 1:
         model = DataParallel(model, grid.data_comm, **data_parallel_kwargs)
     return model
-
-
-class SpatialRegion(nn.Module):
-    """Scatter the whole input into this rank's block, run the model, gather the output.
-
-    A global average pool ends the region inside the model (its output is already whole on
-    every rank); then the output is returned as is.
-    """
-
-    def __init__(self, module: nn.Module, comm: Communicator, grid: tuple[int, int]) -> None:
-        super().__init__()
-        self.module, self.comm, self.grid = module, comm, grid
-        self._ended = False
-        for m in module.modules():
-            if isinstance(m, spool.SpatialGlobalAvgPool2d | _OnWholeImage):
-                m.register_forward_hook(self._mark_ended)
-
-    def _mark_ended(self, *_) -> None:
-        self._ended = True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._ended = False
-        y = self.module(scatter(x, self.comm, self.grid))
-        return y if self._ended else gather(y, self.comm, self.grid)
-
-
-class _OnWholeImage(nn.Module):
-    """Runs a dense module on the whole tensor gathered from the blocks. Its output is whole
-    on every rank, so it ends the spatial region: use it for the tail of a network."""
-
-    def __init__(self, module: nn.Module, comm: Communicator, grid: tuple[int, int]) -> None:
-        super().__init__()
-        self.module, self.comm, self.grid = module, comm, grid
-
-    def forward(self, x_blk: torch.Tensor) -> torch.Tensor:
-        return self.module(gather(x_blk, self.comm, self.grid))
-
-    def to_dense(self) -> nn.Module:
-        return self.module
 
 
 def to_dense(model: nn.Module) -> nn.Module:

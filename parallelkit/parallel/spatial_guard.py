@@ -1,0 +1,409 @@
+"""The spatial guard: every operation on a block of split images is exact, or it is refused.
+
+Under spatial parallelism the leaf layers that read neighbouring pixels (convolution, pooling,
+upsampling, BatchNorm statistics) are swapped for spatial ones. But the operations that decide
+correctness also live in forward code that swapping never sees: ``x * gate`` in an SE block,
+``x.mean((2, 3))``, ``torch.cat``, a parameter used directly, ``F.interpolate``. While a
+:class:`~parallelkit.parallel.SpatialRegion` runs, this guard (a torch function mode) sees
+every torch call, records which tensors are this rank's block of the split images, and for
+each call that touches one applies a rule:
+
+- inside the swapped layers (and SyncBatchNorm, keep_dense modules): nothing to check; their
+  outputs are blocks when their inputs were;
+- pointwise operations (activations, arithmetic, ``where``, dropout in eval): local, exact.
+  A whole tensor meeting a block (an SE gate, a layer scale, a bias used directly) must be
+  constant over H and W (size 1 there); if it needs a gradient it passes through
+  ``copy_to_group`` (identity forward, gradient summed over the spatial group), since each
+  rank's gradient is its block's share;
+- ``cat``/``split``/``chunk``/indexing along channels, reshapes that keep the last two
+  dimensions, type and memory-format changes: local, exact;
+- a 1x1 convolution with stride 1 and no padding called directly: pointwise, as above;
+- anything else (reductions over H or W, reshapes that merge them, functional pooling and
+  interpolation, layer/group/instance norms, random masks on blocks, ...): a ``ValueError``
+  naming the operation, the module and the way out (``keep_dense=[...]``). Every rank runs the
+  same code on the same shapes of blocks, so every rank raises at the same operation, and
+  none waits in a collective.
+
+The region's output, any nesting of tuples, lists and dicts, is gathered where it is split
+and returned as is where it is whole.
+
+Legend: a *block* is this rank's (N, C, h, w) part of split images (H and W are the last two
+dimensions); a *whole* tensor is the same on every rank of the spatial group.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+import parallelkit.functional as pkf
+from parallelkit.comm import Communicator
+from parallelkit.nn import spatial_parallel as sp
+from parallelkit.nn import spatial_pooling as spool
+from parallelkit.nn.batchnorm_subclass import _SyncSubclass
+from parallelkit.nn.sync_batchnorm import SyncBatchNorm
+from parallelkit.spatial import layout
+
+# Layers that handle blocks themselves (and whole inputs); modules with a true class attribute
+# ``ends_spatial_region`` (global pooling, keep_dense modules) also take blocks, return whole.
+_SPATIAL = (
+    sp.SpatialParallelConv2d,
+    sp.SpatialConvTranspose2d,
+    spool.SpatialMaxPool2d,
+    spool.SpatialAvgPool2d,
+    spool.SpatialUpsample,
+)
+_NORMS = (SyncBatchNorm, _SyncSubclass)
+
+
+def _words(text: str) -> list[str]:
+    return text.split()
+
+
+_POINTWISE_NAMES = _words(
+    """
+abs absolute acos add addcdiv addcmul asin atan atan2 ceil clamp clamp_max clamp_min clip cos
+cosh div divide elu erf erfc exp exp2 expm1 floor floor_divide fmod frac gelu hardshrink
+hardsigmoid hardswish hardtanh leaky_relu lerp log log10 log1p log2 logical_and logical_not
+logical_or logit masked_fill maximum minimum mish mul multiply nan_to_num neg negative pow
+prelu reciprocal relu relu6 remainder round rrelu rsqrt selu sigmoid sign silu sin sinh
+softplus softshrink sqrt square sub subtract tan tanh tanhshrink threshold true_divide trunc
+where xlogy eq ne lt le gt ge celu logsigmoid
+"""
+)
+_DUNDERS = _words(
+    """
+add radd iadd sub rsub isub mul rmul imul truediv rtruediv itruediv div rdiv idiv pow rpow
+ipow neg pos abs floordiv rfloordiv mod and or xor invert eq ne lt le gt ge
+"""
+)
+_LOCAL_NAMES = _words(
+    """
+contiguous clone detach detach_ float double half bfloat16 to type type_as requires_grad_
+cpu cuda retain_grad zero_ fill_ copy_ sigmoid_ tanh_ relu_ clamp_ __deepcopy__
+"""
+)
+_METADATA_NAMES = _words(
+    """
+size dim ndimension numel nelement element_size is_contiguous is_floating_point
+is_complex get_device data_ptr stride storage_offset __len__ __repr__ __format__ __hash__
+register_hook
+"""
+)
+_REDUCTIONS = ("sum", "mean", "amax", "amin", "max", "min", "std", "var", "prod", "logsumexp",
+               "norm", "softmax", "log_softmax", "argmax", "argmin", "all", "any")  # fmt: skip
+_RESHAPES = ("view", "reshape", "flatten", "unflatten", "view_as", "reshape_as")
+_PERMUTES = ("permute", "transpose", "swapaxes", "swapdims", "movedim", "moveaxis")
+_SPLITS = ("split", "chunk", "tensor_split", "unbind", "split_with_sizes")
+_DROPOUTS = (
+    F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
+    torch.dropout, torch.alpha_dropout, torch.feature_dropout,
+)  # fmt: skip
+
+
+def _functions(names: list[str], *owners: Any) -> set[Callable]:
+    found = set()
+    for name in names:
+        for owner in owners:
+            for variant in (name, f"{name}_"):
+                if (fn := getattr(owner, variant, None)) is not None:
+                    found.add(fn)
+    return found
+
+
+_POINTWISE = _functions(_POINTWISE_NAMES, torch, Tensor, F, torch.special) | {
+    getattr(Tensor, f"__{name}__") for name in _DUNDERS if hasattr(Tensor, f"__{name}__")
+}
+_LOCAL = {getattr(Tensor, n) for n in _LOCAL_NAMES if hasattr(Tensor, n)}
+_METADATA = {getattr(Tensor, n) for n in _METADATA_NAMES if hasattr(Tensor, n)}
+_NAMED = {
+    fn: kind
+    for kind, names in (
+        ("reshape", _RESHAPES),
+        ("permute", _PERMUTES),
+        ("split", _SPLITS),
+        ("reduce", _REDUCTIONS),
+    )
+    for owner in (torch, Tensor, F)
+    for name in names
+    if (fn := getattr(owner, name, None)) is not None
+}
+
+
+class SpatialGuard(TorchFunctionMode):
+    """Follows blocks of split images through one forward of ``model`` (see the module
+    docstring); ``comm`` is the spatial group, over which whole tensors' gradients are summed."""
+
+    def __init__(self, model: nn.Module, comm: Communicator) -> None:
+        super().__init__()
+        self.comm = comm
+        self.names = {m: name for name, m in model.named_modules()}
+        self._split: dict[int, weakref.ref] = {}
+        self._stack: list[tuple[nn.Module, bool, bool] | None] = []
+        self._trusted = 0
+        self._hooks: list[Any] = []
+
+    # ------------------------------------------------------------------ the record
+    def is_split(self, t: Any) -> bool:
+        ref = self._split.get(id(t)) if isinstance(t, Tensor) else None
+        return ref is not None and ref() is t
+
+    def mark(self, *tensors: Any) -> None:
+        for t in tree_leaves(tensors):
+            if isinstance(t, Tensor):
+                self._split[id(t)] = weakref.ref(t)
+
+    # ------------------------------------------------------------------ entering and leaving
+    def __enter__(self) -> SpatialGuard:
+        self._hooks = [
+            register_module_forward_pre_hook(self._enter_module),
+            register_module_forward_hook(self._leave_module),
+        ]
+        layout.push(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        layout.pop()
+        for hook in self._hooks:
+            hook.remove()
+
+    def _enter_module(self, module: nn.Module, args: tuple) -> None:
+        if self._trusted or module not in self.names:
+            self._stack.append(None)
+            return
+        ends = getattr(module, "ends_spatial_region", False)
+        trusted = ends or isinstance(module, (*_SPATIAL, *_NORMS))
+        split_in = any(self.is_split(t) for t in tree_leaves(args))
+        if trusted and isinstance(module, _NORMS) and not split_in and self.comm.size > 1:
+            raise self._refuse(
+                "BatchNorm", "its input is whole (not a block), so its statistics would count "
+                "every rank's copy", module,
+            )  # fmt: skip
+        self._trusted += trusted
+        self._stack.append((module, trusted, split_in and not ends))
+
+    def _leave_module(self, module: nn.Module, args: tuple, out: Any) -> None:
+        entry = self._stack.pop()
+        if entry is None:
+            return
+        _, trusted, blocks_out = entry
+        if trusted:
+            self._trusted -= 1
+            if blocks_out:
+                self.mark(out)
+
+    # ------------------------------------------------------------------ the rules
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if self._trusted:
+            return func(*args, **kwargs)
+        blocks = [t for t in tree_leaves((args, kwargs)) if self.is_split(t)]
+        if not blocks or func in _METADATA:
+            return func(*args, **kwargs)
+        if func in _POINTWISE:
+            return self._pointwise(func, args, kwargs, blocks)
+        if func in _LOCAL:
+            return self._marked(func(*args, **kwargs))
+        if func in _DROPOUTS:
+            return self._dropout(func, args, kwargs)
+        if getattr(func, "__name__", "") == "__get__":
+            return self._property(func, args, kwargs)
+        if func in (torch.cat, torch.concat, torch.concatenate):
+            return self._cat(func, args, kwargs, blocks)
+        if func is Tensor.__getitem__:
+            return self._getitem(func, args, kwargs)
+        if func in (F.conv2d, torch.conv2d):
+            return self._pointwise_conv(func, args, kwargs)
+        if func in (F.prelu, torch.prelu):  # the weight broadcasts over channels
+            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            weight = pkf.copy_to_group(weight, self.comm) if weight.requires_grad else weight
+            return self._marked(func(x, weight))
+        if func is F.adaptive_avg_pool2d and _all(
+            args[1] if len(args) > 1 else kwargs["output_size"], 1
+        ):
+            return self._mean_hw(args[0], keepdim=True)
+        kind = _NAMED.get(func)
+        if kind is not None:
+            return getattr(self, f"_{kind}")(func, args, kwargs)
+        raise self._refuse(_name(func), "it has no exact rule for blocks of split images")
+
+    def _marked(self, out: Any) -> Any:
+        self.mark(out)
+        return out
+
+    def _pointwise(self, func, args, kwargs, blocks: list[Tensor]) -> Any:
+        hw = {tuple(t.shape[-2:]) for t in blocks}
+        if len(hw) > 1 or min(t.dim() for t in blocks) < 2:
+            raise self._refuse(_name(func), f"its blocks have different shapes {sorted(hw)}")
+
+        def replicate(t: Any) -> Any:
+            if not isinstance(t, Tensor) or self.is_split(t):
+                return t
+            if t.numel() != 1 and (t.dim() < 2 or t.shape[-2:] != (1, 1)):
+                raise self._refuse(
+                    _name(func), f"a whole tensor of shape {tuple(t.shape)} varies over H or W"
+                )
+            return pkf.copy_to_group(t, self.comm) if t.requires_grad else t
+
+        args, kwargs = tree_map(replicate, (args, kwargs))
+        return self._marked(func(*args, **kwargs))
+
+    def _dropout(self, func, args, kwargs) -> Any:
+        p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+        training = kwargs.get("training", kwargs.get("train", args[2] if len(args) > 2 else True))
+        if training and p > 0:
+            raise self._refuse(
+                _name(func), "each rank would draw its own mask, unlike the dense model's"
+            )
+        return self._marked(func(*args, **kwargs))
+
+    def _property(self, func, args, kwargs) -> Any:
+        name = getattr(getattr(func, "__self__", None), "__name__", "")
+        if name in ("T", "mT", "H", "mH"):
+            raise self._refuse(f"Tensor.{name}", "it moves H and W")
+        out = func(*args, **kwargs)
+        return self._marked(out) if name == "data" else out
+
+    def _cat(self, func, args, kwargs, blocks: list[Tensor]) -> Any:
+        tensors = args[0] if args else kwargs["tensors"]
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+        ndim = tensors[0].dim()
+        if all(self.is_split(t) for t in tensors) and dim % ndim < ndim - 2:
+            return self._marked(func(*args, **kwargs))
+        raise self._refuse(_name(func), "it joins blocks with whole tensors, or along H or W")
+
+    def _getitem(self, func, args, kwargs) -> Any:
+        x, index = args[0], args[1]
+        entries = index if isinstance(index, tuple) else (index,)
+        simple = all(isinstance(e, int | slice | Tensor) for e in entries)
+        if simple and len(entries) <= x.dim() - 2:
+            return self._marked(func(*args, **kwargs))
+        raise self._refuse("indexing", f"the index {index!r} reaches H or W")
+
+    def _pointwise_conv(self, func, args, kwargs) -> Any:
+        names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+        call = {**dict(zip(names, args, strict=False)), **kwargs}
+        weight = call["weight"]
+        stride, padding = call.get("stride", 1), call.get("padding", 0)
+        if (
+            tuple(weight.shape[-2:]) == (1, 1)
+            and _all(stride, 1)
+            and (padding == "valid" or _all(padding, 0))
+            and not self.is_split(weight)
+        ):
+            for key in ("weight", "bias"):
+                t = call.get(key)
+                if isinstance(t, Tensor) and t.requires_grad:
+                    call[key] = pkf.copy_to_group(t, self.comm)
+            return self._marked(func(**call))
+        raise self._refuse(
+            _name(func), "only 1x1 convolutions with stride 1 and no padding are pointwise; "
+            "a Conv2d subclass or F.conv2d with a larger window is not swapped for a spatial layer",
+        )  # fmt: skip
+
+    def _reshape(self, func, args, kwargs) -> Any:
+        x, out = args[0], func(*args, **kwargs)
+        if isinstance(out, Tensor) and out.dim() >= 2 and out.shape[-2:] == x.shape[-2:]:
+            return self._marked(out)  # only the leading dimensions were regrouped
+        raise self._refuse(_name(func), f"{tuple(x.shape)} -> {_shape(out)} merges H or W")
+
+    def _permute(self, func, args, kwargs) -> Any:
+        x, out = args[0], func(*args, **kwargs)
+        probe = torch.empty((1,) * x.dim(), device="meta").as_strided(
+            x.shape, tuple(range(1, x.dim() + 1))
+        )  # strides 1..n tell which input dimension lands where
+        moved = func(probe, *args[1:], **kwargs).stride()
+        if moved[-2:] == (x.dim() - 1, x.dim()):
+            return self._marked(out)
+        raise self._refuse(_name(func), "it moves H or W out of the last two dimensions")
+
+    def _split(self, func, args, kwargs) -> Any:
+        x = args[0]
+        dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
+        if func in (Tensor.unbind, torch.unbind):
+            dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+        if dim % x.dim() < x.dim() - 2:
+            return self._marked(func(*args, **kwargs))
+        raise self._refuse(_name(func), "it cuts along H or W")
+
+    def _reduce(self, func, args, kwargs) -> Any:
+        x = args[0]
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        dims = (
+            {d % x.dim() for d in (dim if isinstance(dim, tuple | list) else (dim,))}
+            if dim is not None
+            else set(range(x.dim()))
+        )
+        hw = {x.dim() - 2, x.dim() - 1}
+        if dim is not None and not dims & hw:
+            return self._marked(func(*args, **kwargs))  # over channels or the batch: local
+        name = getattr(func, "__name__", "")
+        if name in ("sum", "mean") and hw <= dims and not self._extra(args, kwargs, 2):
+            keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+            other = sorted(dims - hw)
+            y = self._mean_hw(x, keepdim=True) if name == "mean" else self._sum_hw(x)
+            if other:
+                y = getattr(y, name)(other, keepdim=True)
+            return y if keepdim else y.squeeze(sorted(dims))
+        raise self._refuse(
+            _name(func), "it reduces over H or W (only sum and mean over both are exact here)"
+        )
+
+    def _extra(self, args: tuple, kwargs: dict, named: int) -> bool:
+        """Arguments beyond (input, dim, keepdim): dtype=, out=, ..."""
+        return len(args) > named + 1 or bool(set(kwargs) - {"dim", "keepdim"})
+
+    def _sum_hw(self, x: Tensor) -> Tensor:
+        """The whole images' sums over H and W (N, C, 1, 1), the same on every rank. Its
+        backward is the identity: whoever consumes a whole tensor passes back the dense
+        gradient on every rank (whole tensors meeting blocks have theirs summed)."""
+        return pkf.reduce_from_group(x.sum((-2, -1), keepdim=True), self.comm)
+
+    def _mean_hw(self, x: Tensor, keepdim: bool) -> Tensor:
+        count = x.new_full((1,) * x.dim(), float(x.shape[-2] * x.shape[-1]))
+        total = pkf.reduce_from_group(
+            torch.cat([x.sum((-2, -1), keepdim=True).flatten(), count.flatten()]), self.comm
+        )
+        mean = (total[:-1] / total[-1]).view(*x.shape[:-2], 1, 1)
+        return mean if keepdim else mean.squeeze((-2, -1))
+
+    def _refuse(self, op: str, why: str, module: nn.Module | None = None) -> ValueError:
+        if module is None:
+            module = next((e[0] for e in reversed(self._stack) if e is not None), None)
+        path = self.names.get(module, "") if module is not None else ""
+        where = f"in {path!r} ({type(module).__name__})" if path else "in the model's forward"
+        way_out = (
+            f"pass keep_dense=[{path!r}] to run that module on whole images"
+            if path
+            else "pass keep_dense=[...] naming the module that does it"
+        )
+        return ValueError(
+            f"spatial parallelism: {op} {where} touches a block of split images, and {why}; "
+            f"{way_out}, or use the data or channel strategy"
+        )
+
+
+def _name(func: Callable) -> str:
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    module = getattr(func, "__module__", None) or ""
+    return f"{'F.' if module.endswith('functional') else ''}{name}"
+
+
+def _all(value: Any, want: int) -> bool:
+    return all(v == want for v in (value if isinstance(value, tuple | list) else (value,)))
+
+
+def _shape(t: Any) -> Any:
+    return tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
