@@ -15,6 +15,7 @@ import copy
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_structure
 
 import parallelkit as pk
 from parallelkit.comm import Communicator
@@ -41,6 +42,7 @@ class BatchNormAct2d(nn.BatchNorm2d):
             x, self.running_mean, self.running_var, self.weight, self.bias, stats, factor, self.eps
         )
         return self.act(x)
+
 
 # name -> (build, input shape without batch, loss of (output, target), keep_dense)
 NETWORKS = {
@@ -90,6 +92,110 @@ NETWORKS = {
 }
 
 
+# ----------------------------------------------------------------------------- forward code
+# Networks whose forward code, not their leaf layers, decides correctness under spatial
+# parallelism: the patterns of torchvision's, timm's and smp's models, written small.
+class SqueezeExcite(nn.Module):
+    """torchvision's SqueezeExcitation (pool module) or timm's (``x.mean((2, 3))``)."""
+
+    def __init__(self, c: int, functional_mean: bool) -> None:
+        super().__init__()
+        self.functional_mean = functional_mean
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc1, self.fc2 = nn.Conv2d(c, 2, 1), nn.Conv2d(2, c, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = x.mean((2, 3), keepdim=True) if self.functional_mean else self.pool(x)
+        return x * torch.sigmoid(self.fc2(F.relu(self.fc1(s))))
+
+
+class ForwardCodeNet(nn.Module):
+    """conv-BN-ReLU, a block chosen by ``kind``, conv, then a head (global pool + Linear, or
+    a dict of the per-pixel map and a pooled vector)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.stem = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU())
+        # Only what this kind uses (DataParallel wants a gradient for every parameter).
+        if kind.startswith("se"):
+            self.se = SqueezeExcite(6, functional_mean=kind == "se mean")
+        if kind == "layer scale":
+            self.gamma = nn.Parameter(torch.linspace(0.5, 1.5, 6))
+            self.dw = nn.Conv2d(6, 6, 3, padding=1, groups=6)
+        if kind == "cat":
+            self.side = nn.Conv2d(6, 2, 1)
+        if kind == "channels-last layer norm":
+            self.ln = nn.LayerNorm(6)
+        self.conv = nn.Conv2d(8 if kind == "cat" else 6, 4, 3, stride=2, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(4, 5)
+
+    def block(self, x: torch.Tensor) -> torch.Tensor:
+        k = self.kind
+        if k.startswith("se"):
+            return self.se(x)
+        if k == "layer scale":  # ConvNeXt's gamma, used directly on the blocks
+            return x + self.dw(x) * self.gamma.view(1, -1, 1, 1)
+        if k == "channel shuffle":  # ShuffleNet's: reshapes that keep H and W
+            n, c, h, w = x.shape
+            return x.view(n, 2, c // 2, h, w).transpose(1, 2).contiguous().view(n, c, h, w)
+        if k == "cat":  # DenseNet's concatenation along channels
+            return torch.cat([x, self.side(x)], dim=1)
+        if k == "channels-last layer norm":  # ConvNeXt's: H and W leave the last two dims
+            return self.ln(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        if k == "interpolate":  # a segmentation head resizing to a size of its own
+            return F.interpolate(x, size=(x.shape[-2] + 1, x.shape[-1]), mode="bilinear")
+        if k == "dropout":
+            return F.dropout(x, 0.2, self.training)
+        return x  # flatten: the head does it
+
+    def forward(self, x: torch.Tensor):
+        y = self.conv(self.block(self.stem(x)))
+        if self.kind == "flatten":  # a classifier head without a global pool
+            return y.flatten(1)
+        logits = self.fc(self.pool(y).flatten(1))
+        return {"out": y, "logits": logits} if self.kind == "cat" else logits
+
+
+def _forward_code_loss(out, t):
+    if isinstance(out, dict):  # per-pixel map and logits, both in the loss
+        return F.cross_entropy(out["logits"], t % 5, reduction="sum") + out["out"].square().sum()
+    return F.cross_entropy(out, t % 5, reduction="sum")
+
+
+# Exact under every strategy.
+FORWARD_CODE = {
+    f"forward code: {kind}": (
+        lambda kind=kind: ForwardCodeNet(kind),
+        (3, 12, 10),
+        _forward_code_loss,
+        (),
+    )
+    for kind in ("se pool", "se mean", "layer scale", "channel shuffle", "cat")
+}
+# Refused under spatial parallelism (kind -> what the message names).
+REFUSED = {
+    "channels-last layer norm": "Tensor.permute",
+    "interpolate": "F.interpolate",
+    "dropout": "F.dropout",
+    "flatten": "Tensor.flatten",
+}
+
+
+def refusal(comm: Communicator, kind: str, grid: dict | None = None) -> str:
+    """The ValueError a spatially parallel ForwardCodeNet(kind) raises in its forward."""
+    torch.manual_seed(0)
+    g = pk.Grid(comm, **(grid or dict(rows=comm.size)))
+    model = pk.parallelize(ForwardCodeNet(kind).double(), g, g)
+    try:
+        model(torch.randn(2, 3, 12, 10, dtype=torch.float64))
+    except ValueError as e:
+        comm.barrier()  # every rank got here: nobody waits in a collective
+        return str(e)
+    return "no error"
+
+
 def network_parity(
     comm: Communicator,
     name: str,
@@ -101,7 +207,7 @@ def network_parity(
     device: str | None = None,
 ) -> list[Triple]:
     """``device``: where the parallelized network trains (the dense one stays on the CPU)."""
-    build, shape, loss_fn, keep_dense = NETWORKS[name]
+    build, shape, loss_fn, keep_dense = {**NETWORKS, **FORWARD_CODE}[name]
     torch.manual_seed(0)
     dense = build().to(dtype)
     if strategy == "data" and grid is None:
@@ -129,7 +235,11 @@ def network_parity(
         loss_mine = loss_fn(out_mine, target[rows].to(device)) * data / batch
         loss_mine.backward()
         at = f"step {step}"
-        triples += [(f"{at} output", out_mine, out.detach()[rows])]
+        # Any nesting of containers: the same types, and each tensor in it.
+        same_type = type(out_mine) is type(out) and tree_structure(out_mine) == tree_structure(out)
+        triples.append((f"{at} output structure", torch.tensor(same_type), torch.tensor(True)))
+        for k, (got, want) in enumerate(zip(tree_leaves(out_mine), tree_leaves(out), strict=True)):
+            triples.append((f"{at} output {k}", got, want.detach()[rows]))
         if data == 1:
             triples.append((f"{at} loss", loss_mine.detach(), loss.detach()))
         triples += _grads(at, model, dense)
@@ -199,3 +309,43 @@ def chained(comm: Communicator, mode: str) -> list[Triple]:
         ("first weight grad", first.conv.weight.grad, dense[0].weight.grad[rows]),
         ("second bias grad", bias, dense[2].bias.grad),
     ]
+
+
+def se_without_gradient_sum(comm: Communicator) -> list[str]:
+    """Negative control: with the guard's gradient sum for whole tensors meeting blocks turned
+    off, an SE block's parameters get only this rank's share. Returns the mismatching labels."""
+    from types import SimpleNamespace
+
+    from parallelkit.parallel import spatial_guard
+
+    real = spatial_guard.pkf
+    spatial_guard.pkf = SimpleNamespace(copy_to_group=lambda t, comm: t)
+    try:
+        triples = network_parity(comm, "forward code: se pool", "spatial", steps=1)
+    finally:
+        spatial_guard.pkf = real
+    bad = []
+    for label, got, want in triples:
+        if not torch.allclose(got.to(want.dtype), want):
+            bad.append(label)
+    return bad
+
+
+class _Resize(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.interpolate(x, size=(7, 5), mode="bilinear")
+
+
+def keep_dense_way_out(comm: Communicator) -> list[Triple | str]:
+    """A module the guard refuses is named in the message; keep_dense=[it] runs it whole."""
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), _Resize(), nn.Conv2d(4, 2, 1)).double()
+    x = torch.randn(2, 3, 10, 8, dtype=torch.float64)
+    try:
+        pk.parallelize(copy.deepcopy(dense), comm, "spatial")(x)
+        message = "no error"
+    except ValueError as e:
+        message = str(e)
+    comm.barrier()
+    kept = pk.parallelize(copy.deepcopy(dense), comm, "spatial", keep_dense=["1"])
+    return [message, ("kept dense output", kept(x), dense(x).detach())]

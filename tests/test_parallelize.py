@@ -16,7 +16,17 @@ from parallelkit.comm.local import LocalCommunicator
 from parallelkit.nn import SyncBatchNorm, convert_sync_batchnorm
 
 from cases import assert_triples
-from network_cases import NETWORKS, chained, drop_in, network_parity
+from network_cases import (
+    FORWARD_CODE,
+    NETWORKS,
+    REFUSED,
+    chained,
+    drop_in,
+    keep_dense_way_out,
+    network_parity,
+    refusal,
+    se_without_gradient_sum,
+)
 
 
 @pytest.mark.parametrize("name", list(NETWORKS))
@@ -120,3 +130,42 @@ def test_convert_sync_batchnorm_keeps_subclasses():
     model = convert_sync_batchnorm(nn.Sequential(BatchNormAct2d(3), nn.BatchNorm2d(3)))
     assert isinstance(model[0], BatchNormAct2d) and not isinstance(model[0], SyncBatchNorm)
     assert type(model[1]) is SyncBatchNorm
+
+
+@pytest.mark.parametrize("name", list(FORWARD_CODE))
+@pytest.mark.parametrize(
+    ("size", "strategy", "grid"),
+    [
+        (2, "spatial", None),
+        (2, "spatial", dict(cols=2)),
+        (4, "spatial", dict(rows=2, cols=2)),
+        (4, "spatial", dict(data=2, rows=2)),
+        (2, "channel", None),
+        (2, "data", None),
+    ],
+)
+def test_forward_code_matches_dense(ranks, name, size, strategy, grid):
+    """SE blocks, layer scale, channel shuffle, concatenation and a dict output: exact."""
+    for triples in ranks(size).run(network_parity, name, strategy, grid, steps=2, timeout=300):
+        assert_triples(triples)
+
+
+@pytest.mark.parametrize(("kind", "op"), list(REFUSED.items()))
+@pytest.mark.parametrize("grid", [None, dict(rows=2, cols=2)])
+def test_forward_code_without_an_exact_rule_is_refused(ranks, kind, op, grid):
+    size = 4 if grid else 2
+    for message in ranks(size).run(refusal, kind, grid):
+        assert message.startswith(f"spatial parallelism: {op} in the model's forward"), message
+        assert "keep_dense=[" in message and "data or channel strategy" in message, message
+
+
+def test_negative_control_se_without_the_gradient_sum(ranks):
+    for bad in ranks(2).run(se_without_gradient_sum):
+        assert any("se.fc1.weight grad" in label for label in bad), bad
+
+
+def test_refusal_names_the_module_and_keep_dense_is_the_way_out(ranks):
+    for message, triple in ranks(2).run(keep_dense_way_out):
+        assert message.startswith("spatial parallelism: F.interpolate in '1' (_Resize)"), message
+        assert "keep_dense=['1']" in message
+        assert_triples([triple])

@@ -149,20 +149,20 @@ class SpatialGuard(TorchFunctionMode):
         super().__init__()
         self.comm = comm
         self.names = {m: name for name, m in model.named_modules()}
-        self._split: dict[int, weakref.ref] = {}
+        self._blocks: dict[int, weakref.ref] = {}
         self._stack: list[tuple[nn.Module, bool, bool] | None] = []
         self._trusted = 0
         self._hooks: list[Any] = []
 
     # ------------------------------------------------------------------ the record
     def is_split(self, t: Any) -> bool:
-        ref = self._split.get(id(t)) if isinstance(t, Tensor) else None
+        ref = self._blocks.get(id(t)) if isinstance(t, Tensor) else None
         return ref is not None and ref() is t
 
     def mark(self, *tensors: Any) -> None:
         for t in tree_leaves(tensors):
             if isinstance(t, Tensor):
-                self._split[id(t)] = weakref.ref(t)
+                self._blocks[id(t)] = weakref.ref(t)
 
     # ------------------------------------------------------------------ entering and leaving
     def __enter__(self) -> SpatialGuard:
@@ -398,6 +398,7 @@ class SpatialGuard(TorchFunctionMode):
 def _name(func: Callable) -> str:
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
     module = getattr(func, "__module__", None) or ""
+    name = name.replace("TensorBase.", "Tensor.").replace("_TensorBase.", "Tensor.")
     return f"{'F.' if module.endswith('functional') else ''}{name}"
 
 

@@ -1,0 +1,117 @@
+"""The spatial guard's rules, one operation at a time, without processes.
+
+A guard over a one-rank group follows blocks exactly as over many (its collectives are then
+copies): each allowed operation must keep the result a block (or make it whole, for sums and
+means over H and W) with the dense value, and each operation without an exact rule must raise
+the guard's ValueError before it runs. Whole networks under the guard, on 2-4 ranks, are in
+test_parallelize.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallelkit.comm.local import LocalCommunicator
+from parallelkit.parallel.spatial_guard import SpatialGuard
+
+X = torch.randn(2, 4, 5, 6)
+
+
+def guarded():
+    guard = SpatialGuard(nn.Identity(), LocalCommunicator())
+    x = X.clone().requires_grad_()
+    guard.mark(x)
+    return guard, x
+
+
+BLOCKS = {
+    "activation": lambda x: F.silu(x).relu_(),
+    "arithmetic with a whole (1, C, 1, 1) tensor": lambda x: x * torch.ones(1, 4, 1, 1) + 1,
+    "arithmetic with a scalar tensor": lambda x: x / torch.tensor(2.0),
+    "where": lambda x: torch.where(x > 0, x, 0.1 * x),
+    "channel slice": lambda x: x[:, 1:3],
+    "batch index": lambda x: x[0],
+    "cat along channels": lambda x: torch.cat([x, x * 2], dim=1),
+    "chunk along channels": lambda x: x.chunk(2, dim=1)[1],
+    "view of the leading dims": lambda x: x.view(2, 2, 2, 5, 6),
+    "transpose of the leading dims": lambda x: x.transpose(0, 1),
+    "flatten of the leading dims": lambda x: x.flatten(0, 1),
+    "mean over channels": lambda x: x.mean(1, keepdim=True),
+    "softmax over channels": lambda x: x.softmax(1),
+    "1x1 F.conv2d": lambda x: F.conv2d(x, torch.ones(3, 4, 1, 1)),
+    "eval dropout": lambda x: F.dropout(x, 0.5, training=False),
+    "dtype and memory format": lambda x: x.double().contiguous(memory_format=torch.channels_last),
+}
+WHOLE = {
+    "mean over H and W": (lambda x: x.mean((2, 3)), lambda x: x.mean((2, 3))),
+    "sum over N, H and W": (lambda x: x.sum((0, 2, 3), keepdim=True), None),
+    "F.adaptive_avg_pool2d(1)": (lambda x: F.adaptive_avg_pool2d(x, 1), None),
+}
+REFUSED = {
+    "flatten(1)": (lambda x: x.flatten(1), "merges H or W"),
+    "view(N, -1)": (lambda x: x.view(2, -1), "merges H or W"),
+    "permute to channels-last": (lambda x: x.permute(0, 2, 3, 1), "moves H or W"),
+    "index along W": (lambda x: x[..., 0], "reaches H or W"),
+    "amax over H and W": (lambda x: x.amax((2, 3)), "reduces over H or W"),
+    "a whole tensor varying over W": (lambda x: x + torch.ones(6), "varies over H or W"),
+    "cat along H": (lambda x: torch.cat([x, x], 2), "along H or W"),
+    "F.max_pool2d": (lambda x: F.max_pool2d(x, 2), "no exact rule"),
+    "F.interpolate": (lambda x: F.interpolate(x, scale_factor=2), "no exact rule"),
+    "3x3 F.conv2d": (lambda x: F.conv2d(x, torch.ones(3, 4, 3, 3)), "only 1x1 convolutions"),
+    "training dropout": (lambda x: F.dropout(x, 0.5), "its own mask"),
+    "F.layer_norm over W": (lambda x: F.layer_norm(x, (6,)), "no exact rule"),
+    "F.group_norm": (lambda x: F.group_norm(x, 2), "no exact rule"),
+    "split along W": (lambda x: x.split(3, dim=3), "cuts along H or W"),
+}
+
+
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_local_operations_keep_blocks(name):
+    op = BLOCKS[name]
+    guard, x = guarded()
+    with guard:
+        y = op(x)
+    assert guard.is_split(y)
+    torch.testing.assert_close(y, op(X.clone().requires_grad_()))
+
+
+@pytest.mark.parametrize("name", list(WHOLE))
+def test_sums_and_means_over_h_and_w_are_whole(name):
+    op, _ = WHOLE[name]
+    guard, x = guarded()
+    with guard:
+        y = op(x)
+    assert not guard.is_split(y)
+    torch.testing.assert_close(y, op(X))
+    y.sum().backward()
+    x_dense = X.clone().requires_grad_()
+    op(x_dense).sum().backward()
+    torch.testing.assert_close(x.grad, x_dense.grad)
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_operations_without_an_exact_rule_are_refused(name):
+    op, why = REFUSED[name]
+    guard, x = guarded()
+    with guard, pytest.raises(ValueError, match="spatial parallelism: ") as info:
+        op(x)
+    assert why in str(info.value)
+    assert "keep_dense=[" in str(info.value)
+
+
+def test_whole_tensors_alone_are_not_followed():
+    guard, _ = guarded()
+    w = torch.randn(3, 3)
+    with guard:
+        y = (w @ w).flatten()  # nothing split: no rule applies
+    assert not guard.is_split(y)
+
+
+def test_negative_control_an_unmarked_input_is_not_checked():
+    guard = SpatialGuard(nn.Identity(), LocalCommunicator())
+    with guard:
+        y = X.flatten(1)  # X was never marked as a block: the guard cannot know
+    assert not guard.is_split(y)
