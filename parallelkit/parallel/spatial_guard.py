@@ -185,7 +185,7 @@ class SpatialGuard(TorchFunctionMode):
             return
         ends = getattr(module, "ends_spatial_region", False)
         trusted = ends or isinstance(module, (*_SPATIAL, *_NORMS))
-        split_in = any(self.is_split(t) for t in tree_leaves(args))
+        split_in = bool(self._blocks_in(args, {}))
         if trusted and isinstance(module, _NORMS) and not split_in and self.comm.size > 1:
             raise self._refuse(
                 "BatchNorm", "its input is whole (not a block), so its statistics would count "
@@ -209,7 +209,7 @@ class SpatialGuard(TorchFunctionMode):
         kwargs = kwargs or {}
         if self._trusted:
             return func(*args, **kwargs)
-        blocks = [t for t in tree_leaves((args, kwargs)) if self.is_split(t)]
+        blocks = self._blocks_in(args, kwargs)
         if not blocks or func in _METADATA:
             return func(*args, **kwargs)
         if func in _POINTWISE:
@@ -238,6 +238,18 @@ class SpatialGuard(TorchFunctionMode):
         if kind is not None:
             return getattr(self, f"_{kind}")(func, args, kwargs)
         raise self._refuse(_name(func), "it has no exact rule for blocks of split images")
+
+    def _blocks_in(self, args: tuple, kwargs: dict) -> list[Tensor]:
+        """The blocks among the arguments (tensors, and tensors in lists and tuples: what
+        torch functions take), without flattening the arguments on every call."""
+        found = []
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, Tensor):
+                if self.is_split(a):
+                    found.append(a)
+            elif isinstance(a, list | tuple):
+                found += [t for t in a if self.is_split(t)]
+        return found
 
     def _marked(self, out: Any) -> Any:
         self.mark(out)
@@ -398,7 +410,8 @@ class SpatialGuard(TorchFunctionMode):
 def _name(func: Callable) -> str:
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
     module = getattr(func, "__module__", None) or ""
-    name = name.replace("TensorBase.", "Tensor.").replace("_TensorBase.", "Tensor.")
+    name = name.replace("_TensorBase.", "Tensor.").replace("TensorBase.", "Tensor.")
+    name = name.replace("_VariableFunctionsClass.", "torch.")
     return f"{'F.' if module.endswith('functional') else ''}{name}"
 
 
