@@ -125,8 +125,11 @@ class ForwardCodeNet(nn.Module):
             self.dw = nn.Conv2d(6, 6, 3, padding=1, groups=6)
         if kind == "cat":
             self.side = nn.Conv2d(6, 2, 1)
-        if kind == "channels-last layer norm":
+        if kind == "convnext block":
+            self.dw = nn.Conv2d(6, 6, 7, padding=3, groups=6)
             self.ln = nn.LayerNorm(6)
+            self.mlp = nn.Sequential(nn.Linear(6, 12), nn.GELU(), nn.Linear(12, 6))
+            self.gamma = nn.Parameter(torch.linspace(0.5, 1.5, 6))
         self.conv = nn.Conv2d(8 if kind == "cat" else 6, 4, 3, stride=2, padding=1)
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(4, 5)
@@ -142,8 +145,11 @@ class ForwardCodeNet(nn.Module):
             return x.view(n, 2, c // 2, h, w).transpose(1, 2).contiguous().view(n, c, h, w)
         if k == "cat":  # DenseNet's concatenation along channels
             return torch.cat([x, self.side(x)], dim=1)
-        if k == "channels-last layer norm":  # ConvNeXt's: H and W leave the last two dims
-            return self.ln(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        if k == "convnext block":  # channels-last LayerNorm and Linear, layer scale
+            y = self.ln(self.dw(x).permute(0, 2, 3, 1))
+            return x + (self.gamma * self.mlp(y)).permute(0, 3, 1, 2)
+        if k == "global max":  # max over H and W: no exact rule yet
+            return x * x.amax((2, 3), keepdim=True)
         if k == "interpolate":  # a segmentation head resizing to a size of its own
             return F.interpolate(x, size=(x.shape[-2] + 1, x.shape[-1]), mode="bilinear")
         if k == "dropout":
@@ -172,11 +178,11 @@ FORWARD_CODE = {
         _forward_code_loss,
         (),
     )
-    for kind in ("se pool", "se mean", "layer scale", "channel shuffle", "cat")
+    for kind in ("se pool", "se mean", "layer scale", "channel shuffle", "cat", "convnext block")
 }
 # Refused under spatial parallelism (kind -> what the message names).
 REFUSED = {
-    "channels-last layer norm": "Tensor.permute",
+    "global max": "Tensor.amax",
     "interpolate": "F.interpolate",
     "dropout": "F.dropout",
     "flatten": "Tensor.flatten",

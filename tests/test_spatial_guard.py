@@ -44,6 +44,11 @@ BLOCKS = {
     "1x1 F.conv2d": lambda x: F.conv2d(x, torch.ones(3, 4, 1, 1)),
     "eval dropout": lambda x: F.dropout(x, 0.5, training=False),
     "dtype and memory format": lambda x: x.double().contiguous(memory_format=torch.channels_last),
+    # ConvNeXt: channels last, LayerNorm and Linear over the channels, layer scale, and back.
+    "channels-last block": lambda x: (
+        torch.ones(4) * F.linear(F.layer_norm(x.permute(0, 2, 3, 1), (4,)), torch.ones(4, 4))
+    ).permute(0, 3, 1, 2),
+    "mean over channels, channels last": lambda x: x.permute(0, 2, 3, 1).mean(-1).unsqueeze(1),
 }
 WHOLE = {
     "mean over H and W": (lambda x: x.mean((2, 3)), lambda x: x.mean((2, 3))),
@@ -53,7 +58,6 @@ WHOLE = {
 REFUSED = {
     "flatten(1)": (lambda x: x.flatten(1), "merges H or W"),
     "view(N, -1)": (lambda x: x.view(2, -1), "merges H or W"),
-    "permute to channels-last": (lambda x: x.permute(0, 2, 3, 1), "moves H or W"),
     "index along W": (lambda x: x[..., 0], "reaches H or W"),
     "amax over H and W": (lambda x: x.amax((2, 3)), "reduces over H or W"),
     "a whole tensor varying over W": (lambda x: x + torch.ones(6), "varies over H or W"),
@@ -62,9 +66,18 @@ REFUSED = {
     "F.interpolate": (lambda x: F.interpolate(x, scale_factor=2), "no exact rule"),
     "3x3 F.conv2d": (lambda x: F.conv2d(x, torch.ones(3, 4, 3, 3)), "only 1x1 convolutions"),
     "training dropout": (lambda x: F.dropout(x, 0.5), "its own mask"),
-    "F.layer_norm over W": (lambda x: F.layer_norm(x, (6,)), "no exact rule"),
+    "F.layer_norm over W": (lambda x: F.layer_norm(x, (6,)), "acts over H or W"),
     "F.group_norm": (lambda x: F.group_norm(x, 2), "no exact rule"),
     "split along W": (lambda x: x.split(3, dim=3), "cuts along H or W"),
+    "F.linear over W": (lambda x: F.linear(x, torch.ones(2, 6)), "acts over H or W"),
+    "channels-last block into max pooling": (
+        lambda x: F.max_pool2d(x.permute(0, 2, 3, 1), 2),
+        "no exact rule",
+    ),
+    "a whole (C,) tensor on channels-first blocks": (
+        lambda x: x * torch.ones(4).view(4, 1, 1).expand(4, 5, 6),
+        "varies over H or W",
+    ),
 }
 
 

@@ -27,8 +27,11 @@ each call that touches one applies a rule:
 The region's output, any nesting of tuples, lists and dicts, is gathered where it is split
 and returned as is where it is whole.
 
-Legend: a *block* is this rank's (N, C, h, w) part of split images (H and W are the last two
-dimensions); a *whole* tensor is the same on every rank of the spatial group.
+Legend: a *block* is this rank's (N, C, h, w) part of split images; a *whole* tensor is the same
+on every rank of the spatial group. ``hw`` is where a block's H and W dimensions are, counted
+from the end: (-2, -1) for (N, C, H, W), (-3, -2) after ConvNeXt's permute to (N, H, W, C).
+Channels-last blocks take pointwise operations, ``F.layer_norm`` and ``F.linear`` over the
+channels (weights' gradients summed); swapped layers and BatchNorm want (N, C, H, W) blocks.
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ abs absolute acos add addcdiv addcmul asin atan atan2 ceil clamp clamp_max clamp
 cosh div divide elu erf erfc exp exp2 expm1 floor floor_divide fmod frac gelu hardshrink
 hardsigmoid hardswish hardtanh leaky_relu lerp log log10 log1p log2 logical_and logical_not
 logical_or logit masked_fill maximum minimum mish mul multiply nan_to_num neg negative pow
-prelu reciprocal relu relu6 remainder round rrelu rsqrt selu sigmoid sign silu sin sinh
+reciprocal relu relu6 remainder round rrelu rsqrt selu sigmoid sign silu sin sinh
 softplus softshrink sqrt square sub subtract tan tanh tanhshrink threshold true_divide trunc
 where xlogy eq ne lt le gt ge celu logsigmoid
 """
@@ -103,7 +106,9 @@ register_hook
 )
 _REDUCTIONS = ("sum", "mean", "amax", "amin", "max", "min", "std", "var", "prod", "logsumexp",
                "norm", "softmax", "log_softmax", "argmax", "argmin", "all", "any")  # fmt: skip
-_RESHAPES = ("view", "reshape", "flatten", "unflatten", "view_as", "reshape_as")
+_RESHAPES = (
+    "view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "squeeze", "unsqueeze",
+)  # fmt: skip
 _PERMUTES = ("permute", "transpose", "swapaxes", "swapdims", "movedim", "moveaxis")
 _SPLITS = ("split", "chunk", "tensor_split", "unbind", "split_with_sizes")
 _DROPOUTS = (
@@ -149,20 +154,24 @@ class SpatialGuard(TorchFunctionMode):
         super().__init__()
         self.comm = comm
         self.names = {m: name for name, m in model.named_modules()}
-        self._blocks: dict[int, weakref.ref] = {}
+        self._blocks: dict[int, tuple[weakref.ref, tuple[int, int]]] = {}
         self._stack: list[tuple[nn.Module, bool, bool] | None] = []
         self._trusted = 0
         self._hooks: list[Any] = []
 
     # ------------------------------------------------------------------ the record
     def is_split(self, t: Any) -> bool:
-        ref = self._blocks.get(id(t)) if isinstance(t, Tensor) else None
-        return ref is not None and ref() is t
+        entry = self._blocks.get(id(t)) if isinstance(t, Tensor) else None
+        return entry is not None and entry[0]() is t
 
-    def mark(self, *tensors: Any) -> None:
+    def hw(self, t: Tensor) -> tuple[int, int]:
+        """Where block ``t``'s H and W are, counted from the end."""
+        return self._blocks[id(t)][1]
+
+    def mark(self, *tensors: Any, hw: tuple[int, int] = (-2, -1)) -> None:
         for t in tree_leaves(tensors):
-            if isinstance(t, Tensor):
-                self._blocks[id(t)] = weakref.ref(t)
+            if isinstance(t, Tensor) and t.dim() >= -min(hw):
+                self._blocks[id(t)] = (weakref.ref(t), hw)
 
     # ------------------------------------------------------------------ entering and leaving
     def __enter__(self) -> SpatialGuard:
@@ -185,7 +194,10 @@ class SpatialGuard(TorchFunctionMode):
             return
         ends = getattr(module, "ends_spatial_region", False)
         trusted = ends or isinstance(module, (*_SPATIAL, *_NORMS))
-        split_in = bool(self._blocks_in(args, {}))
+        blocks = self._blocks_in(args, {})
+        split_in = bool(blocks)
+        if trusted and any(self.hw(b) != (-2, -1) for b in blocks):
+            raise self._refuse(type(module).__name__, "it wants (N, C, H, W) blocks", module)
         if trusted and isinstance(module, _NORMS) and not split_in and self.comm.size > 1:
             raise self._refuse(
                 "BatchNorm", "its input is whole (not a block), so its statistics would count "
@@ -212,10 +224,13 @@ class SpatialGuard(TorchFunctionMode):
         blocks = self._blocks_in(args, kwargs)
         if not blocks or func in _METADATA:
             return func(*args, **kwargs)
+        hw = self.hw(blocks[0])
         if func in _POINTWISE:
             return self._pointwise(func, args, kwargs, blocks)
         if func in _LOCAL:
-            return self._marked(func(*args, **kwargs))
+            return self._marked(func(*args, **kwargs), hw)
+        if func in (F.layer_norm, F.linear):
+            return self._over_channels(func, args, kwargs, hw)
         if func in _DROPOUTS:
             return self._dropout(func, args, kwargs)
         if getattr(func, "__name__", "") == "__get__":
@@ -228,11 +243,12 @@ class SpatialGuard(TorchFunctionMode):
             return self._pointwise_conv(func, args, kwargs)
         if func in (F.prelu, torch.prelu):  # the weight broadcasts over channels
             x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
-            weight = pkf.copy_to_group(weight, self.comm) if weight.requires_grad else weight
-            return self._marked(func(x, weight))
+            self._nchw(func, x)
+            return self._marked(func(x, self._summed(weight)))
         if func is F.adaptive_avg_pool2d and _all(
             args[1] if len(args) > 1 else kwargs["output_size"], 1
         ):
+            self._nchw(func, args[0])
             return self._mean_hw(args[0], keepdim=True)
         kind = _NAMED.get(func)
         if kind is not None:
@@ -251,26 +267,50 @@ class SpatialGuard(TorchFunctionMode):
                 found += [t for t in a if self.is_split(t)]
         return found
 
-    def _marked(self, out: Any) -> Any:
-        self.mark(out)
+    def _marked(self, out: Any, hw: tuple[int, int] = (-2, -1)) -> Any:
+        self.mark(out, hw=hw)
         return out
 
+    def _nchw(self, func, x: Tensor) -> None:
+        if self.hw(x) != (-2, -1):
+            raise self._refuse(_name(func), "this rule wants an (N, C, H, W) block")
+
+    def _summed(self, t: Any) -> Any:
+        """A whole tensor acting on blocks: identity forward, gradient summed over the group."""
+        if isinstance(t, Tensor) and t.requires_grad and not self.is_split(t):
+            return pkf.copy_to_group(t, self.comm)
+        return t
+
     def _pointwise(self, func, args, kwargs, blocks: list[Tensor]) -> Any:
-        hw = {tuple(t.shape[-2:]) for t in blocks}
-        if len(hw) > 1 or min(t.dim() for t in blocks) < 2:
-            raise self._refuse(_name(func), f"its blocks have different shapes {sorted(hw)}")
+        hw = self.hw(blocks[0])
+        sizes = {tuple(b.shape[d] for d in hw) for b in blocks}
+        if len(sizes) > 1 or any(self.hw(b) != hw for b in blocks):
+            raise self._refuse(_name(func), f"its blocks have different layouts {sorted(sizes)}")
 
         def replicate(t: Any) -> Any:
             if not isinstance(t, Tensor) or self.is_split(t):
                 return t
-            if t.numel() != 1 and (t.dim() < 2 or t.shape[-2:] != (1, 1)):
+            if any(t.dim() >= -d and t.shape[d] != 1 for d in hw):
                 raise self._refuse(
                     _name(func), f"a whole tensor of shape {tuple(t.shape)} varies over H or W"
                 )
-            return pkf.copy_to_group(t, self.comm) if t.requires_grad else t
+            return self._summed(t)
 
         args, kwargs = tree_map(replicate, (args, kwargs))
-        return self._marked(func(*args, **kwargs))
+        return self._marked(func(*args, **kwargs), hw)
+
+    def _over_channels(self, func, args, kwargs, hw: tuple[int, int]) -> Any:
+        """F.layer_norm over trailing dimensions, F.linear on the last one: local where those
+        are not H or W (ConvNeXt's channels-last blocks), the weights' gradients summed."""
+        names = ("input", "normalized_shape", "weight", "bias", "eps")
+        if func is F.linear:
+            names = ("input", "weight", "bias")
+        call = {**dict(zip(names, args, strict=False)), **kwargs}
+        reach = len(call["normalized_shape"]) if func is F.layer_norm else 1
+        if -reach > max(hw):
+            call = {k: self._summed(v) if k in ("weight", "bias") else v for k, v in call.items()}
+            return self._marked(func(**call), hw)
+        raise self._refuse(_name(func), "it acts over H or W (permute the channels last first)")
 
     def _dropout(self, func, args, kwargs) -> Any:
         p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
@@ -279,35 +319,42 @@ class SpatialGuard(TorchFunctionMode):
             raise self._refuse(
                 _name(func), "each rank would draw its own mask, unlike the dense model's"
             )
-        return self._marked(func(*args, **kwargs))
+        return self._marked(func(*args, **kwargs), self.hw(args[0]))
 
     def _property(self, func, args, kwargs) -> Any:
         name = getattr(getattr(func, "__self__", None), "__name__", "")
         if name in ("T", "mT", "H", "mH"):
             raise self._refuse(f"Tensor.{name}", "it moves H and W")
         out = func(*args, **kwargs)
-        return self._marked(out) if name == "data" else out
+        return self._marked(out, self.hw(args[0])) if name == "data" else out
 
     def _cat(self, func, args, kwargs, blocks: list[Tensor]) -> Any:
         tensors = args[0] if args else kwargs["tensors"]
         dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
-        ndim = tensors[0].dim()
-        if all(self.is_split(t) for t in tensors) and dim % ndim < ndim - 2:
-            return self._marked(func(*args, **kwargs))
+        hw = self.hw(blocks[0])
+        same = all(self.is_split(t) and self.hw(t) == hw for t in tensors)
+        if same and dim % tensors[0].dim() - tensors[0].dim() not in hw:
+            return self._marked(func(*args, **kwargs), hw)
         raise self._refuse(_name(func), "it joins blocks with whole tensors, or along H or W")
 
     def _getitem(self, func, args, kwargs) -> Any:
         x, index = args[0], args[1]
         entries = index if isinstance(index, tuple) else (index,)
-        simple = all(isinstance(e, int | slice | Tensor) for e in entries)
-        if simple and len(entries) <= x.dim() - 2:
-            return self._marked(func(*args, **kwargs))
+        simple = all(
+            e is None or isinstance(e, int | slice) or (isinstance(e, Tensor) and e.dim() <= 1)
+            for e in entries
+        )
+        reached = sum(e is not None for e in entries)  # the leading dimensions indexed
+        hw = self.hw(x)
+        if simple and reached <= x.dim() + min(hw):
+            return self._marked(func(*args, **kwargs), hw)
         raise self._refuse("indexing", f"the index {index!r} reaches H or W")
 
     def _pointwise_conv(self, func, args, kwargs) -> Any:
         names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
         call = {**dict(zip(names, args, strict=False)), **kwargs}
         weight = call["weight"]
+        self._nchw(func, call["input"])
         stride, padding = call.get("stride", 1), call.get("padding", 0)
         if (
             tuple(weight.shape[-2:]) == (1, 1)
@@ -327,8 +374,10 @@ class SpatialGuard(TorchFunctionMode):
 
     def _reshape(self, func, args, kwargs) -> Any:
         x, out = args[0], func(*args, **kwargs)
-        if isinstance(out, Tensor) and out.dim() >= 2 and out.shape[-2:] == x.shape[-2:]:
-            return self._marked(out)  # only the leading dimensions were regrouped
+        hw = self.hw(x)
+        k = -min(hw)  # the dimensions from H on must come out unchanged
+        if isinstance(out, Tensor) and out.dim() >= k and out.shape[-k:] == x.shape[-k:]:
+            return self._marked(out, hw)  # only the leading dimensions were regrouped
         raise self._refuse(_name(func), f"{tuple(x.shape)} -> {_shape(out)} merges H or W")
 
     def _permute(self, func, args, kwargs) -> Any:
@@ -337,8 +386,9 @@ class SpatialGuard(TorchFunctionMode):
             x.shape, tuple(range(1, x.dim() + 1))
         )  # strides 1..n tell which input dimension lands where
         moved = func(probe, *args[1:], **kwargs).stride()
-        if moved[-2:] == (x.dim() - 1, x.dim()):
-            return self._marked(out)
+        h, w = (x.dim() + d + 1 for d in self.hw(x))  # the strides H and W had
+        if h in moved and w in moved:
+            return self._marked(out, (moved.index(h) - out.dim(), moved.index(w) - out.dim()))
         raise self._refuse(_name(func), "it moves H or W out of the last two dimensions")
 
     def _split(self, func, args, kwargs) -> Any:
@@ -346,8 +396,9 @@ class SpatialGuard(TorchFunctionMode):
         dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
         if func in (Tensor.unbind, torch.unbind):
             dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
-        if dim % x.dim() < x.dim() - 2:
-            return self._marked(func(*args, **kwargs))
+        hw = self.hw(x)
+        if dim % x.dim() - x.dim() < min(hw):  # before H and W: they keep their places
+            return self._marked(func(*args, **kwargs), hw)
         raise self._refuse(_name(func), "it cuts along H or W")
 
     def _reduce(self, func, args, kwargs) -> Any:
@@ -358,11 +409,18 @@ class SpatialGuard(TorchFunctionMode):
             if dim is not None
             else set(range(x.dim()))
         )
-        hw = {x.dim() - 2, x.dim() - 1}
-        if dim is not None and not dims & hw:
-            return self._marked(func(*args, **kwargs))  # over channels or the batch: local
+        hw = {x.dim() + d for d in self.hw(x)}
+        if dim is not None and not dims & hw:  # over channels or the batch: local
+            keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+            if getattr(func, "__name__", "") in ("softmax", "log_softmax"):
+                keepdim = True  # these keep every dimension
+            # Dimensions dropped after H (channels-last) move H and W towards the end.
+            shift = 0 if keepdim else sum(d > min(hw) for d in dims)
+            out = func(*args, **kwargs)
+            return self._marked(out, tuple(d + shift for d in self.hw(x)))  # type: ignore[arg-type]
         name = getattr(func, "__name__", "")
-        if name in ("sum", "mean") and hw <= dims and not self._extra(args, kwargs, 2):
+        nchw = self.hw(x) == (-2, -1)
+        if name in ("sum", "mean") and nchw and hw <= dims and not self._extra(args, kwargs, 2):
             keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
             other = sorted(dims - hw)
             y = self._mean_hw(x, keepdim=True) if name == "mean" else self._sum_hw(x)
