@@ -125,6 +125,11 @@ class ForwardCodeNet(nn.Module):
             self.dw = nn.Conv2d(6, 6, 3, padding=1, groups=6)
         if kind == "cat":
             self.side = nn.Conv2d(6, 2, 1)
+        if kind == "pooled batchnorm":  # BatchNorm on the pooled (whole) vector
+            self.fc1, self.bn = nn.Conv2d(6, 3, 1), nn.BatchNorm2d(3)
+            self.fc2 = nn.Conv2d(3, 6, 1)
+        if kind == "unet up":
+            self.down = nn.Conv2d(6, 6, 3, stride=2, padding=1)
         if kind == "convnext block":
             self.dw = nn.Conv2d(6, 6, 7, padding=3, groups=6)
             self.ln = nn.LayerNorm(6)
@@ -148,10 +153,19 @@ class ForwardCodeNet(nn.Module):
         if k == "convnext block":  # channels-last LayerNorm and Linear, layer scale
             y = self.ln(self.dw(x).permute(0, 2, 3, 1))
             return x + (self.gamma * self.mlp(y)).permute(0, 3, 1, 2)
+        if k == "pooled batchnorm":
+            s = F.relu(self.bn(self.fc1(self.pool(x))))
+            return x * torch.sigmoid(self.fc2(s))
+        if k == "unet up":  # down, then up to the skip connection's size (bilinear)
+            return x + F.interpolate(self.down(x), size=x.shape[-2:], mode="bilinear")
+        if k == "upsample x2":  # smp's decoders: nearest, by a scale factor
+            return F.interpolate(x, scale_factor=2)
         if k == "global max":  # max over H and W: no exact rule yet
             return x * x.amax((2, 3), keepdim=True)
         if k == "interpolate":  # a segmentation head resizing to a size of its own
             return F.interpolate(x, size=(x.shape[-2] + 1, x.shape[-1]), mode="bilinear")
+        if k == "interpolate align_corners":
+            return F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=True)
         if k == "dropout":
             return F.dropout(x, 0.2, self.training)
         return x  # flatten: the head does it
@@ -178,13 +192,33 @@ FORWARD_CODE = {
         _forward_code_loss,
         (),
     )
-    for kind in ("se pool", "se mean", "layer scale", "channel shuffle", "cat", "convnext block")
+    for kind in (
+        "se pool",
+        "se mean",
+        "pooled batchnorm",
+        "layer scale",
+        "channel shuffle",
+        "cat",
+        "convnext block",
+        "unet up",
+        "upsample x2",
+    )
+}
+# Exact under model parallelism without a data dimension: dropout's masks are drawn for the
+# whole batch as the dense model draws them (a data rank draws for its slice only).
+DROPOUT = {
+    "forward code: dropout": (
+        lambda: ForwardCodeNet("dropout"),
+        (3, 12, 10),
+        _forward_code_loss,
+        (),
+    )
 }
 # Refused under spatial parallelism (kind -> what the message names).
 REFUSED = {
     "global max": "Tensor.amax",
     "interpolate": "F.interpolate",
-    "dropout": "F.dropout",
+    "interpolate align_corners": "F.interpolate",
     "flatten": "Tensor.flatten",
 }
 
@@ -213,7 +247,7 @@ def network_parity(
     device: str | None = None,
 ) -> list[Triple]:
     """``device``: where the parallelized network trains (the dense one stays on the CPU)."""
-    build, shape, loss_fn, keep_dense = {**NETWORKS, **FORWARD_CODE}[name]
+    build, shape, loss_fn, keep_dense = {**NETWORKS, **FORWARD_CODE, **DROPOUT}[name]
     torch.manual_seed(0)
     dense = build().to(dtype)
     if strategy == "data" and grid is None:
@@ -232,10 +266,12 @@ def network_parity(
         x = torch.randn(batch, *shape, generator=gen, dtype=dtype)
         target = torch.randint(0, 10, (batch,), generator=gen)
         opt_dense.zero_grad()
+        rng = torch.get_rng_state()  # dropout: the parallel forward draws what the dense one did
         out = dense(x)
         loss = loss_fn(out, target) / batch
         loss.backward()
         opt.zero_grad()
+        torch.set_rng_state(rng)
         out_mine = model(x[rows].to(device))
         # DataParallel averages over the data group: scale so the mean is the batch's gradient.
         loss_mine = loss_fn(out_mine, target[rows].to(device)) * data / batch

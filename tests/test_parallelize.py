@@ -159,6 +159,17 @@ def test_forward_code_without_an_exact_rule_is_refused(ranks, kind, op, grid):
         assert "keep_dense=[" in message and "data or channel strategy" in message, message
 
 
+@pytest.mark.parametrize(
+    ("size", "strategy", "grid"),
+    [(2, "spatial", None), (4, "spatial", dict(rows=2, cols=2)), (2, "channel", None)],
+)
+def test_dropout_masks_are_the_dense_models(ranks, size, strategy, grid):
+    for triples in ranks(size).run(
+        network_parity, "forward code: dropout", strategy, grid, steps=2
+    ):
+        assert_triples(triples)
+
+
 def test_negative_control_se_without_the_gradient_sum(ranks):
     for bad in ranks(2).run(se_without_gradient_sum):
         assert any("se.fc1.weight grad" in label for label in bad), bad

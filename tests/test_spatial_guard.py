@@ -42,6 +42,10 @@ BLOCKS = {
     "mean over channels": lambda x: x.mean(1, keepdim=True),
     "softmax over channels": lambda x: x.softmax(1),
     "1x1 F.conv2d": lambda x: F.conv2d(x, torch.ones(3, 4, 1, 1)),
+    "F.interpolate x2, nearest": lambda x: F.interpolate(x, scale_factor=2),
+    "F.interpolate to twice the size, bilinear": lambda x: F.interpolate(
+        x, size=(10, 12), mode="bilinear"
+    ),
     "eval dropout": lambda x: F.dropout(x, 0.5, training=False),
     "dtype and memory format": lambda x: x.double().contiguous(memory_format=torch.channels_last),
     # ConvNeXt: channels last, LayerNorm and Linear over the channels, layer scale, and back.
@@ -63,9 +67,13 @@ REFUSED = {
     "a whole tensor varying over W": (lambda x: x + torch.ones(6), "varies over H or W"),
     "cat along H": (lambda x: torch.cat([x, x], 2), "along H or W"),
     "F.max_pool2d": (lambda x: F.max_pool2d(x, 2), "no exact rule"),
-    "F.interpolate": (lambda x: F.interpolate(x, scale_factor=2), "no exact rule"),
+    "F.interpolate, align_corners": (
+        lambda x: F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=True),
+        "has no exact rule",
+    ),
+    "F.interpolate by 1.5": (lambda x: F.interpolate(x, scale_factor=1.5), "one integer factor"),
     "3x3 F.conv2d": (lambda x: F.conv2d(x, torch.ones(3, 4, 3, 3)), "only 1x1 convolutions"),
-    "training dropout": (lambda x: F.dropout(x, 0.5), "its own mask"),
+    "training alpha dropout": (lambda x: F.alpha_dropout(x, 0.5, True), "draw masks exactly"),
     "F.layer_norm over W": (lambda x: F.layer_norm(x, (6,)), "acts over H or W"),
     "F.group_norm": (lambda x: F.group_norm(x, 2), "no exact rule"),
     "split along W": (lambda x: x.split(3, dim=3), "cuts along H or W"),
@@ -79,6 +87,16 @@ REFUSED = {
         "varies over H or W",
     ),
 }
+
+
+def test_training_dropout_draws_the_dense_mask():
+    guard, x = guarded()
+    state = torch.get_rng_state()
+    with guard:
+        y = F.dropout(x, 0.3)
+    assert guard.is_split(y)
+    torch.set_rng_state(state)
+    torch.testing.assert_close(y, F.dropout(X, 0.3))
 
 
 @pytest.mark.parametrize("name", list(BLOCKS))

@@ -95,7 +95,7 @@ def parallelize(
     spatial_grad = grid.spatial_comm if strategy == "spatial" else None
     _swap(model, lambda m: _sync_batchnorm(m, grid.batch_comm, spatial_grad))
     if strategy == "spatial":
-        model = SpatialRegion(model, grid.spatial_comm, grid.spatial)
+        model = SpatialRegion(model, grid.spatial_comm, grid.spatial, whole_comm=grid.data_comm)
     if grid.data > 1:
         model = DataParallel(model, grid.data_comm, **data_parallel_kwargs)
     return model

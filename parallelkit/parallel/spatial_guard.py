@@ -51,12 +51,13 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 import parallelkit.functional as pkf
-from parallelkit.comm import Communicator
+from parallelkit.comm import Communicator, tensor_split_sizes
 from parallelkit.nn import spatial_parallel as sp
 from parallelkit.nn import spatial_pooling as spool
 from parallelkit.nn.batchnorm_subclass import _SyncSubclass
 from parallelkit.nn.sync_batchnorm import SyncBatchNorm
 from parallelkit.spatial import layout
+from parallelkit.spatial.grid import SpatialGrid, grid_of
 
 # Layers that handle blocks themselves (and whole inputs); modules with a true class attribute
 # ``ends_spatial_region`` (global pooling, keep_dense modules) also take blocks, return whole.
@@ -150,9 +151,17 @@ class SpatialGuard(TorchFunctionMode):
     """Follows blocks of split images through one forward of ``model`` (see the module
     docstring); ``comm`` is the spatial group, over which whole tensors' gradients are summed."""
 
-    def __init__(self, model: nn.Module, comm: Communicator) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        comm: Communicator,
+        grid: SpatialGrid | None = None,
+        whole_comm: Communicator | None = None,
+    ) -> None:
         super().__init__()
-        self.comm = comm
+        self.comm, self._grid, self.whole_comm = comm, grid, whole_comm
+        self._upsamplers: dict[tuple[int, str], nn.Module] = {}
+        self._restore: dict[int, tuple[Any, Any]] = {}
         self.names = {m: name for name, m in model.named_modules()}
         self._blocks: dict[int, tuple[weakref.ref, tuple[int, int]]] = {}
         self._stack: list[tuple[nn.Module, bool, bool] | None] = []
@@ -199,10 +208,7 @@ class SpatialGuard(TorchFunctionMode):
         if trusted and any(self.hw(b) != (-2, -1) for b in blocks):
             raise self._refuse(type(module).__name__, "it wants (N, C, H, W) blocks", module)
         if trusted and isinstance(module, _NORMS) and not split_in and self.comm.size > 1:
-            raise self._refuse(
-                "BatchNorm", "its input is whole (not a block), so its statistics would count "
-                "every rank's copy", module,
-            )  # fmt: skip
+            self._normalize_whole(module)
         self._trusted += trusted
         self._stack.append((module, trusted, split_in and not ends))
 
@@ -211,10 +217,30 @@ class SpatialGuard(TorchFunctionMode):
         if entry is None:
             return
         _, trusted, blocks_out = entry
+        if id(module) in self._restore:
+            _set_comms(module, *self._restore.pop(id(module)))
         if trusted:
             self._trusted -= 1
             if blocks_out:
                 self.mark(out)
+
+    @property
+    def grid(self) -> SpatialGrid:
+        if self._grid is None:
+            self._grid = grid_of(self.comm)
+        return self._grid
+
+    def _normalize_whole(self, module: nn.Module) -> None:
+        """BatchNorm on a whole tensor (DeepLab's pooled branch): every rank of the spatial
+        group holds the same samples, so statistics go over the data group only, and each
+        rank's parameter gradient is already the dense one."""
+        if self.whole_comm is None:
+            raise self._refuse(
+                "BatchNorm", "its input is whole (not a block) and this region has no data "
+                "group to normalize it over", module,
+            )  # fmt: skip
+        self._restore[id(module)] = _comms(module)
+        _set_comms(module, self.whole_comm, None)
 
     # ------------------------------------------------------------------ the rules
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -233,6 +259,8 @@ class SpatialGuard(TorchFunctionMode):
             return self._over_channels(func, args, kwargs, hw)
         if func in _DROPOUTS:
             return self._dropout(func, args, kwargs)
+        if func is F.interpolate:
+            return self._interpolate(args, kwargs)
         if getattr(func, "__name__", "") == "__get__":
             return self._property(func, args, kwargs)
         if func in (torch.cat, torch.concat, torch.concatenate):
@@ -313,13 +341,79 @@ class SpatialGuard(TorchFunctionMode):
         raise self._refuse(_name(func), "it acts over H or W (permute the channels last first)")
 
     def _dropout(self, func, args, kwargs) -> Any:
+        """Dropout's mask drawn for the whole images from this rank's generator, then cut to
+        the block: the dense model's mask when every rank's generator is in the same state
+        (ranks seeded alike). It costs one whole-image noise tensor per call, transiently."""
+        x = args[0]
         p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
         training = kwargs.get("training", kwargs.get("train", args[2] if len(args) > 2 else True))
-        if training and p > 0:
+        if not training or p == 0:
+            return self._marked(func(*args, **kwargs), self.hw(x))
+        self._nchw(func, x)
+        if func not in (F.dropout, F.dropout2d, torch.dropout) or not 0 < p < 1:
+            raise self._refuse(_name(func), "only dropout and dropout2d draw masks exactly")
+        inplace = kwargs.get("inplace", args[3] if len(args) > 3 else False)
+        h, w = self.grid.global_size(x, "dropout")
+        rows, cols = self.grid.block(h, w)
+        whole = (*x.shape[:2], 1, 1) if func is F.dropout2d else (*x.shape[:2], h, w)
+        noise = torch.empty(whole, dtype=x.dtype, device=x.device).bernoulli_(1 - p).div_(1 - p)
+        noise = noise if func is F.dropout2d else noise[..., rows, cols]
+        return self._marked(x.mul_(noise) if inplace else x * noise)
+
+    def _interpolate(self, args, kwargs) -> Any:
+        """Upsampling by an integer factor, nearest or bilinear without align_corners, by
+        ``scale_factor=`` or by a ``size=`` that is an integer multiple of the whole images'
+        (decided from every rank's block and size, so the same way on every rank)."""
+        names = ("input", "size", "scale_factor", "mode", "align_corners")
+        call = {**dict(zip(names, args, strict=False)), **kwargs}
+        x, mode = call["input"], call.get("mode", "nearest")
+        self._nchw(F.interpolate, x)
+        if (
+            mode not in ("nearest", "bilinear")
+            or call.get("align_corners")
+            or call.get("antialias")
+        ):
             raise self._refuse(
-                _name(func), "each rank would draw its own mask, unlike the dense model's"
+                "F.interpolate", f"mode={mode!r} with align_corners={call.get('align_corners')} "
+                "has no exact rule (nearest, or bilinear without align_corners)",
+            )  # fmt: skip
+        if call.get("scale_factor") is not None:
+            factors = _pair(call["scale_factor"])
+        else:
+            factors = self._scale_of_size(x, _pair(call["size"]))
+        if len(set(factors)) != 1 or int(factors[0]) != factors[0] or factors[0] < 1:
+            raise self._refuse(
+                "F.interpolate", f"it scales by {factors}, not by one integer factor"
             )
-        return self._marked(func(*args, **kwargs), self.hw(args[0]))
+        key = (int(factors[0]), mode)
+        if key not in self._upsamplers:
+            self._upsamplers[key] = spool.SpatialUpsample(*key, comm=self.comm, grid=self.grid)
+        return self._marked(self._upsamplers[key](x))
+
+    def _scale_of_size(self, x: Tensor, size: tuple) -> tuple[float, float]:
+        """The whole images' scale factors that ``size`` (this rank's) stands for, if every
+        rank's requested size is its block of one whole size in tensor_split layout."""
+        g = self.grid
+        table = self.comm.all_gather_ints([x.shape[-2], x.shape[-1], *map(int, size)])
+        # Rank i * cols + j holds row block i and column block j.
+        h = [table[i * g.cols][0] for i in range(g.rows)]
+        w = [table[j][1] for j in range(g.cols)]
+        out_h = [table[i * g.cols][2] for i in range(g.rows)]
+        out_w = [table[j][3] for j in range(g.cols)]
+        expected = [
+            [h[r // g.cols], w[r % g.cols], out_h[r // g.cols], out_w[r % g.cols]]
+            for r in range(len(table))
+        ]
+        if (
+            table != expected
+            or out_h != tensor_split_sizes(sum(out_h), g.rows)
+            or out_w != tensor_split_sizes(sum(out_w), g.cols)
+        ):
+            raise self._refuse(
+                "F.interpolate", f"the size {tuple(size)} asked on each rank is not a block of "
+                "one whole size (give scale_factor= instead)",
+            )  # fmt: skip
+        return sum(out_h) / max(sum(h), 1), sum(out_w) / max(sum(w), 1)
 
     def _property(self, func, args, kwargs) -> Any:
         name = getattr(getattr(func, "__self__", None), "__name__", "")
@@ -471,6 +565,23 @@ def _name(func: Callable) -> str:
     name = name.replace("_TensorBase.", "Tensor.").replace("TensorBase.", "Tensor.")
     name = name.replace("_VariableFunctionsClass.", "torch.")
     return f"{'F.' if module.endswith('functional') else ''}{name}"
+
+
+def _pair(value: Any) -> tuple:
+    return tuple(value) if isinstance(value, tuple | list) else (value, value)
+
+
+def _comms(module: nn.Module) -> tuple[Any, Any]:
+    if isinstance(module, SyncBatchNorm):
+        return module.comm, module.grad_comm
+    return module._pk_comm, module._pk_grad_comm
+
+
+def _set_comms(module: nn.Module, comm: Any, grad_comm: Any) -> None:
+    if isinstance(module, SyncBatchNorm):
+        module.comm, module.grad_comm = comm, grad_comm
+    else:
+        module._pk_comm, module._pk_grad_comm = comm, grad_comm
 
 
 def _all(value: Any, want: int) -> bool:

@@ -18,25 +18,37 @@ from torch.utils._pytree import tree_map
 from parallelkit.comm import Communicator
 from parallelkit.parallel.spatial_guard import SpatialGuard
 from parallelkit.spatial import layout
-from parallelkit.spatial.grid import gather, scatter
+from parallelkit.spatial.grid import gather, grid_of, scatter
 
 
 class SpatialRegion(nn.Module):
-    """Scatter the whole input into this rank's block, run the model, gather what is split."""
+    """Scatter the whole input into this rank's block, run the model, gather what is split.
 
-    def __init__(self, module: nn.Module, comm: Communicator, grid: tuple[int, int]) -> None:
+    ``whole_comm``: the data group, over which BatchNorm normalizes tensors that are whole
+    inside the region (the spatial ranks all hold the same samples there).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        comm: Communicator,
+        grid: tuple[int, int],
+        whole_comm: Communicator | None = None,
+    ) -> None:
         super().__init__()
         self.module, self.comm, self.grid = module, comm, grid
+        self.whole_comm = whole_comm
+        self._blocks = grid_of(comm, grid)  # the sub-groups, made once (split is collective)
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if self.comm.size == 1:  # one rank holds the whole image: nothing to follow
             return self.module(x, *args, **kwargs)
-        x_blk = scatter(x, self.comm, self.grid)
-        guard = SpatialGuard(self.module, self.comm)
+        x_blk = scatter(x, self.comm, self._blocks)
+        guard = SpatialGuard(self.module, self.comm, self._blocks, self.whole_comm)
         guard.mark(x_blk)
         with guard:
             y = self.module(x_blk, *args, **kwargs)
-        whole = lambda t: gather(t, self.comm, self.grid) if guard.is_split(t) else t  # noqa: E731
+        whole = lambda t: gather(t, self.comm, self._blocks) if guard.is_split(t) else t  # noqa: E731
         return tree_map(whole, y)
 
 
