@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import inspect
 import os
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -65,10 +66,7 @@ class TorchCommunicator(Communicator):
                 torch.cuda.set_device(local_rank)
                 kwargs["device_id"] = torch.device("cuda", local_rank)
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=seconds), **kwargs)
-            # Tear the group down before the interpreter does: gloo's threads, still alive at
-            # interpreter shutdown, can abort the process ("terminate called without an
-            # active exception") after the job's work is done.
-            atexit.register(_destroy_default_group)
+            _install_exit_hooks()
         return cls(timeout=timeout, debug=debug)
 
     @contextlib.contextmanager
@@ -174,10 +172,47 @@ class _TorchWork:
         return self._out
 
 
+def _install_exit_hooks() -> None:
+    """How a rank leaves the job: together on a normal exit, at once on an error.
+
+    Normal exit: tear the group down before the interpreter does (gloo's threads, still alive
+    at interpreter shutdown, can abort the process: "terminate called without an active
+    exception"), after a barrier, since a rank that leaves while a peer still talks to the
+    store or the group can abort that peer.
+
+    Uncaught exception: print it and ``os._exit(1)`` without that barrier. Its peers are
+    typically stuck in a collective waiting for this rank, so a barrier would wait for them
+    until the collective timeout (``parallel.timeout``, minutes), and the launcher, which stops
+    the job when one rank exits, would never learn of the failure. Exiting at once closes
+    this rank's connections, the peers' collectives fail, and the launcher (torchrun,
+    ``parallelkit train``) stops the others within seconds and names this rank.
+    ``PARALLELKIT_ABORT_ON_EXCEPTION=0`` keeps ``sys.excepthook`` as it was.
+    """
+    atexit.register(_destroy_default_group)
+    if os.environ.get("PARALLELKIT_ABORT_ON_EXCEPTION", "1") != "0":
+        sys.excepthook = _exit_on_exception(sys.excepthook)
+
+
+def _exit_on_exception(previous):  # type: ignore[no-untyped-def]
+    def hook(exc_type, value, tb):  # type: ignore[no-untyped-def]
+        try:
+            rank, size = dist.get_rank(), dist.get_world_size()
+            previous(exc_type, value, tb)
+            sys.stderr.write(
+                f"parallelkit: uncaught exception on rank {rank} of {size}; leaving at once "
+                "(no leave-together barrier), so that the launcher stops the other ranks\n"
+            )
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+    return hook
+
+
 def _destroy_default_group() -> None:
-    """Leave together, then tear down: a rank that exits while a peer still talks to the
-    store or the group can abort that peer. A peer that is gone (a failed job) costs at most
-    the 30 s of the monitored barrier."""
+    """Leave together, then tear down (the normal exit; see :func:`_install_exit_hooks`).
+    A peer that is gone costs at most the 30 s of the monitored barrier."""
     if not dist.is_initialized():
         return
     with contextlib.suppress(Exception):
