@@ -15,6 +15,8 @@ what a user sees.
 from __future__ import annotations
 
 import os
+import sys
+import time
 
 from parallelkit.comm import Communicator
 from parallelkit.train.config import TrainConfig
@@ -32,6 +34,9 @@ def maybe_fail(t: TrainConfig, comm: Communicator, step: int, nets: dict) -> Non
     if step != t.fail_at_step or comm.rank != rank:
         return
     where = f"rank {comm.rank} at step {step} (train.fail_at_step)"
+    # The wall-clock time of the fault, for the tests that measure how fast the job ends.
+    print(f"parallelkit train: injecting {t.fail_how} on {where} at {time.time():.3f}",
+          file=sys.stderr, flush=True)  # fmt: skip
     if t.fail_how == "exit":
         os._exit(3)
     if t.fail_how == "raise":
