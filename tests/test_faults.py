@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from jobs import TINY, Job, records, report, run
 
-from jobs import CLI, TINY, Job, records, report, run
 from parallelkit.testing import free_port
 from parallelkit.train import files
 

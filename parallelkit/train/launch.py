@@ -66,10 +66,11 @@ def local_command(cfg: Config, argv: list[str]) -> list[str] | None:
 def launch(command: list[str], ranks: int = 1) -> int:
     """Run :func:`local_command`'s command (``ranks`` copies for torch backends) under
     supervision and wait; the exit status is the job's."""
-    env = dict(os.environ, **{LAUNCHER_PID: str(os.getpid())})
+    env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores
-    if command[: len(WORKER)] != WORKER:  # mpiexec
+    if command[: len(WORKER)] != WORKER:  # mpiexec, which cleans up its ranks when it dies
         return supervise([Child(command, env, "mpiexec")])
+    env[LAUNCHER_PID] = str(os.getpid())
     with loopback_store() as port:
         children = [
             Child(command, {**env, **rank_env(rank, ranks, port)}, f"rank {rank}")

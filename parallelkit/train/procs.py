@@ -136,8 +136,8 @@ def _say(message: str) -> None:
 def die_with_launcher() -> None:
     """In a rank started by :func:`supervise`: be killed when the launcher dies (Linux)."""
     launcher = os.environ.get(LAUNCHER_PID)
-    if launcher is None or not sys.platform.startswith("linux"):
-        return
+    if launcher is None or not sys.platform.startswith("linux") or os.getppid() != int(launcher):
+        return  # not a direct child of the launcher (under mpiexec: of Hydra's proxy)
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
