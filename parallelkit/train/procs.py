@@ -93,10 +93,8 @@ def _wait(children: list[Child], procs: list[subprocess.Popen], state: _State, g
                 if code:
                     state.failed = (child.name, code)
                     state.deadline = time.monotonic() + FAIL_GRACE_S
-                    _say(
-                        f"{child.name} failed first (exit status {_status(code)}); "
-                        "stopping the others"
-                    )
+                    what = "stopping the others" if len(procs) > 1 else "stopping"
+                    _say(f"{child.name} failed first (exit status {_status(code)}); {what}")
                     _kill(procs, signal.SIGTERM)
                     break
         if all(c is not None for c in codes):
@@ -118,10 +116,12 @@ def _kill(procs: list[subprocess.Popen], signum: int) -> None:
     """Signal every started process; SIGKILL goes to each one's whole process group
     (DataLoader workers included), other signals to the process, which handles them."""
     for p in procs:
+        if p.poll() is not None:
+            continue  # reaped: its pid may belong to another process by now
         with contextlib.suppress(ProcessLookupError, PermissionError):
             if signum == signal.SIGKILL:
                 os.killpg(p.pid, signum)
-            elif p.poll() is None:
+            else:
                 p.send_signal(signum)
 
 
