@@ -118,6 +118,40 @@ def resume(
     return state["step"], rundir.new_identity(cfg, run_id)
 
 
+def summary_table(
+    cfg: Config,
+    comm: pk.Communicator,
+    grid: Grid,
+    result: dict[str, Any],
+    last: dict[str, float],
+    evals: dict[str, float],
+) -> str:
+    """The table rank 0 prints at the end of a run."""
+    t, rate = cfg.train, result["run_img_s"]
+    rows = [
+        ("task", f"{t.task} ({cfg.model.name} on {cfg.data.name})"),
+        ("ranks", f"{comm.size} ({comm.backend})"),
+        (
+            "grid (data x rows x cols x channel)",
+            f"{grid.data} x {grid.rows} x {grid.cols} x {grid.channel}",
+        ),
+        ("steps", str(result["steps"])),
+        ("global batch", str(t.batch_size)),
+        ("wall time (s)", f"{result['seconds']:.1f}"),
+        ("images/s, global (whole run)", f"{rate:.1f}"),
+        ("images/s per rank", f"{rate / comm.size:.1f}"),
+        ("peak memory per rank, MiB (max)", f"{result['peak_memory_mib']:.0f}"),
+    ]
+    rows += [(f"train {k}", f"{last[k]:.4f}") for k in sorted(last) if k.startswith("loss")]
+    if evals:
+        rows += [
+            ("test loss", f"{evals['loss']:.4f}"),
+            ("test accuracy", f"{100 * evals['accuracy']:.2f}%"),
+        ]
+    rows.append(("run directory", str(t.run_dir)))
+    return table(rows, "parallelkit train: done")
+
+
 def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
     """Train as configured; returns the final metrics (the same on every rank)."""
     comm = comm or pk.init(cfg.parallel.backend, timeout=cfg.parallel.timeout)
@@ -253,28 +287,7 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
         "peak_memory_mib": memory.max().item(),
     }
     monitor.log("summary", step, **result)
-    rows = [
-        ("task", f"{t.task} ({cfg.model.name} on {cfg.data.name})"),
-        ("ranks", f"{comm.size} ({comm.backend})"),
-        (
-            "grid (data x rows x cols x channel)",
-            f"{grid.data} x {grid.rows} x {grid.cols} x {grid.channel}",
-        ),
-        ("steps", str(step)),
-        ("global batch", str(t.batch_size)),
-        ("wall time (s)", f"{seconds:.1f}"),
-        ("images/s, global (whole run)", f"{rate:.1f}"),
-        ("images/s per rank", f"{rate / comm.size:.1f}"),
-        ("peak memory per rank, MiB (max)", f"{memory.max():.0f}"),
-    ]
-    rows += [(f"train {k}", f"{last[k]:.4f}") for k in sorted(last) if k.startswith("loss")]
-    if evals:
-        rows += [
-            ("test loss", f"{evals['loss']:.4f}"),
-            ("test accuracy", f"{100 * evals['accuracy']:.2f}%"),
-        ]
-    rows.append(("run directory", str(run_dir)))
-    monitor.print(table(rows, "parallelkit train: done"))
+    monitor.print(summary_table(cfg, comm, grid, result, last, evals))
     monitor.close()
     stop.uninstall()
     if lock is not None:
