@@ -190,6 +190,15 @@ def test_sigint_with_checkpoint_resumes_exactly(tmp_path):
     assert_no_duplicate_steps(stopped)
 
 
+def test_sigkill_of_the_launcher_takes_the_ranks_along(tmp_path):
+    with Job(tmp_path / "run", *LONG) as job:
+        job.wait_until(lambda: job.steps_logged() >= 3, 120, "step 3")
+        sent = job.signal(signal.SIGKILL)
+        status, seconds = job.gone_within(BOUND_S, sent)
+    report("SIGKILL to the local launcher (gloo, 2 ranks)", seconds)
+    assert status == -signal.SIGKILL
+
+
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install mpich)")
 def test_sigterm_under_mpiexec(tmp_path):
     with Job(tmp_path / "run", *LONG, "parallel.backend=mpi") as job:
@@ -228,6 +237,7 @@ def test_sigterm_to_a_users_torchrun(tmp_path):
         (1, "exit", "local"),
         (1, "raise", "torchrun"),
         (1, "raise", "mpiexec"),
+        (0, "raise", "mpiexec"),
     ],
 )
 def test_failure_on_one_rank_ends_the_job(tmp_path, rank, how, launcher):
@@ -303,13 +313,15 @@ def test_a_failed_write_keeps_the_earlier_file(tmp_path, monkeypatch):
 def test_stale_temporary_files_are_removed(first_run, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(first_run, run_dir)
-    stale = [run_dir / ".model.pt.tmp-abc", run_dir / "checkpoints" / ".x.pt.tmp-1"]
+    unfinished = run_dir / "checkpoints" / "step-000000003"  # no manifest: a killed save
+    unfinished.mkdir()
+    stale = [run_dir / ".model.pt.tmp-abc", unfinished / "shard-0.pt"]
     for p in stale:
         p.write_bytes(b"left by a killed writer")
     status, out = run(run_dir, *TINY, *CONSTANT, "parallel.ranks=1", "train.max_steps=5",
                       "train.checkpoint_every=2", "--resume")  # fmt: skip
     assert status == 0, out
-    assert not any(p.exists() for p in stale)
+    assert not any(p.exists() for p in [*stale, unfinished])
 
 
 # 7. Clear errors ----------------------------------------------------------------------------

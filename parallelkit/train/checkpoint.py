@@ -96,6 +96,16 @@ def complete(run_dir: str | Path) -> list[Path]:
     return sorted(p.parent for p in root.glob(f"step-*/{MANIFEST}"))
 
 
+def remove_incomplete(run_dir: str | Path) -> list[Path]:
+    """Remove checkpoint folders without a manifest: writes a killed run left unfinished.
+    Only while no other process writes there (the run directory's lock is held)."""
+    root = Path(run_dir) / "checkpoints"
+    stale = [p for p in root.glob("step-*") if p.is_dir() and not (p / MANIFEST).is_file()]
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return stale
+
+
 def latest(run_dir: str | Path) -> Path | None:
     found = complete(run_dir)
     return found[-1] if found else None

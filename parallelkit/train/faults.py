@@ -21,8 +21,6 @@ import time
 from parallelkit.comm import Communicator
 from parallelkit.train.config import TrainConfig
 
-FAULTS = ("exit", "raise", "raise_in_backward")
-
 
 class InjectedFault(RuntimeError):
     """The exception ``train.fail_how=raise`` raises."""

@@ -77,7 +77,8 @@ def end_of_step(device: torch.device) -> None:
 
 def open_run_dir(cfg: Config, comm: pk.Communicator) -> tuple[rundir.Lock | None, str | None]:
     """Check that ``run_dir`` is this run's to use (every rank, the same files: the same
-    verdict), then on rank 0 take its lock, remove stale temporary files, clear an earlier
+    verdict), then on rank 0 take its lock, remove stale temporary files and unfinished
+    checkpoints, clear an earlier
     run's outputs when overwriting, and save ``config.yaml``. Returns the lock and a note."""
     t, lead = cfg.train, comm.rank == 0
     run_dir = Path(t.run_dir)
@@ -87,6 +88,7 @@ def open_run_dir(cfg: Config, comm: pk.Communicator) -> tuple[rundir.Lock | None
         run_dir.mkdir(parents=True, exist_ok=True)
         lock = rundir.Lock(run_dir)
         remove_stale(run_dir)
+        checkpoint.remove_incomplete(run_dir)
         if t.overwrite and not t.resume:
             rundir.clear_outputs(run_dir)
         atomic_text(run_dir / "config.yaml", to_yaml(cfg))
