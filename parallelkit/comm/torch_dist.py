@@ -66,7 +66,11 @@ class TorchCommunicator(Communicator):
                 torch.cuda.set_device(local_rank)
                 kwargs["device_id"] = torch.device("cuda", local_rank)
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=seconds), **kwargs)
-            _install_exit_hooks()
+            # Tear the group down before the interpreter does: gloo's threads, still alive at
+            # interpreter shutdown, can abort the process ("terminate called without an
+            # active exception") after the job's work is done.
+            atexit.register(_destroy_default_group)
+            _install_except_hook()
         return cls(timeout=timeout, debug=debug)
 
     @contextlib.contextmanager
@@ -172,23 +176,17 @@ class _TorchWork:
         return self._out
 
 
-def _install_exit_hooks() -> None:
-    """How a rank leaves the job: together on a normal exit, at once on an error.
+def _install_except_hook() -> None:
+    """An uncaught exception ends this rank at once, without the leave-together barrier of a
+    normal exit (:func:`_destroy_default_group`).
 
-    Normal exit: tear the group down before the interpreter does (gloo's threads, still alive
-    at interpreter shutdown, can abort the process: "terminate called without an active
-    exception"), after a barrier, since a rank that leaves while a peer still talks to the
-    store or the group can abort that peer.
-
-    Uncaught exception: print it and ``os._exit(1)`` without that barrier. Its peers are
-    typically stuck in a collective waiting for this rank, so a barrier would wait for them
-    until the collective timeout (``parallel.timeout``, minutes), and the launcher, which stops
-    the job when one rank exits, would never learn of the failure. Exiting at once closes
-    this rank's connections, the peers' collectives fail, and the launcher (torchrun,
-    ``parallelkit train``) stops the others within seconds and names this rank.
-    ``PARALLELKIT_ABORT_ON_EXCEPTION=0`` keeps ``sys.excepthook`` as it was.
+    Its peers are typically stuck in a collective waiting for this rank, so a barrier would
+    hold it until the collective timeout (``parallel.timeout``, minutes), and the launcher,
+    which stops the job when one rank exits, would not learn of the failure. Exiting at once
+    (after printing the traceback) closes this rank's connections, the peers' collectives
+    fail, and the launcher (torchrun, ``parallelkit train``) stops the others within seconds
+    and names this rank. ``PARALLELKIT_ABORT_ON_EXCEPTION=0`` keeps ``sys.excepthook``.
     """
-    atexit.register(_destroy_default_group)
     if os.environ.get("PARALLELKIT_ABORT_ON_EXCEPTION", "1") != "0":
         sys.excepthook = _exit_on_exception(sys.excepthook)
 
@@ -211,8 +209,10 @@ def _exit_on_exception(previous):  # type: ignore[no-untyped-def]
 
 
 def _destroy_default_group() -> None:
-    """Leave together, then tear down (the normal exit; see :func:`_install_exit_hooks`).
-    A peer that is gone costs at most the 30 s of the monitored barrier."""
+    """Leave together, then tear down: a rank that exits while a peer still talks to the
+    store or the group can abort that peer. A peer that is gone (a failed job) costs at most
+    the 30 s of the monitored barrier. Normal exits only: an uncaught exception leaves at
+    once (:func:`_install_except_hook`)."""
     if not dist.is_initialized():
         return
     with contextlib.suppress(Exception):
