@@ -129,18 +129,26 @@ def test_resume_refuses_another_config_and_names_it(first_run, tmp_path):
     assert status == 2 and "optim.lr: 0.4 -> 0.2" in one_line_error(out)
 
 
-def test_pruning_leaves_other_runs_alone(first_run, tmp_path):
+def test_pruning_leaves_other_runs_alone_and_stale_files_go(first_run, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(first_run, run_dir)
     other = run_dir / "checkpoints" / "step-000000001"  # another run's, older
     shutil.copytree(run_dir / "checkpoints" / "step-000000002", other)
     manifest = json.loads((other / "manifest.json").read_text())
     (other / "manifest.json").write_text(json.dumps({**manifest, "run_id": "someone-else"}))
+    # 5: what killed writers leave: a temporary file, a checkpoint without its manifest.
+    unfinished = run_dir / "checkpoints" / "step-000000003"
+    unfinished.mkdir()
+    stale = [run_dir / ".model.pt.tmp-abc", unfinished / "shard-0.pt"]
+    for p in stale:
+        p.write_bytes(b"left by a killed writer")
+
     status, out = run(run_dir, *TINY, *CONSTANT, "parallel.ranks=1", "train.max_steps=8",
                       "train.checkpoint_every=2", "--resume")  # fmt: skip
     assert status == 0, out
     names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert names == ["step-000000001", "step-000000006", "step-000000008"]
+    assert not any(p.exists() for p in [*stale, unfinished])
     assert_no_duplicate_steps(run_dir)
 
 
@@ -182,9 +190,9 @@ def test_sigint_with_checkpoint_resumes_exactly(tmp_path):
     end = f"train.max_steps={k + 2}"
     status, out = run(stopped, *LONG, "train.checkpoint_on_signal=true", end, "--resume")
     assert status == 0 and f"resumed at step {k}" in out, out
-    whole = tmp_path / "whole"
-    status, out = run(whole, *LONG, end)
-    assert status == 0, out
+    whole = tmp_path / "whole"  # 7: --resume without a checkpoint says so, starts afresh
+    status, out = run(whole, *LONG, end, "--resume")
+    assert status == 0 and f"no checkpoint in {whole}; starting a new run" in out, out
     assert losses(stopped) == losses(whole)
     assert same_weights(stopped / "model.pt", whole / "model.pt")
     assert_no_duplicate_steps(stopped)
@@ -310,20 +318,6 @@ def test_a_failed_write_keeps_the_earlier_file(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]
 
 
-def test_stale_temporary_files_are_removed(first_run, tmp_path):
-    run_dir = tmp_path / "run"
-    shutil.copytree(first_run, run_dir)
-    unfinished = run_dir / "checkpoints" / "step-000000003"  # no manifest: a killed save
-    unfinished.mkdir()
-    stale = [run_dir / ".model.pt.tmp-abc", unfinished / "shard-0.pt"]
-    for p in stale:
-        p.write_bytes(b"left by a killed writer")
-    status, out = run(run_dir, *TINY, *CONSTANT, "parallel.ranks=1", "train.max_steps=5",
-                      "train.checkpoint_every=2", "--resume")  # fmt: skip
-    assert status == 0, out
-    assert not any(p.exists() for p in [*stale, unfinished])
-
-
 # 7. Clear errors ----------------------------------------------------------------------------
 
 
@@ -363,12 +357,6 @@ def test_checkpoint_of_another_model_names_the_checkpoint(first_run, tmp_path):
     status, out = run(run_dir, *TINY, *CONSTANT, "parallel.ranks=1", "train.max_steps=6",
                       "--resume")  # fmt: skip
     assert status == 2 and "is not a parallelkit train checkpoint" in one_line_error(out)
-
-
-def test_resume_without_a_checkpoint_says_so(tmp_path):
-    status, out = run(tmp_path / "run", *TINY, "parallel.ranks=1", "train.max_steps=1",
-                      "--resume")  # fmt: skip
-    assert status == 0 and "no checkpoint in" in out and "starting a new run" in out
 
 
 # 10. Mismatched shapes across ranks ---------------------------------------------------------
