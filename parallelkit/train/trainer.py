@@ -78,8 +78,8 @@ def end_of_step(device: torch.device) -> None:
 def open_run_dir(cfg: Config, comm: pk.Communicator) -> tuple[rundir.Lock | None, str | None]:
     """Check that ``run_dir`` is this run's to use (every rank, the same files: the same
     verdict), then on rank 0 take its lock, remove stale temporary files and unfinished
-    checkpoints, clear an earlier
-    run's outputs when overwriting, and save ``config.yaml``. Returns the lock and a note."""
+    checkpoints, clear an earlier run's outputs when overwriting, and save ``config.yaml``.
+    Returns the lock and a note for the user (or None)."""
     t, lead = cfg.train, comm.rank == 0
     run_dir = Path(t.run_dir)
     note = rundir.check(cfg, lock=lead)
