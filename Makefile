@@ -36,7 +36,7 @@ $(XLA_VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 run: $(VENV)/.installed
-	$(VENV)/bin/parallelkit train
+	$(VENV)/bin/parallelkit train train.overwrite=true
 
 test: lint test-py test-mpi test-xla test-gpu
 

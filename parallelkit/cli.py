@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import platform
+import signal
 import sys
 
 import torch
@@ -40,8 +41,12 @@ def info() -> str:
 
 
 def train(argv: list[str]) -> int:
-    """Parse the config; start the local ranks, or be one rank of a launched job."""
-    from parallelkit.train import config, launch, trainer
+    """Parse the config; start the local ranks, or be one rank of a launched job.
+
+    A mistake found before any rank starts (a config value, a run directory that belongs to
+    another run) is one line on stderr and exit status 2.
+    """
+    from parallelkit.train import config, launch, procs, rundir, trainer
 
     parser = argparse.ArgumentParser(
         prog="parallelkit train",
@@ -53,28 +58,39 @@ def train(argv: list[str]) -> int:
                         help="continue from the newest checkpoint in train.run_dir")  # fmt: skip
     parser.add_argument("--print-config", action="store_true", help="print it and exit")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # --resume may come after overrides
     overrides = [*args.overrides, *(["train.resume=true"] if args.resume else [])]
     try:
         cfg = config.load(args.config, overrides)
+        if args.print_config:
+            print(config.to_yaml(cfg), end="")
+            return 0
+        if launch.under_launcher():
+            procs.die_with_launcher()
+            trainer.run(cfg)
+            return 0
+        rundir.check(cfg)  # before any rank starts; the ranks check again
+        if cfg.parallel.backend == "xla":
+            launch.launch_xla(cfg)
+            return 0
+        command = launch.local_command(cfg, argv)
     except ValueError as e:
-        parser.error(str(e))
-    if args.print_config:
-        print(config.to_yaml(cfg), end="")
+        if launch.under_launcher():
+            raise  # a rank: the exit hook ends the whole job
+        print(f"parallelkit train: error: {e}", file=sys.stderr)
+        return 2
+    if command is None:  # one rank, in this process
+        try:
+            trainer.run(cfg)
+        except ValueError as e:
+            print(f"parallelkit train: error: {e}", file=sys.stderr)
+            return 2
         return 0
-    if launch.under_launcher():
-        trainer.run(cfg)
-    elif cfg.parallel.backend == "xla":
-        launch.launch_xla(cfg)
-    elif (command := launch.local_command(cfg, argv)) is None:
-        trainer.run(cfg)
-    else:
-        status = launch.launch(command)
-        if status:
-            print(f"parallelkit train: a rank failed (exit status {status}); see above",
-                  file=sys.stderr)  # fmt: skip
-        return status
-    return 0
+    status = launch.launch(command, cfg.parallel.ranks)
+    if status and status - 128 not in (signal.SIGINT, signal.SIGTERM):
+        print(f"parallelkit train: a rank failed (exit status {status}); see above",
+              file=sys.stderr)  # fmt: skip
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,11 +49,39 @@ def test_round_trip_through_saved_yaml(tmp_path):
         (["parallel.strategy=hybrid"], "hybrid"),
         (["parallel.rows=2", "parallel.channel=2"], "cannot be combined"),
         (["epochs"], "key=value"),
+        (["parallel.timeout=0"], "parallel.timeout=0.0 must be > 0"),
+        (["train.max_steps=-1"], "train.max_steps=-1 must be >= 0"),
+        (["optim.momentum=1.5"], "optim.momentum=1.5 must be in"),
+        (["train.keep_checkpoints=0"], "train.keep_checkpoints"),
+        (["train.fail_how=segfault"], "train.fail_how"),
+        (["model.stem=tiny"], "model.stem"),
+        (["optim.betas=[0.5"], "not valid YAML"),
     ],
 )
 def test_bad_configs_name_the_key(overrides, message):
     with pytest.raises(ValueError, match=message):
         config.load(None, overrides)
+
+
+def test_every_message_is_one_line():
+    with pytest.raises(ValueError) as info:
+        config.load(None, ["train.epochs=many"])
+    assert "\n" not in str(info.value) and "train.epochs" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("train:\n  epochs: [3\n", "is not valid YAML: .* at line 3, column 1"),
+        ("- 1\n- 2\n", "must be a mapping of keys"),
+    ],
+)
+def test_bad_yaml_file_is_one_line(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message) as info:
+        config.load(str(path))
+    assert "\n" not in str(info.value)
 
 
 def test_missing_file():

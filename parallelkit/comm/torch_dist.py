@@ -21,6 +21,7 @@ import contextlib
 import datetime
 import inspect
 import os
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -107,6 +108,7 @@ class TorchCommunicator(Communicator):
             # interpreter shutdown, can abort the process ("terminate called without an
             # active exception") after the job's work is done.
             atexit.register(_destroy_default_group)
+            _install_except_hook()
         return cls(timeout=timeout, debug=debug, device=device)
 
     @contextlib.contextmanager
@@ -262,10 +264,43 @@ def _gloo_group(ranks: list[int]) -> dist.ProcessGroup:
     return dist.new_group(ranks, backend="gloo", use_local_synchronization=True, **kwargs)
 
 
+def _install_except_hook() -> None:
+    """An uncaught exception ends this rank at once, without the leave-together barrier of a
+    normal exit (:func:`_destroy_default_group`).
+
+    Its peers are typically stuck in a collective waiting for this rank, so a barrier would
+    hold it until the collective timeout (``parallel.timeout``, minutes), and the launcher,
+    which stops the job when one rank exits, would not learn of the failure. Exiting at once
+    (after printing the traceback) closes this rank's connections, the peers' collectives
+    fail, and the launcher (torchrun, ``parallelkit train``) stops the others within seconds
+    and names this rank. ``PARALLELKIT_ABORT_ON_EXCEPTION=0`` keeps ``sys.excepthook``.
+    """
+    if os.environ.get("PARALLELKIT_ABORT_ON_EXCEPTION", "1") != "0":
+        sys.excepthook = _exit_on_exception(sys.excepthook)
+
+
+def _exit_on_exception(previous):  # type: ignore[no-untyped-def]
+    def hook(exc_type, value, tb):  # type: ignore[no-untyped-def]
+        try:
+            rank, size = dist.get_rank(), dist.get_world_size()
+            previous(exc_type, value, tb)
+            sys.stderr.write(
+                f"parallelkit: uncaught exception on rank {rank} of {size}; leaving at once "
+                "(no leave-together barrier), so that the launcher stops the other ranks\n"
+            )
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+    return hook
+
+
 def _destroy_default_group() -> None:
     """Leave together, then tear down: a rank that exits while a peer still talks to the
     store or the group can abort that peer. A peer that is gone (a failed job) costs at most
-    the 30 s of the monitored barrier."""
+    the 30 s of the monitored barrier. Normal exits only: an uncaught exception leaves at
+    once (:func:`_install_except_hook`)."""
     if not dist.is_initialized():
         return
     with contextlib.suppress(Exception):

@@ -6,9 +6,11 @@ optional YAML file, then command-line overrides in OmegaConf's dot-list form::
     parallelkit train --config examples/dcgan/dcgan.yaml train.epochs=3 parallel.ranks=4
 
 OmegaConf checks every key and type against the dataclasses (a misspelt key or a string where
-an int belongs is an error naming the key); :func:`validate` then checks what types cannot say
-(a batch that does not split over the data ranks, an unknown strategy). The resolved config is
-saved as ``config.yaml`` in the run directory, so a run can be repeated from it alone.
+an int belongs is an error naming the key); :func:`validate` then checks every value that types
+cannot (a batch that does not split over the data ranks, an unknown strategy, a timeout that
+is not positive). Every mistake is one ``ValueError`` line naming the key, which the command
+prints before exiting with status 2. The resolved config is saved as ``config.yaml`` in the
+run directory, so a run can be repeated from it alone.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -28,6 +31,8 @@ OPTIMIZERS = ("sgd", "adam", "lars")
 SCHEDULES = ("cosine", "constant")
 PRECISIONS = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
+STEMS = ("imagenet", "cifar")
+FAULTS = ("exit", "raise", "raise_in_backward")  # see parallelkit.train.faults
 
 
 @dataclass
@@ -108,9 +113,16 @@ class TrainConfig:
     keep_checkpoints: int = 2
     run_dir: str = "runs/${model.name}-${data.name}-${parallel.strategy}"
     resume: bool = False  # continue from the newest complete checkpoint in run_dir
+    resume_fallback: bool = True  # newest checkpoint unreadable: resume from the next older
+    overwrite: bool = False  # a new run replaces another run's outputs in run_dir
+    checkpoint_on_signal: bool = False  # SIGINT/SIGTERM: finish the step, checkpoint, exit
     progress: bool = True
     tensorboard: bool = True
-    fail_at_step: int = -1  # testing aid: the last rank dies at this step
+    # Testing aids (parallelkit.train.faults): rank fail_rank (-1: the last) fails at step
+    # fail_at_step, as fail_how says: exit | raise | raise_in_backward.
+    fail_at_step: int = -1
+    fail_rank: int = -1
+    fail_how: str = "exit"
 
 
 @dataclass
@@ -127,18 +139,41 @@ def load(path: str | None = None, overrides: list[str] = ()) -> Config:
     try:
         cfg = OmegaConf.structured(Config)
         if path is not None:
-            if not Path(path).is_file():
-                raise ValueError(f"config file {path} does not exist")
-            cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
+            cfg = OmegaConf.merge(cfg, _read_yaml(path))
         if bad := [o for o in overrides if "=" not in o]:
             raise ValueError(f"overrides must look like key=value, got {bad}")
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
         OmegaConf.resolve(cfg)
         config: Config = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
-        raise ValueError(f"config: {e}") from None
+        message = str(getattr(e, "msg", None) or e).splitlines()[0]
+        key = getattr(e, "full_key", None)
+        raise ValueError(f"config: {message}" + (f" (key {key})" if key else "")) from None
+    except yaml.YAMLError as e:  # from a dot-list value such as optim.betas=[0.5
+        raise ValueError(f"config: not valid YAML in an override: {_one_line(e)}") from None
     validate(config)
     return config
+
+
+def _read_yaml(path: str):
+    """The file as an OmegaConf mapping; a one-line ValueError for a missing file, a syntax
+    error (with its line and column) or a file that is not a mapping of keys."""
+    if not Path(path).is_file():
+        raise ValueError(f"config file {path} does not exist")
+    try:
+        loaded = OmegaConf.load(path)
+    except yaml.YAMLError as e:
+        raise ValueError(f"config file {path} is not valid YAML: {_one_line(e)}") from None
+    if not OmegaConf.is_dict(loaded):
+        raise ValueError(f"config file {path} must be a mapping of keys (model:, train:, ...)")
+    return loaded
+
+
+def _one_line(e: yaml.YAMLError) -> str:
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{problem}{where}"
 
 
 def to_yaml(cfg: Config) -> str:
@@ -160,6 +195,9 @@ def validate(cfg: Config) -> None:
     _one_of(o.schedule, SCHEDULES, "optim.schedule")
     _one_of(t.precision, PRECISIONS, "train.precision")
     _one_of(p.device, DEVICES, "parallel.device")
+    _one_of(t.fail_how, FAULTS, "train.fail_how")
+    if cfg.model.name.startswith("resnet"):
+        _one_of(cfg.model.stem, STEMS, "model.stem")
     positive = {
         "train.epochs": t.epochs,
         "train.batch_size": t.batch_size,
@@ -171,9 +209,13 @@ def validate(cfg: Config) -> None:
         "parallel.cols": p.cols,
         "parallel.channel": p.channel,
         "optim.base_batch": o.base_batch,
+        "train.keep_checkpoints": t.keep_checkpoints,
+        "model.width": cfg.model.width,
+        "model.nz": cfg.model.nz,
     }
     if bad := {k: v for k, v in positive.items() if v < 1}:
         raise ValueError(f"config: these must be at least 1: {bad}")
+    _check_values(cfg)
     if (t.task == "gan") != (cfg.model.name == "dcgan"):
         raise ValueError(
             f"config: train.task={t.task} with model.name={cfg.model.name}; the GAN task trains "
@@ -185,6 +227,29 @@ def validate(cfg: Config) -> None:
         )
     if p.rows * p.cols > 1 and p.channel > 1:
         raise ValueError("config: spatial (rows/cols) and channel parallelism cannot be combined")
+
+
+def _check_values(cfg: Config) -> None:
+    """Numbers that must lie in a range; the first one that does not is named."""
+    t, o, p = cfg.train, cfg.optim, cfg.parallel
+    rules = [
+        ("parallel.timeout", p.timeout, p.timeout > 0, "must be > 0 (seconds)"),
+        ("parallel.bucket_cap_mb", p.bucket_cap_mb, p.bucket_cap_mb > 0, "must be > 0"),
+        ("train.max_steps", t.max_steps, t.max_steps >= 0, "must be >= 0 (0: every epoch)"),
+        ("train.checkpoint_every", t.checkpoint_every, t.checkpoint_every >= 0, "must be >= 0"),
+        ("train.fail_at_step", t.fail_at_step, t.fail_at_step >= -1, "must be >= -1 (off)"),
+        ("train.fail_rank", t.fail_rank, t.fail_rank >= -1, "must be >= -1 (the last)"),
+        ("train.run_dir", t.run_dir, bool(str(t.run_dir).strip()), "must name a directory"),
+        ("optim.lr", o.lr, o.lr > 0, "must be > 0"),
+        ("optim.momentum", o.momentum, 0 <= o.momentum < 1, "must be in [0, 1)"),
+        ("optim.weight_decay", o.weight_decay, o.weight_decay >= 0, "must be >= 0"),
+        ("optim.warmup_epochs", o.warmup_epochs, o.warmup_epochs >= 0, "must be >= 0"),
+        ("optim.trust_coefficient", o.trust_coefficient, o.trust_coefficient > 0, "must be > 0"),
+        ("optim.betas", list(o.betas), all(0 <= b < 1 for b in o.betas), "must be in [0, 1)"),
+    ]
+    for key, value, ok, rule in rules:
+        if not ok:
+            raise ValueError(f"config: {key}={value} {rule}")
 
 
 def grid_dims(cfg: ParallelConfig, world: int) -> dict[str, int]:

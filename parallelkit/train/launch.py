@@ -2,30 +2,40 @@
 
 Under ``torchrun``, ``mpiexec``/``srun`` or ``torch_xla.launch`` every process is already a
 rank: it joins the job (``pk.init("auto")`` reads the launcher's variables). Run from a plain
-shell, ``parallelkit train`` starts ``parallel.ranks`` local ranks itself with the engine of
-its backend, and does not write its own:
+shell, ``parallelkit train`` starts ``parallel.ranks`` local ranks itself and supervises them
+(:mod:`parallelkit.train.procs`: signals passed on, a failed rank stops the others, nothing
+outlives the launcher):
 
-    gloo / nccl / auto   python -m torch.distributed.run --standalone --nproc-per-node N
-                         (torchrun: a free port, and when one rank fails the agent stops
-                         the others and exits non-zero)
+    gloo / nccl / auto   one process per rank with torchrun's variables (RANK, WORLD_SIZE,
+                         MASTER_ADDR=127.0.0.1, MASTER_PORT, ...). The launcher hosts the
+                         rendezvous store itself, on a socket bound to 127.0.0.1, and the
+                         ranks' gloo/NCCL sockets use the loopback interface: nothing listens
+                         on another interface. (torchrun cannot do this: its stores bind every
+                         interface whatever --rdzv-endpoint says.)
     mpi                  mpiexec -n N (the mpiexec next to this Python, else on PATH)
     xla                  torch_xla.launch (one process per local XLA device)
 
-One rank with the default backend runs in this process, without any launcher.
+One rank with the default backend runs in this process, without any launcher. Jobs over
+several machines go through the user's own torchrun / srun / mpiexec (docs/training.md).
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import os
 import shutil
-import subprocess
+import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from parallelkit.comm import detect_backend
 from parallelkit.train.config import Config
+from parallelkit.train.procs import LAUNCHER_PID, Child, supervise
 
 WORKER = [sys.executable, "-m", "parallelkit.cli", "train"]
+LOOPBACK = "127.0.0.1"
 
 
 def under_launcher() -> bool:
@@ -34,7 +44,8 @@ def under_launcher() -> bool:
 
 
 def local_command(cfg: Config, argv: list[str]) -> list[str] | None:
-    """The command that starts ``parallel.ranks`` ranks here; None: run in this process."""
+    """The command that starts ``parallel.ranks`` ranks here: ``mpiexec ...`` for MPI, the
+    worker command (started once per rank) otherwise; None: run in this process."""
     n, backend = cfg.parallel.ranks, cfg.parallel.backend
     if backend == "xla":
         return None  # torch_xla.launch is a function, called by launch_xla
@@ -49,25 +60,83 @@ def local_command(cfg: Config, argv: list[str]) -> list[str] | None:
         if mpiexec is None:
             raise ValueError("parallel.backend=mpi: no mpiexec found (pip install mpich)")
         return [mpiexec, "-n", str(n), *WORKER, *argv]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(n),
-        "-m",
-        "parallelkit.cli",
-        "train",
-        *argv,
-    ]
+    return [*WORKER, *argv]
 
 
-def launch(command: list[str]) -> int:
-    """Run :func:`local_command`'s command and wait; the exit status is the job's."""
+def launch(command: list[str], ranks: int = 1) -> int:
+    """Run :func:`local_command`'s command (``ranks`` copies for torch backends) under
+    supervision and wait; the exit status is the job's."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores
-    return subprocess.run(command, env=env).returncode
+    if command[: len(WORKER)] != WORKER:  # mpiexec, which cleans up its ranks when it dies
+        return supervise([Child(command, env, "mpiexec")])
+    env[LAUNCHER_PID] = str(os.getpid())
+    with loopback_store() as port:
+        children = [
+            Child(command, {**env, **rank_env(rank, ranks, port)}, f"rank {rank}")
+            for rank in range(ranks)
+        ]
+        return supervise(children)
+
+
+def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """torchrun's variables for one local rank, pointing at the launcher's store."""
+    env = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": LOOPBACK,
+        "MASTER_PORT": str(port),
+        # Every rank is a client of the launcher's store (rank 0 hosts none of its own).
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
+    loopback = _loopback_interface()
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if loopback and var not in os.environ:
+            env[var] = loopback
+    return env
+
+
+@contextlib.contextmanager
+def loopback_store() -> Iterator[int]:
+    """A TCPStore served from this process on 127.0.0.1 only; yields its port.
+
+    The socket is bound here and handed to the store (``master_listen_fd``), because the
+    store binds every interface when it opens the socket itself.
+    """
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((LOOPBACK, 0))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        store = dist.TCPStore(
+            LOOPBACK,
+            port,
+            is_master=True,
+            wait_for_workers=False,
+            master_listen_fd=sock.fileno(),
+            timeout=datetime.timedelta(seconds=300),
+        )
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the socket now and closes it
+    try:
+        yield port
+    finally:
+        del store
+
+
+def _loopback_interface() -> str | None:
+    with contextlib.suppress(OSError, AttributeError):
+        for _, name in socket.if_nameindex():
+            if name.startswith("lo"):
+                return name
+    return None
 
 
 def _xla_rank(index: int, cfg: Config) -> None:

@@ -3,17 +3,24 @@
 Only rank 0 writes; the other ranks get a :class:`Monitor` that does nothing, so the loop
 calls it unconditionally. Values arrive already reduced over ranks (the loop reduces them
 once per ``log_every`` steps, the only host synchronisation of a step).
+
+``metrics.jsonl`` is appended to one record at a time, each flushed and fsynced, so a kill
+loses at most the line being written. A resumed run first rewrites it (atomically) without
+the records past the step it resumes from, so no step appears twice.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
+
+from parallelkit.train.files import atomic_text
 
 
 class Monitor:
@@ -23,9 +30,10 @@ class Monitor:
         enabled: bool,
         progress: bool = True,
         tensorboard: bool = True,
-        append: bool = False,
+        resume_step: int | None = None,
     ) -> None:
-        """append: keep the records of an earlier run (a resumed one); else start afresh."""
+        """resume_step: keep the earlier records up to this step (a resumed run); else start
+        afresh."""
         self.enabled = enabled
         self.bar: tqdm | None = None
         self.progress = progress and enabled
@@ -33,7 +41,9 @@ class Monitor:
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = (run_dir / "metrics.jsonl").open("a" if append else "w")
+        path = run_dir / "metrics.jsonl"
+        atomic_text(path, kept_records(path, resume_step) if resume_step is not None else "")
+        self.jsonl = path.open("a")
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -83,6 +93,7 @@ class Monitor:
         record = {"kind": kind, "step": step, "time": round(time.time(), 3), **values}
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
+        os.fsync(self.jsonl.fileno())
         if self.writer is not None:
             for key, value in values.items():
                 if isinstance(value, int | float):
@@ -94,6 +105,23 @@ class Monitor:
             self.jsonl.close()
             if self.writer is not None:
                 self.writer.close()
+
+
+def kept_records(path: Path, step: int) -> str:
+    """The lines of ``path`` a run resumed at ``step`` keeps: records up to ``step``, without
+    the summaries of earlier ends (the run will write its own) and without a torn last line."""
+    if not path.is_file():
+        return ""
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        summary = isinstance(record, dict) and record.get("kind") == "summary"
+        if isinstance(record, dict) and not summary and record.get("step", 0) <= step:
+            kept.append(line + "\n")
+    return "".join(kept)
 
 
 def table(rows: list[tuple[str, str]], title: str) -> str:

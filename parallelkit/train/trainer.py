@@ -10,6 +10,11 @@
 
 A step is deterministic given the seed, the step number and the checkpointed state, so a run
 resumed from a checkpoint continues exactly as the uninterrupted run would have.
+
+Faults (docs/training.md, "What happens when"): the run directory is checked and locked before
+anything is written (:mod:`rundir`); every file is renamed into place complete
+(:mod:`files`); SIGINT/SIGTERM stop the rank within a bounded time (:mod:`stopping`); an
+exception ends the whole job at once (the communicator's exit hook).
 """
 
 from __future__ import annotations
@@ -24,10 +29,13 @@ import torch
 import parallelkit as pk
 from parallelkit.data import build_loader
 from parallelkit.parallel import Grid
-from parallelkit.train import checkpoint
+from parallelkit.train import checkpoint, rundir
 from parallelkit.train.config import Config, grid_dims, to_yaml
+from parallelkit.train.faults import maybe_fail
+from parallelkit.train.files import atomic_text, atomic_torch_save, remove_stale
 from parallelkit.train.monitor import Monitor, table
-from parallelkit.train.tasks import Classify, Gan
+from parallelkit.train.stopping import StopOnSignal, exit_now
+from parallelkit.train.tasks import Classify, Gan, Task
 
 
 def requested_device(name: str) -> torch.device | None:
@@ -78,6 +86,85 @@ def end_of_step(device: torch.device) -> None:
         torch_xla.sync()
 
 
+def open_run_dir(cfg: Config, comm: pk.Communicator) -> tuple[rundir.Lock | None, str | None]:
+    """Check that ``run_dir`` is this run's to use (every rank, the same files: the same
+    verdict), then on rank 0 take its lock, remove stale temporary files and unfinished
+    checkpoints, clear an earlier run's outputs when overwriting, and save ``config.yaml``.
+    Returns the lock and a note for the user (or None)."""
+    t, lead = cfg.train, comm.rank == 0
+    run_dir = Path(t.run_dir)
+    note = rundir.check(cfg, lock=lead)
+    lock = None
+    if lead:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock = rundir.Lock(run_dir)
+        remove_stale(run_dir)
+        checkpoint.remove_incomplete(run_dir)
+        if t.overwrite and not t.resume:
+            rundir.clear_outputs(run_dir)
+        atomic_text(run_dir / "config.yaml", to_yaml(cfg))
+    comm.barrier()
+    return lock, note
+
+
+def resume(
+    cfg: Config, task: Task, grid: Grid, device: torch.device
+) -> tuple[int, rundir.Identity]:
+    """The step to start from and the run's identity: a new one, or the checkpoint's."""
+    identity = rundir.new_identity(cfg)
+    if not cfg.train.resume:
+        return 0, identity
+    run_dir = Path(cfg.train.run_dir)
+    found = checkpoint.load_newest_usable(run_dir, grid, device, cfg.train.resume_fallback)
+    if found is None:
+        return 0, identity
+    folder, state = found
+    try:
+        task.load_state(state["task"])
+    except (KeyError, RuntimeError, ValueError, TypeError) as e:
+        what = "; ".join(str(e).strip().splitlines())[:400]
+        raise ValueError(
+            f"checkpoint {folder} does not fit this run's model ({cfg.model.name}) or optimizer "
+            f"({cfg.optim.name}): {type(e).__name__}: {what}"
+        ) from None
+    run_id = checkpoint.read_manifest(folder).get("run_id")
+    return state["step"], rundir.new_identity(cfg, run_id)
+
+
+def summary_table(
+    cfg: Config,
+    comm: pk.Communicator,
+    grid: Grid,
+    result: dict[str, Any],
+    last: dict[str, float],
+    evals: dict[str, float],
+) -> str:
+    """The table rank 0 prints at the end of a run."""
+    t, rate = cfg.train, result["run_img_s"]
+    rows = [
+        ("task", f"{t.task} ({cfg.model.name} on {cfg.data.name})"),
+        ("ranks", f"{comm.size} ({comm.backend})"),
+        (
+            "grid (data x rows x cols x channel)",
+            f"{grid.data} x {grid.rows} x {grid.cols} x {grid.channel}",
+        ),
+        ("steps", str(result["steps"])),
+        ("global batch", str(t.batch_size)),
+        ("wall time (s)", f"{result['seconds']:.1f}"),
+        ("images/s, global (whole run)", f"{rate:.1f}"),
+        ("images/s per rank", f"{rate / comm.size:.1f}"),
+        ("peak memory per rank, MiB (max)", f"{result['peak_memory_mib']:.0f}"),
+    ]
+    rows += [(f"train {k}", f"{last[k]:.4f}") for k in sorted(last) if k.startswith("loss")]
+    if evals:
+        rows += [
+            ("test loss", f"{evals['loss']:.4f}"),
+            ("test accuracy", f"{100 * evals['accuracy']:.2f}%"),
+        ]
+    rows.append(("run directory", str(t.run_dir)))
+    return table(rows, "parallelkit train: done")
+
+
 def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
     """Train as configured; returns the final metrics (the same on every rank)."""
     comm = comm or pk.init(
@@ -97,9 +184,7 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
     device = device_for(comm)
     run_dir = Path(t.run_dir)
     lead = comm.rank == 0
-    if lead:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    lock, note = open_run_dir(cfg, comm)
 
     per_rank = t.batch_size // grid.data
     loaders = {
@@ -120,14 +205,16 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
     else:
         task = Gan(cfg, grid, device, len(train), train.channels, train.image_size)
 
-    step = 0
-    if t.resume and (found := checkpoint.latest(run_dir)) is not None:
-        state = checkpoint.load(found, grid)
-        task.load_state(state["task"])
-        step = state["step"]
+    step, identity = resume(cfg, task, grid, device)
     monitor = Monitor(
-        run_dir, lead, progress=t.progress, tensorboard=t.tensorboard, append=t.resume
+        run_dir,
+        lead,
+        progress=t.progress,
+        tensorboard=t.tensorboard,
+        resume_step=step if t.resume else None,
     )
+    if note:
+        monitor.print(f"parallelkit train: {note}")
     monitor.print(
         f"parallelkit train: {t.task} {cfg.model.name} on {cfg.data.name}, {comm.size} ranks "
         f"({comm.backend}), {grid}, global batch {t.batch_size}"
@@ -156,8 +243,10 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
 
     def save_checkpoint() -> None:
         state = {"step": step, "task": task.state()}
-        checkpoint.save(run_dir, step, state, grid, t.keep_checkpoints)
+        checkpoint.save(run_dir, step, state, grid, t.keep_checkpoints, identity.as_manifest())
 
+    stop = StopOnSignal(comm.rank, t.checkpoint_on_signal)
+    stop.install()  # until the end of the run: a signal during evaluation or export stops too
     for epoch in range(step // len(train), t.epochs):
         if step >= total:
             break
@@ -165,8 +254,7 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
         train.set_epoch(epoch, start_batch=done)
         monitor.start_epoch(epoch, t.epochs, min(len(train), total - epoch * len(train)), done)
         for x, y in on_device(train, device):
-            if step == t.fail_at_step and comm.rank == comm.size - 1:
-                os._exit(3)  # a crash without goodbye, for the fault-handling tests
+            maybe_fail(t, comm, step, task.nets)  # a testing aid: off unless configured
             losses = task.step(x.to(device), y.to(device), step)
             end_of_step(device)
             step += 1
@@ -179,6 +267,10 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
                 log_window()
             if t.checkpoint_every and step % t.checkpoint_every == 0:
                 save_checkpoint()
+            if signum := stop.requested(comm, device, step):
+                save_checkpoint()
+                monitor.close()
+                exit_now(128 + signum, f"parallelkit train: stopped at step {step}" * lead)
             if step >= total:
                 break
         monitor.end_epoch()
@@ -202,7 +294,7 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
     dense = task.dense_state()
     if lead:
         for name, state in dense.items():
-            torch.save(state, run_dir / f"{name}.pt")
+            atomic_torch_save(run_dir / f"{name}.pt", state)
     result = {
         **last,
         **{f"test_{k}": v for k, v in evals.items()},
@@ -212,27 +304,9 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
         "peak_memory_mib": memory.max().item(),
     }
     monitor.log("summary", step, **result)
-    rows = [
-        ("task", f"{t.task} ({cfg.model.name} on {cfg.data.name})"),
-        ("ranks", f"{comm.size} ({comm.backend})"),
-        (
-            "grid (data x rows x cols x channel)",
-            f"{grid.data} x {grid.rows} x {grid.cols} x {grid.channel}",
-        ),
-        ("steps", str(step)),
-        ("global batch", str(t.batch_size)),
-        ("wall time (s)", f"{seconds:.1f}"),
-        ("images/s, global (whole run)", f"{rate:.1f}"),
-        ("images/s per rank", f"{rate / comm.size:.1f}"),
-        ("peak memory per rank, MiB (max)", f"{memory.max():.0f}"),
-    ]
-    rows += [(f"train {k}", f"{last[k]:.4f}") for k in sorted(last) if k.startswith("loss")]
-    if evals:
-        rows += [
-            ("test loss", f"{evals['loss']:.4f}"),
-            ("test accuracy", f"{100 * evals['accuracy']:.2f}%"),
-        ]
-    rows.append(("run directory", str(run_dir)))
-    monitor.print(table(rows, "parallelkit train: done"))
+    monitor.print(summary_table(cfg, comm, grid, result, last, evals))
     monitor.close()
+    stop.uninstall()
+    if lock is not None:
+        lock.release()
     return result

@@ -1,0 +1,147 @@
+"""Supervising the local ranks: signals reach every rank, and no rank outlives the launcher.
+
+``parallelkit train`` started from a shell runs its ranks as child processes (one per rank for
+gloo/NCCL, or one ``mpiexec``) and stays in front of them:
+
+- SIGINT or SIGTERM to the launcher is passed on to every rank (to ``mpiexec`` for MPI, which
+  passes it on itself). The ranks stop (see :mod:`parallelkit.train.stopping`); whatever is
+  still running ``grace`` seconds later is killed. A second signal kills at once.
+- When a rank exits non-zero, the others get SIGTERM and, ``FAIL_GRACE_S`` later, SIGKILL;
+  the launcher names the rank that failed first.
+- Each child runs in a session of its own, so a Ctrl-C at the terminal reaches the launcher
+  only (once), and the launcher decides. Each rank also asks the kernel for SIGKILL
+  when the launcher dies (``PR_SET_PDEATHSIG``), so even ``kill -9`` of the launcher leaves no
+  rank behind. mpiexec (Hydra) cleans up its own ranks when it dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+GRACE_S = 30.0  # after a signal: time to finish the step, save a checkpoint and exit
+FAIL_GRACE_S = 5.0  # after a rank failed: the others have nothing left to save
+LAUNCHER_PID = "PARALLELKIT_LAUNCHER_PID"  # set for ranks started by this module
+_POLL_S = 0.05
+
+
+@dataclass
+class Child:
+    """One process to start: its command, environment and the name used in messages."""
+
+    command: list[str]
+    env: dict[str, str]
+    name: str
+
+
+@dataclass
+class _State:
+    signum: int | None = None
+    deadline: float | None = None
+    failed: tuple[str, int] | None = None
+    signals: list[int] = field(default_factory=list)
+
+
+def supervise(children: list[Child], grace: float = GRACE_S) -> int:
+    """Start ``children``, each in a new session, wait, and return the job's exit status:
+    0 when all exit 0, else the first failure's status (128 + signal after a signal)."""
+    state = _State()
+    procs: list[subprocess.Popen] = []
+    previous = {}
+
+    def on_signal(signum: int, frame: object) -> None:
+        state.signals.append(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous[sig] = signal.signal(sig, on_signal)
+    try:
+        for child in children:
+            procs.append(subprocess.Popen(child.command, env=child.env, start_new_session=True))
+        return _wait(children, procs, state, grace)
+    finally:
+        _kill(procs, signal.SIGKILL)
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=5)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _wait(children: list[Child], procs: list[subprocess.Popen], state: _State, grace: float) -> int:
+    while True:
+        while state.signals:
+            signum = state.signals.pop(0)
+            if state.signum is None:
+                state.signum, state.deadline = signum, time.monotonic() + grace
+                _say(
+                    f"{signal.Signals(signum).name}: passing it on to the ranks; "
+                    f"they stop within {grace:g} s (a second signal kills them now)"
+                )
+                _kill(procs, signum)
+            else:
+                _say("second signal: killing the ranks now")
+                _kill(procs, signal.SIGKILL)
+        codes = [p.poll() for p in procs]
+        if state.failed is None and state.signum is None:
+            for child, code in zip(children, codes, strict=True):
+                if code:
+                    state.failed = (child.name, code)
+                    state.deadline = time.monotonic() + FAIL_GRACE_S
+                    what = "stopping the others" if len(procs) > 1 else "stopping"
+                    _say(f"{child.name} failed first (exit status {_status(code)}); {what}")
+                    _kill(procs, signal.SIGTERM)
+                    break
+        if all(c is not None for c in codes):
+            break
+        if state.deadline is not None and time.monotonic() > state.deadline:
+            _say("ranks still running after the grace period: killing them")
+            _kill(procs, signal.SIGKILL)
+            state.deadline = None
+        time.sleep(_POLL_S)
+    if state.signum is not None:
+        return 128 + state.signum
+    if state.failed is not None:
+        code = state.failed[1]
+        return code if code > 0 else 128 - code
+    return 0
+
+
+def _kill(procs: list[subprocess.Popen], signum: int) -> None:
+    """Signal every started process; SIGKILL goes to each one's whole process group
+    (DataLoader workers included), other signals to the process, which handles them."""
+    for p in procs:
+        if p.poll() is not None:
+            continue  # reaped: its pid may belong to another process by now
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if signum == signal.SIGKILL:
+                os.killpg(p.pid, signum)
+            else:
+                p.send_signal(signum)
+
+
+def _status(code: int) -> str:
+    return f"{code}" if code > 0 else f"killed by {signal.Signals(-code).name}"
+
+
+def _say(message: str) -> None:
+    print(f"parallelkit train: {message}", file=sys.stderr, flush=True)
+
+
+def die_with_launcher() -> None:
+    """In a rank started by :func:`supervise`: be killed when the launcher dies (Linux)."""
+    launcher = os.environ.get(LAUNCHER_PID)
+    if launcher is None or not sys.platform.startswith("linux") or os.getppid() != int(launcher):
+        return  # not a direct child of the launcher (under mpiexec: of Hydra's proxy)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(launcher):  # the launcher died before prctl took effect
+        os._exit(128 + signal.SIGKILL)
