@@ -128,6 +128,9 @@ class ForwardCodeNet(nn.Module):
         if kind == "pooled batchnorm":  # BatchNorm on the pooled (whole) vector
             self.fc1, self.bn = nn.Conv2d(6, 3, 1), nn.BatchNorm2d(3)
             self.fc2 = nn.Conv2d(3, 6, 1)
+        if kind == "pyramid pooling":  # PSPNet / DeepLab: pooled, resized back, concatenated
+            self.branch = nn.Sequential(nn.Conv2d(6, 2, 1), nn.BatchNorm2d(2), nn.ReLU())
+            self.merge = nn.Conv2d(8, 6, 1)
         if kind == "unet up":
             self.down = nn.Conv2d(6, 6, 3, stride=2, padding=1)
         if kind == "convnext block":
@@ -158,6 +161,12 @@ class ForwardCodeNet(nn.Module):
             return x * torch.sigmoid(self.fc2(s))
         if k == "unet up":  # down, then up to the skip connection's size (bilinear)
             return x + F.interpolate(self.down(x), size=x.shape[-2:], mode="bilinear")
+        if k == "pyramid pooling":
+            pooled = self.branch(F.adaptive_avg_pool2d(x, (2, 3)))
+            up = F.interpolate(pooled, size=x.shape[-2:], mode="bilinear", align_corners=True)
+            return self.merge(torch.cat([x, up], dim=1))
+        if k == "inception pools":  # functional pooling in forward code (Inception's)
+            return F.avg_pool2d(x, 3, stride=1, padding=1) + F.max_pool2d(x, 3, 1, 1)
         if k == "upsample x2":  # smp's decoders: nearest, by a scale factor
             return F.interpolate(x, scale_factor=2)
         if k == "global max":  # max over H and W: no exact rule yet
@@ -202,6 +211,8 @@ FORWARD_CODE = {
         "convnext block",
         "unet up",
         "upsample x2",
+        "pyramid pooling",
+        "inception pools",
     )
 }
 # Exact under model parallelism without a data dimension: dropout's masks are drawn for the

@@ -43,6 +43,8 @@ BLOCKS = {
     "softmax over channels": lambda x: x.softmax(1),
     "1x1 F.conv2d": lambda x: F.conv2d(x, torch.ones(3, 4, 1, 1)),
     "F.interpolate x2, nearest": lambda x: F.interpolate(x, scale_factor=2),
+    "F.max_pool2d": lambda x: F.max_pool2d(x, 3, 2, 1),
+    "F.avg_pool2d": lambda x: F.avg_pool2d(x, 3, 1, 1, count_include_pad=False),
     "F.interpolate to twice the size, bilinear": lambda x: F.interpolate(
         x, size=(10, 12), mode="bilinear"
     ),
@@ -58,6 +60,8 @@ WHOLE = {
     "mean over H and W": (lambda x: x.mean((2, 3)), lambda x: x.mean((2, 3))),
     "sum over N, H and W": (lambda x: x.sum((0, 2, 3), keepdim=True), None),
     "F.adaptive_avg_pool2d(1)": (lambda x: F.adaptive_avg_pool2d(x, 1), None),
+    "F.adaptive_avg_pool2d((2, 3))": (lambda x: F.adaptive_avg_pool2d(x, (2, 3)), None),
+    "F.adaptive_max_pool2d(2)": (lambda x: F.adaptive_max_pool2d(x, 2), None),
 }
 REFUSED = {
     "flatten(1)": (lambda x: x.flatten(1), "merges H or W"),
@@ -66,7 +70,7 @@ REFUSED = {
     "amax over H and W": (lambda x: x.amax((2, 3)), "reduces over H or W"),
     "a whole tensor varying over W": (lambda x: x + torch.ones(6), "varies over H or W"),
     "cat along H": (lambda x: torch.cat([x, x], 2), "along H or W"),
-    "F.max_pool2d": (lambda x: F.max_pool2d(x, 2), "no exact rule"),
+    "F.max_pool2d, ceil_mode": (lambda x: F.max_pool2d(x, 2, ceil_mode=True), "ceil_mode"),
     "F.interpolate, align_corners": (
         lambda x: F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=True),
         "has no exact rule",
@@ -80,7 +84,7 @@ REFUSED = {
     "F.linear over W": (lambda x: F.linear(x, torch.ones(2, 6)), "acts over H or W"),
     "channels-last block into max pooling": (
         lambda x: F.max_pool2d(x.permute(0, 2, 3, 1), 2),
-        "no exact rule",
+        "wants an (N, C, H, W) block",
     ),
     "a whole (C,) tensor on channels-first blocks": (
         lambda x: x * torch.ones(4).view(4, 1, 1).expand(4, 5, 6),

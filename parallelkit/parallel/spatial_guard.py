@@ -57,7 +57,7 @@ from parallelkit.nn import spatial_pooling as spool
 from parallelkit.nn.batchnorm_subclass import _SyncSubclass
 from parallelkit.nn.sync_batchnorm import SyncBatchNorm
 from parallelkit.spatial import layout
-from parallelkit.spatial.grid import SpatialGrid, grid_of
+from parallelkit.spatial.grid import SpatialGrid, gather, grid_of, scatter
 
 # Layers that handle blocks themselves (and whole inputs); modules with a true class attribute
 # ``ends_spatial_region`` (global pooling, keep_dense modules) also take blocks, return whole.
@@ -248,6 +248,9 @@ class SpatialGuard(TorchFunctionMode):
         if self._trusted:
             return func(*args, **kwargs)
         blocks = self._blocks_in(args, kwargs)
+        if not blocks and func is F.interpolate:
+            resized = self._whole_to_block(args, kwargs)
+            return resized if resized is not None else func(*args, **kwargs)
         if not blocks or func in _METADATA:
             return func(*args, **kwargs)
         hw = self.hw(blocks[0])
@@ -261,6 +264,12 @@ class SpatialGuard(TorchFunctionMode):
             return self._dropout(func, args, kwargs)
         if func is F.interpolate:
             return self._interpolate(args, kwargs)
+        if func in (F.max_pool2d, F.avg_pool2d):
+            return self._pool(func, args, kwargs)
+        if func in (F.adaptive_avg_pool2d, F.adaptive_max_pool2d) and not (
+            func is F.adaptive_avg_pool2d and _all(_arg(args, kwargs, 1, "output_size"), 1)
+        ):
+            return self._on_whole_images(func, args, kwargs)
         if getattr(func, "__name__", "") == "__get__":
             return self._property(func, args, kwargs)
         if func in (torch.cat, torch.concat, torch.concatenate):
@@ -359,6 +368,64 @@ class SpatialGuard(TorchFunctionMode):
         noise = torch.empty(whole, dtype=x.dtype, device=x.device).bernoulli_(1 - p).div_(1 - p)
         noise = noise if func is F.dropout2d else noise[..., rows, cols]
         return self._marked(x.mul_(noise) if inplace else x * noise)
+
+    def _pool(self, func, args, kwargs) -> Any:
+        """Functional max and average pooling: the spatial layers' halo fetch, cached by
+        arguments."""
+        x = args[0]
+        self._nchw(func, x)
+        if func is F.max_pool2d:
+            names = ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
+        else:
+            names = ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad",
+                     "divisor_override")  # fmt: skip
+        call = {**dict(zip(names, args[1:], strict=False)), **kwargs}
+        if call.pop("ceil_mode", False) or call.pop("return_indices", False):
+            raise self._refuse(_name(func), "ceil_mode=True and return_indices have no exact rule")
+        key = (func, *sorted((k, str(v)) for k, v in call.items()))
+        if key not in self._upsamplers:
+            cls = spool.SpatialMaxPool2d if func is F.max_pool2d else spool.SpatialAvgPool2d
+            self._upsamplers[key] = cls(**call, comm=self.comm, grid=self.grid)
+        return self._marked(self._upsamplers[key](x))
+
+    def _on_whole_images(self, func, args, kwargs) -> Any:
+        """Adaptive pooling to a fixed size (VGG's 7x7, PSPNet's pyramid): the blocks are
+        gathered into the whole images (one all-gather of this feature map) and pooled; the
+        result is whole. Its backward keeps this rank's block of the gradient."""
+        x = args[0]
+        self._nchw(func, x)
+        return func(gather(x, self.comm, self.grid), *args[1:], **kwargs)
+
+    def _whole_to_block(self, args, kwargs) -> Any | None:
+        """``F.interpolate`` of a whole tensor to a ``size=`` that is this rank's block of a
+        feature map beside it (DeepLab's and PSPNet's pooled branches, resized to be
+        concatenated with the blocks): interpolated to the whole images' size, then cut to
+        this rank's block. None when the sizes asked are not such blocks on every rank."""
+        names = ("input", "size", "scale_factor", "mode", "align_corners")
+        call = {**dict(zip(names, args, strict=False)), **kwargs}
+        x, size = call["input"], call.get("size")
+        if size is None or not isinstance(x, Tensor) or x.dim() != 4:
+            return None
+        size = tuple(int(v) for v in _pair(size))
+        has_block = any(
+            (t := ref()) is not None and tuple(t.shape[-2:]) == size and hw == (-2, -1)
+            for ref, hw in self._blocks.values()
+        )
+        table = self.comm.all_gather_ints([int(has_block), *size])  # the same answer everywhere
+        g = self.grid
+        out_h = [table[i * g.cols][1] for i in range(g.rows)]
+        out_w = [table[j][2] for j in range(g.cols)]
+        expected = [[1, out_h[r // g.cols], out_w[r % g.cols]] for r in range(len(table))]
+        if (
+            table != expected
+            or out_h != tensor_split_sizes(sum(out_h), g.rows)
+            or out_w != tensor_split_sizes(sum(out_w), g.cols)
+        ):
+            return None
+        whole = F.interpolate(**{**call, "size": (sum(out_h), sum(out_w))})
+        # Cut with scatter: its backward gathers the blocks' gradients, so that the whole
+        # input gets its whole gradient on every rank.
+        return self._marked(scatter(whole, self.comm, g))
 
     def _interpolate(self, args, kwargs) -> Any:
         """Upsampling by an integer factor, nearest or bilinear without align_corners, by
@@ -582,6 +649,10 @@ def _set_comms(module: nn.Module, comm: Any, grad_comm: Any) -> None:
         module.comm, module.grad_comm = comm, grad_comm
     else:
         module._pk_comm, module._pk_grad_comm = comm, grad_comm
+
+
+def _arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
+    return args[index] if len(args) > index else kwargs[name]
 
 
 def _all(value: Any, want: int) -> bool:
