@@ -213,6 +213,7 @@ FORWARD_CODE = {
         "upsample x2",
         "pyramid pooling",
         "inception pools",
+        "interpolate align_corners",  # on the gathered whole images (warns)
     )
 }
 # Exact under model parallelism without a data dimension: dropout's masks are drawn for the
@@ -229,7 +230,6 @@ DROPOUT = {
 REFUSED = {
     "global max": "Tensor.amax",
     "interpolate": "F.interpolate",
-    "interpolate align_corners": "F.interpolate",
     "flatten": "Tensor.flatten",
 }
 

@@ -70,12 +70,10 @@ REFUSED = {
     "amax over H and W": (lambda x: x.amax((2, 3)), "reduces over H or W"),
     "a whole tensor varying over W": (lambda x: x + torch.ones(6), "varies over H or W"),
     "cat along H": (lambda x: torch.cat([x, x], 2), "along H or W"),
-    "F.max_pool2d, ceil_mode": (lambda x: F.max_pool2d(x, 2, ceil_mode=True), "ceil_mode"),
-    "F.interpolate, align_corners": (
-        lambda x: F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=True),
-        "has no exact rule",
+    "F.interpolate to a size, align_corners": (
+        lambda x: F.interpolate(x, size=(10, 12), mode="bilinear", align_corners=True),
+        "to a size= has no exact rule",
     ),
-    "F.interpolate by 1.5": (lambda x: F.interpolate(x, scale_factor=1.5), "one integer factor"),
     "3x3 F.conv2d": (lambda x: F.conv2d(x, torch.ones(3, 4, 3, 3)), "only 1x1 convolutions"),
     "training alpha dropout": (lambda x: F.alpha_dropout(x, 0.5, True), "draw masks exactly"),
     "F.layer_norm over W": (lambda x: F.layer_norm(x, (6,)), "acts over H or W"),
@@ -101,6 +99,25 @@ def test_training_dropout_draws_the_dense_mask():
     assert guard.is_split(y)
     torch.set_rng_state(state)
     torch.testing.assert_close(y, F.dropout(X, 0.3))
+
+
+GATHERED = {
+    "F.interpolate x2, align_corners": lambda x: F.interpolate(
+        x, scale_factor=2, mode="bilinear", align_corners=True
+    ),
+    "F.interpolate by 1.5": lambda x: F.interpolate(x, scale_factor=1.5),
+    "F.max_pool2d, ceil_mode": lambda x: F.max_pool2d(x, 2, ceil_mode=True),
+}
+
+
+@pytest.mark.parametrize("name", list(GATHERED))
+def test_uncovered_geometry_runs_on_the_gathered_images(name):
+    op = GATHERED[name]
+    guard, x = guarded()
+    with guard, pytest.warns(UserWarning, match="runs on the whole images"):
+        y = op(x)
+    assert guard.is_split(y)
+    torch.testing.assert_close(y, op(X))
 
 
 @pytest.mark.parametrize("name", list(BLOCKS))

@@ -122,11 +122,13 @@ def _spatial_layer(m: nn.Module, grid: Grid) -> nn.Module | None:
         return sp.SpatialParallelConv2d.from_dense(m, comm, shape)
     if kind is nn.ConvTranspose2d:
         return sp.SpatialConvTranspose2d.from_dense(m, comm, shape)
-    if kind is nn.MaxPool2d:
+    # Pooling with ceil_mode and upsampling the spatial layers do not cover stay dense: their
+    # functional calls meet the spatial guard, which runs them on the gathered whole images.
+    if kind is nn.MaxPool2d and not m.ceil_mode:
         return spool.SpatialMaxPool2d.from_dense(m, comm, shape)
-    if kind is nn.AvgPool2d:
+    if kind is nn.AvgPool2d and not m.ceil_mode:
         return spool.SpatialAvgPool2d.from_dense(m, comm, shape)
-    if kind is nn.Upsample:
+    if kind is nn.Upsample and _upsample_covered(m):
         return spool.SpatialUpsample.from_dense(m, comm, shape)
     if kind is nn.AdaptiveAvgPool2d and m.output_size in (1, (1, 1)):
         return spool.SpatialGlobalAvgPool2d(comm=comm)  # other sizes: the spatial guard's rule
@@ -143,6 +145,19 @@ def _sync_batchnorm(
     if is_plain_batchnorm(m):
         return SyncBatchNorm.from_dense(m, comm, grad_comm=grad_comm)
     return sync_subclass(m, comm, grad_comm)
+
+
+def _upsample_covered(m: nn.Upsample) -> bool:
+    """Whether :class:`SpatialUpsample` does what ``m`` does (one integer factor, nearest or
+    bilinear without align_corners)."""
+    sf = m.scale_factor[0] if isinstance(m.scale_factor, tuple) else m.scale_factor
+    return (
+        m.size is None
+        and sf is not None
+        and float(sf).is_integer()
+        and m.mode in ("nearest", "bilinear")
+        and not m.align_corners
+    )
 
 
 def _channel_layer(m: nn.Module, comm: Communicator) -> nn.Module | None:

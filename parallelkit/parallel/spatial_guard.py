@@ -36,6 +36,7 @@ channels (weights' gradients summed); swapped layers and BatchNorm want (N, C, H
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -162,6 +163,7 @@ class SpatialGuard(TorchFunctionMode):
         self.comm, self._grid, self.whole_comm = comm, grid, whole_comm
         self._upsamplers: dict[tuple[int, str], nn.Module] = {}
         self._restore: dict[int, tuple[Any, Any]] = {}
+        self._warned: set[Callable] = set()
         self.names = {m: name for name, m in model.named_modules()}
         self._blocks: dict[int, tuple[weakref.ref, tuple[int, int]]] = {}
         self._stack: list[tuple[nn.Module, bool, bool] | None] = []
@@ -380,13 +382,34 @@ class SpatialGuard(TorchFunctionMode):
             names = ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad",
                      "divisor_override")  # fmt: skip
         call = {**dict(zip(names, args[1:], strict=False)), **kwargs}
-        if call.pop("ceil_mode", False) or call.pop("return_indices", False):
-            raise self._refuse(_name(func), "ceil_mode=True and return_indices have no exact rule")
+        if call.get("return_indices"):
+            raise self._refuse(_name(func), "return_indices has no exact rule")
+        if call.pop("ceil_mode", False):  # its last windows' geometry: not covered
+            return self._gathered(func, args, kwargs)
+        call.pop("return_indices", None)
         key = (func, *sorted((k, str(v)) for k, v in call.items()))
         if key not in self._upsamplers:
             cls = spool.SpatialMaxPool2d if func is F.max_pool2d else spool.SpatialAvgPool2d
             self._upsamplers[key] = cls(**call, comm=self.comm, grid=self.grid)
         return self._marked(self._upsamplers[key](x))
+
+    def _gathered(self, func, args, kwargs) -> Any:
+        """An operation the blocks cannot do alone, run on the gathered whole images and cut
+        back into blocks: exact, but every rank holds this layer's whole input and output
+        for a moment, so it warns once per operation (pooling with ceil_mode=True,
+        interpolation with align_corners=True or by a non-integer factor)."""
+        x = args[0]
+        self._nchw(func, x)
+        if func not in self._warned:
+            self._warned.add(func)
+            warnings.warn(
+                f"spatial parallelism: {_name(func)} with these arguments runs on the whole "
+                "images, gathered on every rank (exact, but this layer's activations are not "
+                "split)",
+                stacklevel=2,
+            )
+        y = func(gather(x, self.comm, self.grid), *args[1:], **kwargs)
+        return self._marked(scatter(y, self.comm, self.grid))
 
     def _on_whole_images(self, func, args, kwargs) -> Any:
         """Adaptive pooling to a fixed size (VGG's 7x7, PSPNet's pyramid): the blocks are
@@ -435,23 +458,25 @@ class SpatialGuard(TorchFunctionMode):
         call = {**dict(zip(names, args, strict=False)), **kwargs}
         x, mode = call["input"], call.get("mode", "nearest")
         self._nchw(F.interpolate, x)
-        if (
-            mode not in ("nearest", "bilinear")
-            or call.get("align_corners")
-            or call.get("antialias")
-        ):
-            raise self._refuse(
-                "F.interpolate", f"mode={mode!r} with align_corners={call.get('align_corners')} "
-                "has no exact rule (nearest, or bilinear without align_corners)",
-            )  # fmt: skip
+        covered = mode in ("nearest", "bilinear") and not call.get("align_corners")
+        if not covered or call.get("antialias"):
+            if call.get("size") is not None:
+                raise self._refuse(
+                    "F.interpolate",
+                    f"mode={mode!r}, align_corners={call.get('align_corners')} to a size= "
+                    "has no exact rule (give scale_factor=)",
+                )
+            return self._gathered(F.interpolate, args, kwargs)
         if call.get("scale_factor") is not None:
             factors = _pair(call["scale_factor"])
         else:
             factors = self._scale_of_size(x, _pair(call["size"]))
         if len(set(factors)) != 1 or int(factors[0]) != factors[0] or factors[0] < 1:
-            raise self._refuse(
-                "F.interpolate", f"it scales by {factors}, not by one integer factor"
-            )
+            if call.get("size") is not None:
+                raise self._refuse(
+                    "F.interpolate", f"it scales by {factors}, not by one integer factor"
+                )
+            return self._gathered(F.interpolate, args, kwargs)
         key = (int(factors[0]), mode)
         if key not in self._upsamplers:
             self._upsamplers[key] = spool.SpatialUpsample(*key, comm=self.comm, grid=self.grid)
