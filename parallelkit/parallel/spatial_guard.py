@@ -653,6 +653,8 @@ class SpatialGuard(TorchFunctionMode):
 
 def _name(func: Callable) -> str:
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    if "<locals>" in name:  # F.max_pool2d and the like are made by boolean_dispatch
+        name = getattr(func, "__name__", name)
     module = getattr(func, "__module__", None) or ""
     name = name.replace("_TensorBase.", "Tensor.").replace("TensorBase.", "Tensor.")
     name = name.replace("_VariableFunctionsClass.", "torch.")
