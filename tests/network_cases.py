@@ -131,6 +131,8 @@ class ForwardCodeNet(nn.Module):
         if kind == "pyramid pooling":  # PSPNet / DeepLab: pooled, resized back, concatenated
             self.branch = nn.Sequential(nn.Conv2d(6, 2, 1), nn.BatchNorm2d(2), nn.ReLU())
             self.merge = nn.Conv2d(8, 6, 1)
+        if kind == "group norm":  # smp's FPN decoder; InstanceNorm too
+            self.gn, self.inorm = nn.GroupNorm(2, 6), nn.InstanceNorm2d(6, affine=True)
         if kind == "unet up":
             self.down = nn.Conv2d(6, 6, 3, stride=2, padding=1)
         if kind == "convnext block":
@@ -167,6 +169,8 @@ class ForwardCodeNet(nn.Module):
             return self.merge(torch.cat([x, up], dim=1))
         if k == "inception pools":  # functional pooling in forward code (Inception's)
             return F.avg_pool2d(x, 3, stride=1, padding=1) + F.max_pool2d(x, 3, 1, 1)
+        if k == "group norm":
+            return self.inorm(F.relu(self.gn(x)))
         if k == "upsample x2":  # smp's decoders: nearest, by a scale factor
             return F.interpolate(x, scale_factor=2)
         if k == "global max":  # max over H and W: no exact rule yet
@@ -214,6 +218,7 @@ FORWARD_CODE = {
         "pyramid pooling",
         "inception pools",
         "interpolate align_corners",  # on the gathered whole images (warns)
+        "group norm",
     )
 }
 # Exact under model parallelism without a data dimension: dropout's masks are drawn for the

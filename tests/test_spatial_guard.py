@@ -62,6 +62,11 @@ WHOLE = {
     "F.adaptive_avg_pool2d(1)": (lambda x: F.adaptive_avg_pool2d(x, 1), None),
     "F.adaptive_avg_pool2d((2, 3))": (lambda x: F.adaptive_avg_pool2d(x, (2, 3)), None),
     "F.adaptive_max_pool2d(2)": (lambda x: F.adaptive_max_pool2d(x, 2), None),
+    "F.group_norm, then a sum": (
+        lambda x: F.group_norm(x, 2, torch.linspace(1, 2, 4), torch.ones(4)).sum((2, 3)),
+        None,
+    ),
+    "F.instance_norm, then a mean": (lambda x: F.instance_norm(x).mean((2, 3)), None),
 }
 REFUSED = {
     "flatten(1)": (lambda x: x.flatten(1), "merges H or W"),
@@ -77,7 +82,6 @@ REFUSED = {
     "3x3 F.conv2d": (lambda x: F.conv2d(x, torch.ones(3, 4, 3, 3)), "only 1x1 convolutions"),
     "training alpha dropout": (lambda x: F.alpha_dropout(x, 0.5, True), "draw masks exactly"),
     "F.layer_norm over W": (lambda x: F.layer_norm(x, (6,)), "acts over H or W"),
-    "F.group_norm": (lambda x: F.group_norm(x, 2), "no exact rule"),
     "split along W": (lambda x: x.split(3, dim=3), "cuts along H or W"),
     "F.linear over W": (lambda x: F.linear(x, torch.ones(2, 6)), "acts over H or W"),
     "channels-last block into max pooling": (

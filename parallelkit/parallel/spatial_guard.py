@@ -36,6 +36,7 @@ channels (weights' gradients summed); swapped layers and BatchNorm want (N, C, H
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 from collections.abc import Callable
@@ -268,6 +269,13 @@ class SpatialGuard(TorchFunctionMode):
             return self._interpolate(args, kwargs)
         if func in (F.max_pool2d, F.avg_pool2d):
             return self._pool(func, args, kwargs)
+        if func is F.group_norm:
+            return self._group_norm(*args, **kwargs)
+        if func is F.instance_norm and _arg(args, kwargs, 1, "running_mean") is None:
+            x = args[0]
+            weight, bias = _arg(args, kwargs, 3, "weight"), _arg(args, kwargs, 4, "bias")
+            eps = kwargs.get("eps", args[7] if len(args) > 7 else 1e-5)
+            return self._group_norm(x, x.shape[1], weight, bias, eps)
         if func in (F.adaptive_avg_pool2d, F.adaptive_max_pool2d) and not (
             func is F.adaptive_avg_pool2d and _all(_arg(args, kwargs, 1, "output_size"), 1)
         ):
@@ -370,6 +378,34 @@ class SpatialGuard(TorchFunctionMode):
         noise = torch.empty(whole, dtype=x.dtype, device=x.device).bernoulli_(1 - p).div_(1 - p)
         noise = noise if func is F.dropout2d else noise[..., rows, cols]
         return self._marked(x.mul_(noise) if inplace else x * noise)
+
+    def _group_norm(self, x: Tensor, num_groups: int, weight=None, bias=None, eps=1e-5) -> Any:
+        """GroupNorm (and InstanceNorm) over blocks, written out in operations that have
+        rules here: the means over H and W are all-reduced (whole), and the whole statistics
+        meeting the blocks have their gradients summed. smp's FPN decoder needs it."""
+        self._nchw(F.group_norm, x)
+        n, c = x.shape[:2]
+        with self._rules():
+            xg = x.reshape(n, num_groups, c // num_groups, *x.shape[2:])
+            mean = xg.mean((2, 3, 4), keepdim=True)
+            centred = xg - mean
+            var = centred.square().mean((2, 3, 4), keepdim=True)
+            y = (centred / torch.sqrt(var + eps)).reshape(x.shape)
+            if weight is not None:
+                y = y * weight.view(1, c, 1, 1)
+            if bias is not None:
+                y = y + bias.view(1, c, 1, 1)
+        return y
+
+    @contextlib.contextmanager
+    def _rules(self) -> Any:
+        """This guard's rules again, for operations written out inside a rule (the handler
+        runs with the mode popped); the hooks and the record stay as they are."""
+        TorchFunctionMode.__enter__(self)
+        try:
+            yield
+        finally:
+            TorchFunctionMode.__exit__(self, None, None, None)
 
     def _pool(self, func, args, kwargs) -> Any:
         """Functional max and average pooling: the spatial layers' halo fetch, cached by
