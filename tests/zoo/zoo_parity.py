@@ -47,7 +47,9 @@ tolerances (network_parity's) flag entries near zero that deep float64 networks 
 cancelling large terms (1e-7 off on a tensor whose largest entry is 1e4: 1e-11 of its scale);
 a real defect (a missing halo, an unsummed gradient) is off by a good fraction of the scale,
 and the negative controls show a 1e-6 error is caught."""
-ATOL = 1e-12
+ATOL = 1e-9
+"""For tensors whose true value is zero: the gradient of a convolution bias that feeds a
+BatchNorm is 0 exactly, computed as rounding noise of ~1e-12 on both sides (VGG-11-BN)."""
 FIRST = 6  # mismatch labels kept in a report
 TAMPERS = (None, "no-halo", "perturb-grad")
 PACKAGE = Path(pk.__file__).resolve().parent
@@ -178,6 +180,7 @@ def _same_shapes(comm, mine: dict, expected: dict, state: dict, at: str) -> bool
         if k in mine and mine[k].shape != v.shape
     ]
     state["bad"] += bad
+    state["checked"] += len(expected)
     flag = comm.all_reduce(torch.tensor([float(bool(bad))], dtype=torch.float64), "max")
     if flag.item() and not bad:
         state["bad"].append(f"{at} output shapes wrong on another rank")

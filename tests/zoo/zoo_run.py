@@ -119,12 +119,20 @@ def _rank_sum(comm) -> int:
 
 
 class Pools:
-    """``pools(n)``: a pool of n gloo ranks, started on first use and kept across cases."""
+    """``pools(n)``: a pool of n gloo ranks, started on first use and kept across cases.
+
+    One size at a time: asking for another size closes the pool of the last one, since each
+    rank holds a few GB after a large model (ResNet-50 in float64, the dense model and the
+    parallel one, gradients and momentum) and 2 + 4 such ranks crowd the machine. Callers run
+    their cases grouped by strategy (size), so each pool starts once.
+    """
 
     def __init__(self) -> None:
         self._pools: dict[int, Ranks] = {}
 
     def __call__(self, n: int) -> Ranks:
+        for size in [s for s in self._pools if s != n]:
+            self._pools.pop(size).close()
         if n not in self._pools:
             self._pools[n] = Ranks(n, "gloo", comm_timeout=COMM_TIMEOUT_S)
         return self._pools[n]
