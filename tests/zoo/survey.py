@@ -72,7 +72,7 @@ def main() -> None:
     total = time.monotonic() - start
     if args.write_expected:
         # Cases not run this time keep their recorded outcome: a partial run refreshes a part.
-        merged = {case: results.get(case) or Outcome(*EXPECTED[case]) for case in cases()
+        merged = {case: results.get(case) or recorded(case) for case in cases()
                   if case in results or case in EXPECTED}  # fmt: skip
         if missing := [case for case in cases() if case not in merged]:
             sys.exit(f"--write-expected: {len(missing)} cases have no outcome yet: {missing}")
@@ -83,10 +83,16 @@ def main() -> None:
     print(f"wrote {args.out} ({total:.0f} s)")
 
 
+def recorded(case: tuple[str, str]) -> Outcome:
+    """The outcome EXPECTED records for ``case`` (its label back to a kind)."""
+    label, reason = EXPECTED[case]
+    return Outcome(label.split(" ")[0], reason)
+
+
 def markdown(results, seconds, archs, strategies, total) -> str:
     counts: dict[str, int] = {}
     for o in results.values():
-        counts[o.kind] = counts.get(o.kind, 0) + 1
+        counts[o.label] = counts.get(o.label, 0) + 1
     import parallelkit
 
     lines = [
@@ -115,9 +121,7 @@ def markdown(results, seconds, archs, strategies, total) -> str:
             if o is None:
                 cells.append("·")  # not part of the tier (FOUR_RANKS) or not run this time
                 continue
-            cell = MARK[o.kind]
-            if o.kind == "refused" and not o.keeps_promise:
-                cell += " (no remedy)"
+            cell = MARK[o.kind] + (" (no remedy)" if o.label == "refused (no remedy)" else "")
             if o.reason:
                 notes.append(f"{len(notes) + 1}. {arch}, {s}: {o.kind}: {o.reason}")
                 cell += f" [{len(notes)}]"
@@ -139,7 +143,7 @@ def write_expected(results: dict[tuple[str, str], Outcome]) -> None:
         reason = o.reason if len(o.reason) <= 300 else o.reason[:297] + "..."
         pieces = [reason[i : i + 72] for i in range(0, len(reason), 72)] or [""]
         body.append(f"    ({arch!r}, {s!r}): (")
-        body.append(f"        {o.kind!r},")
+        body.append(f"        {o.label!r},")
         body += [f"        {p!r}" for p in pieces[:-1]]
         body.append(f"        {pieces[-1]!r},")
         body.append("    ),")

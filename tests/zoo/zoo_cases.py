@@ -387,10 +387,10 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
     ('smp PSPNet resnet18', 'data'): (
         'refused',
         "DataParallel: parameters ['encoder.layer3.0.conv1.weight', 'encoder.laye"
-        "r3.0.bn1.weight', 'encoder.layer3.0.bn1.bias', 'encoder.layer3.0.conv2.w"
-        "eight', 'encoder.layer3.0.bn2.weight', 'encoder.layer3.0.bn2.bias', 'enc"
-        "oder.layer3.0.downsample.0.weight', 'encoder.layer3.0.downsample.1.weigh"
-        "t', 'enco...",
+        "r3.0.bn1.weight', 'encoder.l ... er.layer4.1.bn2.bias'] got no gradient "
+        'in this backward. Pass find_unused_parameters=True if the model does not'
+        ' use every parameter in every step, or reduce_over={name: None} to leave'
+        ' a parame...',
     ),
     ('smp Linknet mobilenet_v2', 'data'): (
         'exact',
@@ -405,7 +405,7 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('tv mobilenet_v2', 'rows'): (
-        'refused',
+        'refused (no remedy)',
         'pk.spatial.gather: expected an (N, C, H, W) block, got shape (2, 5) [ste'
         'p 0 forward; parallelkit/spatial/grid.py:64 in global_size]',
     ),
@@ -446,7 +446,7 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '; step 0 ...',
     ),
     ('tv densenet121', 'rows'): (
-        'refused',
+        'refused (no remedy)',
         'pk.spatial.gather: expected an (N, C, H, W) block, got shape (2, 5) [ste'
         'p 0 forward; parallelkit/spatial/grid.py:64 in global_size]',
     ),
@@ -456,7 +456,7 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         ' [parallelize; parallelkit/nn/spatial_pooling.py:34 in __init__]',
     ),
     ('tv shufflenet_v2_x0_5', 'rows'): (
-        'refused',
+        'refused (no remedy)',
         'pk.spatial.gather: expected an (N, C, H, W) block, got shape (2, 5) [ste'
         'p 0 forward; parallelkit/spatial/grid.py:64 in global_size]',
     ),
@@ -466,13 +466,13 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         ' [parallelize; parallelkit/nn/spatial_pooling.py:34 in __init__]',
     ),
     ('tv vgg11_bn', 'rows'): (
-        'refused',
+        'refused (no remedy)',
         'parallelize: AdaptiveAvgPool2d((7, 7)) under spatial parallelism; only o'
         'utput_size=1 (global pooling) is supported [parallelize; parallelkit/par'
         'allel/parallelize.py:173 in _spatial_layer]',
     ),
     ('tv mnasnet0_5', 'rows'): (
-        'refused',
+        'refused (no remedy)',
         'pk.spatial.gather: expected an (N, C, H, W) block, got shape (2, 5) [ste'
         'p 0 forward; parallelkit/spatial/grid.py:64 in global_size]',
     ),
@@ -551,19 +551,19 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('smp FPN resnet18', 'rows'): (
-        'refused',
+        'refused (no remedy)',
         "SpatialUpsample: mode must be 'nearest' or 'bilinear' with align_corners"
         "=False, got mode='bilinear', align_corners=True [parallelize; parallelki"
         't/nn/spatial_pooling.py:178 in __init__]',
     ),
     ('smp DeepLabV3 resnet18', 'rows'): (
-        'refused',
+        'refused (no remedy)',
         "SpatialUpsample: mode must be 'nearest' or 'bilinear' with align_corners"
         "=False, got mode='bilinear', align_corners=True [parallelize; parallelki"
         't/nn/spatial_pooling.py:178 in __init__]',
     ),
     ('smp PSPNet resnet18', 'rows'): (
-        'refused',
+        'refused (no remedy)',
         'parallelize: AdaptiveAvgPool2d((2, 2)) under spatial parallelism; only o'
         'utput_size=1 (global pooling) is supported [parallelize; parallelkit/par'
         'allel/parallelize.py:173 in _spatial_layer]',
@@ -581,7 +581,7 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('tv mobilenet_v2', 'cols'): (
-        'refused',
+        'refused (no remedy)',
         'pk.spatial.gather: expected an (N, C, H, W) block, got shape (2, 5) [ste'
         'p 0 forward; parallelkit/spatial/grid.py:64 in global_size]',
     ),
@@ -622,7 +622,7 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'step 0 fe...',
     ),
     ('tv densenet121', 'cols'): (
-        'refused',
+        'refused (no remedy)',
         'pk.spatial.gather: expected an (N, C, H, W) block, got shape (2, 5) [ste'
         'p 0 forward; parallelkit/spatial/grid.py:64 in global_size]',
     ),
@@ -632,7 +632,7 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         ' [parallelize; parallelkit/nn/spatial_pooling.py:34 in __init__]',
     ),
     ('tv shufflenet_v2_x0_5', 'cols'): (
-        'refused',
+        'refused (no remedy)',
         'pk.spatial.gather: expected an (N, C, H, W) block, got shape (2, 5) [ste'
         'p 0 forward; parallelkit/spatial/grid.py:64 in global_size]',
     ),
@@ -642,13 +642,13 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         ' [parallelize; parallelkit/nn/spatial_pooling.py:34 in __init__]',
     ),
     ('tv vgg11_bn', 'cols'): (
-        'refused',
+        'refused (no remedy)',
         'parallelize: AdaptiveAvgPool2d((7, 7)) under spatial parallelism; only o'
         'utput_size=1 (global pooling) is supported [parallelize; parallelkit/par'
         'allel/parallelize.py:173 in _spatial_layer]',
     ),
     ('tv mnasnet0_5', 'cols'): (
-        'refused',
+        'refused (no remedy)',
         'pk.spatial.gather: expected an (N, C, H, W) block, got shape (2, 5) [ste'
         'p 0 forward; parallelkit/spatial/grid.py:64 in global_size]',
     ),
@@ -727,19 +727,19 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('smp FPN resnet18', 'cols'): (
-        'refused',
+        'refused (no remedy)',
         "SpatialUpsample: mode must be 'nearest' or 'bilinear' with align_corners"
         "=False, got mode='bilinear', align_corners=True [parallelize; parallelki"
         't/nn/spatial_pooling.py:178 in __init__]',
     ),
     ('smp DeepLabV3 resnet18', 'cols'): (
-        'refused',
+        'refused (no remedy)',
         "SpatialUpsample: mode must be 'nearest' or 'bilinear' with align_corners"
         "=False, got mode='bilinear', align_corners=True [parallelize; parallelki"
         't/nn/spatial_pooling.py:178 in __init__]',
     ),
     ('smp PSPNet resnet18', 'cols'): (
-        'refused',
+        'refused (no remedy)',
         'parallelize: AdaptiveAvgPool2d((2, 2)) under spatial parallelism; only o'
         'utput_size=1 (global pooling) is supported [parallelize; parallelkit/par'
         'allel/parallelize.py:173 in _spatial_layer]',
@@ -931,7 +931,7 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('smp FPN resnet18', 'data x rows'): (
-        'refused',
+        'refused (no remedy)',
         "SpatialUpsample: mode must be 'nearest' or 'bilinear' with align_corners"
         "=False, got mode='bilinear', align_corners=True [parallelize; parallelki"
         't/nn/spatial_pooling.py:178 in __init__]',

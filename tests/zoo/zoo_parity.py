@@ -251,7 +251,10 @@ def _origin(e: BaseException) -> tuple[bool, str]:
 
 
 def _failure(kind: str, e: BaseException, state: dict, origin: str) -> dict[str, Any]:
-    report = {"outcome": kind, "message": str(e)[:600], "phase": state["phase"], "origin": origin}
+    message = str(e)  # its end often says what to do: cut in the middle, if at all
+    if len(message) > 2000:
+        message = message[:600] + " ... " + message[-1200:]
+    report = {"outcome": kind, "message": message, "phase": state["phase"], "origin": origin}
     if kind == "crash":
         report["type"] = type(e).__name__
     return report

@@ -35,14 +35,26 @@ _REMEDY = re.compile(
 )
 
 
+PROMISED = ("exact", "refused")
+"""The labels that keep the promise; "refused (no remedy)", "wrong" and "crash" break it."""
+
+
 @dataclass(frozen=True)
 class Outcome:
     kind: str  # "exact" | "refused" | "wrong" | "crash"
     reason: str = ""
 
     @property
+    def label(self) -> str:
+        """The kind, with a refusal that does not say what to do told apart: what the table
+        and EXPECTED record (reasons there may be shortened, the label is judged whole)."""
+        if self.kind == "refused" and not names_a_remedy(self.reason):
+            return "refused (no remedy)"
+        return self.kind
+
+    @property
     def keeps_promise(self) -> bool:
-        return self.kind == "exact" or (self.kind == "refused" and names_a_remedy(self.reason))
+        return self.label in PROMISED
 
 
 def names_a_remedy(message: str) -> bool:
@@ -59,7 +71,7 @@ def classify(reports: list[dict]) -> Outcome:
         messages = {r["message"] for r in reports}
         if len(messages) == 1:
             r = reports[0]
-            return Outcome("refused", f"{r['message']} [{r['phase']}; {r['origin']}]")
+            return Outcome("refused", f"{elide(r['message'])} [{r['phase']}; {r['origin']}]")
         return Outcome("crash", "ranks refused with different messages: " + " | ".join(
             f"rank {i}: {r['message']}" for i, r in enumerate(reports)))  # fmt: skip
     if kinds <= {"exact", "wrong"}:
@@ -78,6 +90,14 @@ def classify(reports: list[dict]) -> Outcome:
         text = _crash_text(r) if r["outcome"] == "crash" else r.get("message", "")
         parts.append(f"rank {i} {r['outcome']}" + (f": {text}" if text else ""))
     return Outcome("crash", "ranks disagree: " + " | ".join(parts))
+
+
+def elide(text: str, most: int = 300) -> str:
+    """``text`` cut in the middle to at most about ``most`` characters: a refusal names the
+    culprits first and says what to do last (DataParallel's list of unused parameters)."""
+    if len(text) <= most:
+        return text
+    return text[: most // 3] + " ... " + text[-(most - most // 3) :]
 
 
 def _crash_text(r: dict) -> str:
