@@ -2,6 +2,7 @@
 #   make run    the main job: ResNet-18 on scikit-learn's digits, 2 ranks, data parallel + SyncBN
 #   make test   ruff + the whole suite: pure and gloo tiers, the mpiexec tier on 1-4 ranks, the XLA
 #               tier, and the GPU tier (skipped without CUDA)
+# and: make test-zoo (pk.parallelize on torchvision, timm and smp networks, in .venv-zoo)
 # and: make bench (every script under benchmarks/, ~35 min; results under benchmarks/results/)
 
 VENV ?= .venv
@@ -18,8 +19,17 @@ XLA_VENV ?= .venv-xla
 XLA_PY := $(XLA_VENV)/bin/python
 TORCH_XLA ?= torch==2.9.0 torch_xla==2.9.0
 XLA_TEST_ENV := PJRT_DEVICE=CPU PARALLELKIT_TIMEOUT=120
+# The model-zoo tier needs torchvision, which only imports beside the torch it was built for
+# (not the CPU torch 2.13.0 of .venv): its own venv with a matched pair that lies on the
+# machine (a CUDA build, ~5.5 GB, that runs on the CPU), and timm and smp pinned so that the
+# table of expected outcomes (tests/zoo/zoo_cases.py) stays the table of these versions.
+ZOO_VENV ?= .venv-zoo
+ZOO_PY := $(ZOO_VENV)/bin/python
+TORCH_ZOO ?= torch==2.14.1 torchvision==0.29.1
+ZOO_MODELS ?= timm==1.0.31 segmentation_models_pytorch==0.6.0
+ZOO_TEST_ENV := HF_HUB_OFFLINE=1 PARALLELKIT_TIMEOUT=120
 
-.PHONY: run test lint test-py test-mpi test-xla test-gpu bench clean
+.PHONY: run test lint test-py test-mpi test-xla test-gpu test-zoo bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -33,6 +43,18 @@ $(XLA_VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(XLA_VENV)
 	$(XLA_PY) -m pip install -q --disable-pip-version-check $(TORCH_XLA)
 	$(XLA_PY) -m pip install -q --disable-pip-version-check -e ".[dev]" $(TORCH_XLA)
+	touch $@
+
+# torch and torchvision first, pinned together; every later install repeats the pins so that
+# nothing replaces them; the last line checks it.
+$(ZOO_VENV)/.installed: pyproject.toml Makefile
+	python3 -m venv $(ZOO_VENV)
+	$(ZOO_PY) -m pip install -q --disable-pip-version-check $(TORCH_ZOO)
+	$(ZOO_PY) -m pip install -q --disable-pip-version-check $(ZOO_MODELS) $(TORCH_ZOO)
+	$(ZOO_PY) -m pip install -q --disable-pip-version-check -e ".[dev]" $(TORCH_ZOO)
+	$(ZOO_PY) -c "import torch, torchvision, timm, segmentation_models_pytorch; \
+	  assert torch.__version__.startswith('2.14.1'), torch.__version__; print('zoo venv: torch', \
+	  torch.__version__, 'torchvision', torchvision.__version__, 'timm', timm.__version__)"
 	touch $@
 
 run: $(VENV)/.installed
@@ -62,6 +84,10 @@ test-xla: $(XLA_VENV)/.installed
 #   python3 -m pytest tests/gpu   (docs/gpu.md: the pure-Python wheels to bring along)
 test-gpu: $(VENV)/.installed
 	$(PY) -m pytest -q -p no:cacheprovider tests/gpu
+
+# pk.parallelize on ~30 real networks x 5 strategies against the dense model (docs/zoo.md).
+test-zoo: $(ZOO_VENV)/.installed
+	$(ZOO_TEST_ENV) $(ZOO_PY) -m pytest -q -p no:cacheprovider tests/zoo
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/collectives.py

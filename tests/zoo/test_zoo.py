@@ -1,0 +1,99 @@
+"""The promise of ``pk.parallelize`` on real networks: for every (architecture, strategy) the
+outcome is exact, or a refusal that says what to do; never silently wrong, never a crash.
+
+Today's outcomes are in ``zoo_cases.EXPECTED`` (from ``survey.py --write-expected``). A case
+that breaks the promise today is a strict xfail whose reason is the defect: the tier stays
+green, documents every known defect, and turns red the moment a fix lands (XPASS), so the
+table gets refreshed. A case that keeps the promise must keep today's outcome too (an exact
+case that starts refusing is a regression).
+
+The negative controls show that the classifier cannot pass vacuously: a model run on each
+rank's block without halo exchange, and a gradient perturbed by 1e-6 on one rank, must both
+come out "wrong"; and the merging of rank reports is checked without processes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from zoo_cases import ARCHS, EXPECTED, cases
+from zoo_run import PROMISED, Outcome, classify, elide, names_a_remedy, run_case
+
+REFRESH = "refresh the table: .venv-zoo/bin/python tests/zoo/survey.py --write-expected"
+
+
+def _cases():
+    for arch, strategy in cases():  # grouped by pool size (zoo_run.Pools keeps one at a time)
+        label, reason = EXPECTED.get((arch, strategy), ("exact", ""))
+        marks = []
+        if label not in PROMISED:
+            what = {"wrong": "silently wrong", "crash": "crashes",
+                    "refused (no remedy)": "refused without saying what to do"}[label]  # fmt: skip
+            marks.append(pytest.mark.xfail(strict=True, reason=f"{what} today: {reason}"))
+        yield pytest.param(arch, strategy, label, id=f"{arch}-{strategy}", marks=marks)
+
+
+# ----------------------------------------------------------------------------- controls
+@pytest.mark.timeout(300)
+def test_control_no_halo_is_wrong(pools):
+    """Each rank runs the dense model on its own rows (no halo, local BatchNorm)."""
+    got = run_case(pools, "smp Unet resnet18", "rows", tamper="no-halo")
+    assert got.kind == "wrong", got
+    assert "output" in got.reason
+
+
+@pytest.mark.timeout(300)
+def test_control_perturbed_gradient_is_wrong(pools):
+    """One gradient entry off by 1e-6 on rank 0 only, after DataParallel averaged it, in an
+    otherwise exact run: caught there, at the first step, on rank 0."""
+    got = run_case(pools, "tv resnet18", "data", tamper="perturb-grad")
+    assert got.kind == "wrong", got
+    assert got.reason.split("first: ")[1].startswith("step 0 conv1.weight grad"), got
+
+
+def _report(outcome: str, **kw) -> dict:
+    base = {"exact": {"checked": 3}, "wrong": {"checked": 3, "count": 1, "mismatches": ["x"]}}
+    fail = {"message": "no; use fewer ranks", "phase": "parallelize", "origin": "f.py:1 in g"}
+    return {"outcome": outcome, **base.get(outcome, fail), **kw}
+
+
+def test_classify_merges_rank_reports():
+    assert classify([_report("exact"), _report("exact")]).kind == "exact"
+    assert classify([_report("exact"), _report("wrong")]).kind == "wrong"
+    refused = classify([_report("refused"), _report("refused")])
+    assert refused.kind == "refused" and refused.keeps_promise
+    # A refusal on some ranks only, or a different one per rank, breaks "the same everywhere".
+    assert classify([_report("refused"), _report("exact")]).kind == "crash"
+    assert classify([_report("refused"), _report("refused", message="other")]).kind == "crash"
+    crash = _report("crash", type="TypeError")
+    assert classify([crash, _report("exact")]).kind == "crash"
+    assert classify([crash, crash]).reason.startswith("TypeError")
+    assert not Outcome("refused", "AdaptiveAvgPool2d(7) is not supported").keeps_promise
+    assert Outcome("refused", "AdaptiveAvgPool2d(7) is not supported").label == (
+        "refused (no remedy)"
+    )
+    # A long refusal keeps its end, where the remedy usually is.
+    long = "parameters " + "['a.weight', " * 100 + "] got no gradient; pass find_unused=True"
+    assert len(elide(long)) < 320 and names_a_remedy(elide(long))
+    assert not Outcome("wrong", "x").keeps_promise and not Outcome("crash", "x").keeps_promise
+
+
+# ----------------------------------------------------------------------------- the zoo
+# After the controls, which share the 2-rank pool with the first cases (one pool at a time).
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("arch", "strategy", "expected"), list(_cases()))
+def test_exact_or_refused(pools, arch, strategy, expected):
+    got = run_case(pools, arch, strategy)
+    assert got.kind in PROMISED, f"{got.kind}: {got.reason}"
+    if got.kind == "refused":
+        assert names_a_remedy(got.reason), f"the refusal does not say what to do: {got.reason}"
+    assert got.label == expected, (
+        f"{arch} under {strategy} is now {got.label} ({got.reason}), expected {expected}; "
+        + REFRESH
+    )
+
+
+def test_every_case_has_an_expected_outcome():
+    assert set(EXPECTED) == set(cases()), REFRESH
+    assert len(ARCHS) >= 25
+    assert {a.source for a in ARCHS.values()} == {"torchvision", "timm", "smp"}

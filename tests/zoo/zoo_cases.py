@@ -1,0 +1,940 @@
+"""The model zoo: real networks from torchvision, timm and segmentation_models_pytorch, built
+small, and the strategies each one is tried under.
+
+Why these: ``pk.parallelize`` promises the dense numbers (or a clear refusal) for networks
+nobody here wrote. Each architecture below brings forward code the library never saw: SE
+gates (``x * scale``), layer scale parameters used directly, ``F.interpolate`` in a decoder,
+``F.adaptive_avg_pool2d`` to sizes other than 1, BatchNorm subclasses that also apply an
+activation (timm's ``BatchNormAct2d``), dict and namedtuple outputs, channel shuffles,
+grouped and depthwise convolutions, ``ceil_mode`` pooling, dilated backbones.
+
+Every model is built with random weights (nothing is downloaded), small enough that one
+(architecture, strategy) case runs in seconds on 2 CPU ranks in float64: few classes, the
+smallest input the architecture accepts well (64 x 64 unless noted), the small variant or a
+reduced encoder depth. Randomness inside the model (dropout, stochastic depth) is switched
+off, so the dense and the parallel model compute the same function.
+
+``EXPECTED`` at the bottom is today's outcome of every case, written by
+``python tests/zoo/survey.py --write-expected``; ``test_zoo.py`` turns it into pytest marks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One network: where it comes from, how to build it small, and its input (C, H, W)."""
+
+    source: str  # "torchvision" | "timm" | "smp"
+    build: Callable[[], nn.Module]
+    shape: tuple[int, int, int] = (3, 64, 64)
+    what: str = ""  # the feature this architecture brings to the tier
+
+
+def no_randomness(model: nn.Module) -> nn.Module:
+    """Dropout and stochastic depth off: the dense and the parallel model must see the same
+    function, and their random streams differ by construction."""
+    for m in model.modules():
+        if hasattr(m, "p") and isinstance(m.p, float) and "Drop" in type(m).__name__:
+            m.p = 0.0
+        if type(m).__name__ == "StochasticDepth":
+            m.p = 0.0
+        if hasattr(m, "drop_prob") and isinstance(m.drop_prob, float):
+            m.drop_prob = 0.0
+    return model
+
+
+def _tv(name: str, **kw) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import torchvision.models as tvm
+
+        return no_randomness(tvm.get_model(name, weights=None, **kw))
+
+    return build
+
+
+def _tv_seg(name: str, **kw) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import torchvision.models.segmentation as tvs
+
+        fn = getattr(tvs, name)
+        return no_randomness(fn(weights=None, weights_backbone=None, **kw))
+
+    return build
+
+
+def _vgg11_bn() -> nn.Module:
+    """torchvision's VGG-11 with BN; its 120M-parameter classifier replaced by one Linear (the
+    features and the AdaptiveAvgPool2d((7, 7)) are what the tier is after)."""
+    import torchvision.models as tvm
+
+    model = tvm.vgg11_bn(weights=None, num_classes=5)
+    model.classifier = nn.Linear(512 * 7 * 7, 5)
+    return model
+
+
+def _timm(name: str, **kw) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import timm
+
+        kw.setdefault("num_classes", 5)
+        return no_randomness(timm.create_model(name, pretrained=False, **kw))
+
+    return build
+
+
+def _timm_bnact_resnet18() -> nn.Module:
+    """timm's ResNet-18 with ``norm_layer=BatchNormAct2d``: each norm also applies an
+    activation. SiLU, not ReLU: the block adds its shortcut in place into the norm's output,
+    which ReLU's backward needs (the dense model itself would fail)."""
+    from functools import partial
+
+    from timm.layers import BatchNormAct2d
+
+    return _timm("resnet18", norm_layer=partial(BatchNormAct2d, act_layer=nn.SiLU))()
+
+
+def _smp(kind: str, encoder: str = "resnet18", **kw) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import segmentation_models_pytorch as smp
+
+        cls = getattr(smp, kind)
+        return no_randomness(cls(encoder_name=encoder, encoder_weights=None, classes=2, **kw))
+
+    return build
+
+
+ARCHS: dict[str, Arch] = {
+    # ---------------------------------------------------------------- torchvision classifiers
+    "tv resnet18": Arch("torchvision", _tv("resnet18", num_classes=5), what="basic blocks"),
+    "tv resnet50": Arch("torchvision", _tv("resnet50", num_classes=5), what="bottlenecks"),
+    "tv mobilenet_v2": Arch(
+        "torchvision", _tv("mobilenet_v2", num_classes=5, width_mult=0.5),
+        what="depthwise convs, ReLU6",
+    ),
+    "tv mobilenet_v3_small": Arch(
+        "torchvision", _tv("mobilenet_v3_small", num_classes=5),
+        what="SE (adaptive_avg_pool2d, x * scale), hardswish",
+    ),
+    "tv efficientnet_b0": Arch(
+        "torchvision", _tv("efficientnet_b0", num_classes=5), what="SE, SiLU, stochastic depth"
+    ),
+    "tv regnet_x_400mf": Arch(
+        "torchvision", _tv("regnet_x_400mf", num_classes=5), what="grouped convs"
+    ),
+    "tv regnet_y_400mf": Arch(
+        "torchvision", _tv("regnet_y_400mf", num_classes=5), what="grouped convs + SE"
+    ),
+    "tv convnext_tiny": Arch(
+        "torchvision", _tv("convnext_tiny", num_classes=5, stochastic_depth_prob=0.0),
+        what="LayerNorm2d, layer scale parameter, 7x7 depthwise",
+    ),
+    "tv densenet121": Arch(
+        "torchvision", _tv("densenet121", num_classes=5), what="concatenation, F.relu + pool"
+    ),
+    "tv googlenet": Arch(
+        "torchvision", _tv("googlenet", num_classes=5, aux_logits=True, init_weights=True),
+        what="inception, ceil_mode pools, namedtuple output with aux heads",
+    ),
+    "tv shufflenet_v2_x0_5": Arch(
+        "torchvision", _tv("shufflenet_v2_x0_5", num_classes=5),
+        what="channel shuffle, x.mean([2, 3])",
+    ),
+    "tv squeezenet1_1": Arch(
+        "torchvision", _tv("squeezenet1_1", num_classes=5), what="fire modules, ceil_mode pools"
+    ),
+    "tv vgg11_bn": Arch(
+        "torchvision", _vgg11_bn, (3, 32, 32), what="AdaptiveAvgPool2d((7, 7)), flatten"
+    ),
+    "tv mnasnet0_5": Arch("torchvision", _tv("mnasnet0_5", num_classes=5), what="x.mean([2, 3])"),
+    # ---------------------------------------------------------------- torchvision segmentation
+    "tv fcn_resnet50": Arch(
+        "torchvision", _tv_seg("fcn_resnet50", num_classes=3),
+        what="dilated backbone, F.interpolate, dict output",
+    ),
+    "tv deeplabv3_mobilenet_v3_large": Arch(
+        "torchvision", _tv_seg("deeplabv3_mobilenet_v3_large", num_classes=3),
+        what="ASPP (global pool branch + interpolate), dict output",
+    ),
+    "tv lraspp_mobilenet_v3_large": Arch(
+        "torchvision", _tv_seg("lraspp_mobilenet_v3_large", num_classes=3),
+        what="AdaptiveAvgPool2d(1) gate on split features, dict output",
+    ),
+    # ---------------------------------------------------------------- timm
+    "timm resnet18": Arch("timm", _timm("resnet18"), what="timm ResNet, SelectAdaptivePool2d"),
+    "timm resnet18 BatchNormAct2d": Arch(
+        "timm", _timm_bnact_resnet18,
+        what="BatchNormAct2d: a BatchNorm2d subclass that also applies SiLU",
+    ),
+    "timm seresnext26d_32x4d": Arch(
+        "timm", _timm("seresnext26d_32x4d"), what="SE, 32 groups, deep stem, avg-pool downsample"
+    ),
+    "timm efficientnet_b0": Arch(
+        "timm", _timm("efficientnet_b0"), what="BatchNormAct2d with SiLU, SE"
+    ),
+    "timm mobilenetv3_small_050": Arch(
+        "timm", _timm("mobilenetv3_small_050"), what="BatchNormAct2d, hard sigmoid SE"
+    ),
+    "timm convnext_atto": Arch(
+        "timm", _timm("convnext_atto"), what="LayerNorm2d, gamma parameter used directly"
+    ),
+    "timm regnety_002": Arch("timm", _timm("regnety_002"), what="grouped convs + SE"),
+    "timm inception_v3": Arch(
+        "timm", _timm("inception_v3"), (3, 75, 75), what="asymmetric kernels, 75 x 75 minimum"
+    ),
+    # ---------------------------------------------------------------- segmentation_models_pytorch
+    # Default encoder depths (5): a shallower smp encoder keeps its unused deeper stages,
+    # which data parallelism refuses (no gradient); PSPNet's default depth is 3 and shows it.
+    "smp Unet resnet18": Arch(
+        "smp", _smp("Unet", decoder_channels=(32, 16, 16, 8, 8)),
+        what="skip concatenation, F.interpolate nearest in forward code",
+    ),
+    "smp FPN resnet18": Arch(
+        "smp", _smp("FPN", decoder_pyramid_channels=32, decoder_segmentation_channels=32),
+        what="pyramid sums, bilinear upsampling (align_corners=True)",
+    ),
+    "smp DeepLabV3 resnet18": Arch(
+        "smp", _smp("DeepLabV3", decoder_channels=32),
+        what="dilated encoder, ASPP with a global pool branch",
+    ),
+    "smp PSPNet resnet18": Arch(
+        "smp", _smp("PSPNet", psp_out_channels=32),
+        what="pyramid pooling to 1, 2, 3, 6; default encoder depth 3 (unused stages)",
+    ),
+    "smp Linknet mobilenet_v2": Arch(
+        "smp", _smp("Linknet", encoder="mobilenet_v2"),
+        what="mobilenet_v2 encoder, transposed-conv decoder",
+    ),
+}
+
+STRATEGIES: dict[str, tuple[int, dict]] = {
+    # name -> (ranks, Grid dimensions)
+    "data": (2, dict(data=2)),
+    "rows": (2, dict(rows=2)),
+    "cols": (2, dict(cols=2)),
+    "channel": (2, dict(channel=2)),
+    "data x rows": (4, dict(data=2, rows=2)),
+}
+
+FOUR_RANKS = (
+    "tv resnet18",
+    "tv mobilenet_v3_small",
+    "tv googlenet",
+    "tv deeplabv3_mobilenet_v3_large",
+    "timm resnet18 BatchNormAct2d",
+    "timm convnext_atto",
+    "smp Unet resnet18",
+    "smp FPN resnet18",
+)
+"""The architectures also run under "data x rows" (4 ranks): one of each kind of feature, as
+the 2-core budget allows; the 2-rank strategies run every architecture."""
+
+
+def cases() -> list[tuple[str, str]]:
+    """Every (architecture, strategy) of the tier, grouped by strategy (by pool size)."""
+    return [
+        (arch, strategy)
+        for strategy, (size, _) in STRATEGIES.items()
+        for arch in ARCHS
+        if size == 2 or arch in FOUR_RANKS
+    ]
+
+
+BATCH = 2
+"""Images per step: one per rank of a data group of 2 (SyncBatchNorm merges them)."""
+
+# ----------------------------------------------------------------------------- expected
+# (architecture, strategy) -> (outcome, reason). Written by `survey.py --write-expected`.
+# BEGIN EXPECTED
+EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
+    ('tv resnet18', 'data'): (
+        'exact',
+        '',
+    ),
+    ('tv resnet50', 'data'): (
+        'exact',
+        '',
+    ),
+    ('tv mobilenet_v2', 'data'): (
+        'exact',
+        '',
+    ),
+    ('tv mobilenet_v3_small', 'data'): (
+        'exact',
+        '',
+    ),
+    ('tv efficientnet_b0', 'data'): (
+        'exact',
+        '',
+    ),
+    ('tv regnet_x_400mf', 'data'): (
+        'exact',
+        '',
+    ),
+    ('tv regnet_y_400mf', 'data'): (
+        'exact',
+        '',
+    ),
+    ('tv convnext_tiny', 'data'): (
+        'exact',
+        '',
+    ),
+    ('tv densenet121', 'data'): (
+        'exact',
+        '',
+    ),
+    ('tv googlenet', 'data'): (
+        'exact',
+        '',
+    ),
+    ('tv shufflenet_v2_x0_5', 'data'): (
+        'exact',
+        '',
+    ),
+    ('tv squeezenet1_1', 'data'): (
+        'exact',
+        '',
+    ),
+    ('tv vgg11_bn', 'data'): (
+        'exact',
+        '',
+    ),
+    ('tv mnasnet0_5', 'data'): (
+        'exact',
+        '',
+    ),
+    ('tv fcn_resnet50', 'data'): (
+        'exact',
+        '',
+    ),
+    ('tv deeplabv3_mobilenet_v3_large', 'data'): (
+        'exact',
+        '',
+    ),
+    ('tv lraspp_mobilenet_v3_large', 'data'): (
+        'exact',
+        '',
+    ),
+    ('timm resnet18', 'data'): (
+        'exact',
+        '',
+    ),
+    ('timm resnet18 BatchNormAct2d', 'data'): (
+        'wrong',
+        '266 of 372 comparisons differ on rank(s) [0, 1]; first: step 0 output: m'
+        'ax |diff| 0.112 = 0.76 of max |expected|; step 0 input grad: max |diff| '
+        '0.0216 = 1.1 of max |expected|; step 0 conv1.weight grad: max |diff| 0.2'
+        '04 = 0.97 of max |expected|; step 0 bn1.weight grad: max |diff| 0.0336 ='
+        ' 1.6 of m...',
+    ),
+    ('timm seresnext26d_32x4d', 'data'): (
+        'exact',
+        '',
+    ),
+    ('timm efficientnet_b0', 'data'): (
+        'wrong',
+        '955 of 1150 comparisons differ on rank(s) [0, 1]; first: step 0 output: '
+        'max |diff| 7.88 = 2.6 of max |expected|; step 0 input grad: max |diff| 1'
+        '2.2 = 0.96 of max |expected|; step 0 conv_stem.weight grad: max |diff| 3'
+        '43 = 1.2 of max |expected|; step 0 bn1.weight grad: max |diff| 17.8 = 1 '
+        'of max |e...',
+    ),
+    ('timm mobilenetv3_small_050', 'data'): (
+        'wrong',
+        '640 of 776 comparisons differ on rank(s) [0, 1]; first: step 0 output: m'
+        'ax |diff| 2.1 = 6.4 of max |expected|; step 0 input grad: max |diff| 0.5'
+        '45 = 1 of max |expected|; step 0 conv_stem.weight grad: max |diff| 7.75 '
+        '= 1.2 of max |expected|; step 0 bn1.weight grad: max |diff| 0.832 = 1 of'
+        ' max |exp...',
+    ),
+    ('timm convnext_atto', 'data'): (
+        'exact',
+        '',
+    ),
+    ('timm regnety_002', 'data'): (
+        'wrong',
+        '611 of 1012 comparisons differ on rank(s) [0, 1]; first: step 0 output: '
+        'max |diff| 0.0451 = 0.24 of max |expected|; step 0 input grad: max |diff'
+        '| 0.0307 = 2.1 of max |expected|; step 0 stem.conv.weight grad: max |dif'
+        'f| 0.11 = 1.2 of max |expected|; step 0 stem.bn.weight grad: max |diff| '
+        '0.0244 = ...',
+    ),
+    ('timm inception_v3', 'data'): (
+        'wrong',
+        '1514 of 1704 comparisons differ on rank(s) [0, 1]; first: step 0 output:'
+        ' max |diff| 7.3 = 1.9 of max |expected|; step 0 input grad: max |diff| 2'
+        '.51e+05 = 1.4 of max |expected|; step 0 Conv2d_1a_3x3.conv.weight grad: '
+        'max |diff| 3.2e+06 = 1.1 of max |expected|; step 0 Conv2d_1a_3x3.bn.weig'
+        'ht grad: ...',
+    ),
+    ('smp Unet resnet18', 'data'): (
+        'exact',
+        '',
+    ),
+    ('smp FPN resnet18', 'data'): (
+        'exact',
+        '',
+    ),
+    ('smp DeepLabV3 resnet18', 'data'): (
+        'exact',
+        '',
+    ),
+    ('smp PSPNet resnet18', 'data'): (
+        'refused',
+        "DataParallel: parameters ['encoder.layer3.0.conv1.weight', 'encoder.laye"
+        "r3.0.bn1.weight', 'encoder.l ... er.layer4.1.bn2.bias'] got no gradient "
+        'in this backward. Pass find_unused_parameters=True if the model does not'
+        ' use every parameter in every step, or reduce_over={name: None} to leave'
+        ' a parame...',
+    ),
+    ('smp Linknet mobilenet_v2', 'data'): (
+        'exact',
+        '',
+    ),
+    ('tv resnet18', 'rows'): (
+        'exact',
+        '',
+    ),
+    ('tv resnet50', 'rows'): (
+        'exact',
+        '',
+    ),
+    ('tv mobilenet_v2', 'rows'): (
+        'refused (no remedy)',
+        'pk.spatial.gather: expected an (N, C, H, W) block, got shape (2, 5) [ste'
+        'p 0 forward; parallelkit/spatial/grid.py:64 in global_size]',
+    ),
+    ('tv mobilenet_v3_small', 'rows'): (
+        'wrong',
+        '554 of 776 comparisons differ on rank(s) [0, 1]; first: step 0 input gra'
+        'd: max |diff| 0.000124 = 0.07 of max |expected|; step 0 features.0.0.wei'
+        'ght grad: max |diff| 0.00532 = 0.12 of max |expected|; step 0 features.0'
+        '.1.weight grad: max |diff| 0.000474 = 0.078 of max |expected|; step 0 fe'
+        'atures.0....',
+    ),
+    ('tv efficientnet_b0', 'rows'): (
+        'wrong',
+        '851 of 1150 comparisons differ on rank(s) [0, 1]; first: step 0 input gr'
+        'ad: max |diff| 1.17 = 0.23 of max |expected|; step 0 features.0.0.weight'
+        ' grad: max |diff| 42.4 = 0.27 of max |expected|; step 0 features.0.1.wei'
+        'ght grad: max |diff| 3.24 = 0.25 of max |expected|; step 0 features.0.1.'
+        'bias grad...',
+    ),
+    ('tv regnet_x_400mf', 'rows'): (
+        'exact',
+        '',
+    ),
+    ('tv regnet_y_400mf', 'rows'): (
+        'wrong',
+        '991 of 1222 comparisons differ on rank(s) [0, 1]; first: step 0 input gr'
+        'ad: max |diff| 0.278 = 0.29 of max |expected|; step 0 stem.0.weight grad'
+        ': max |diff| 7.68 = 0.3 of max |expected|; step 0 stem.1.weight grad: ma'
+        'x |diff| 1.39 = 0.26 of max |expected|; step 0 stem.1.bias grad: max |di'
+        'ff| 1.6 =...',
+    ),
+    ('tv convnext_tiny', 'rows'): (
+        'wrong',
+        '577 of 732 comparisons differ on rank(s) [0, 1]; first: step 0 features.'
+        '0.1.weight grad: max |diff| 0.0453 = 0.64 of max |expected|; step 0 feat'
+        'ures.0.1.bias grad: max |diff| 0.0864 = 0.5 of max |expected|; step 0 fe'
+        'atures.1.0.layer_scale grad: max |diff| 0.00298 = 0.74 of max |expected|'
+        '; step 0 ...',
+    ),
+    ('tv densenet121', 'rows'): (
+        'refused (no remedy)',
+        'pk.spatial.gather: expected an (N, C, H, W) block, got shape (2, 5) [ste'
+        'p 0 forward; parallelkit/spatial/grid.py:64 in global_size]',
+    ),
+    ('tv googlenet', 'rows'): (
+        'refused',
+        'SpatialMaxPool2d: ceil_mode=True is not supported; pad the input instead'
+        ' [parallelize; parallelkit/nn/spatial_pooling.py:34 in __init__]',
+    ),
+    ('tv shufflenet_v2_x0_5', 'rows'): (
+        'refused (no remedy)',
+        'pk.spatial.gather: expected an (N, C, H, W) block, got shape (2, 5) [ste'
+        'p 0 forward; parallelkit/spatial/grid.py:64 in global_size]',
+    ),
+    ('tv squeezenet1_1', 'rows'): (
+        'refused',
+        'SpatialMaxPool2d: ceil_mode=True is not supported; pad the input instead'
+        ' [parallelize; parallelkit/nn/spatial_pooling.py:34 in __init__]',
+    ),
+    ('tv vgg11_bn', 'rows'): (
+        'refused (no remedy)',
+        'parallelize: AdaptiveAvgPool2d((7, 7)) under spatial parallelism; only o'
+        'utput_size=1 (global pooling) is supported [parallelize; parallelkit/par'
+        'allel/parallelize.py:173 in _spatial_layer]',
+    ),
+    ('tv mnasnet0_5', 'rows'): (
+        'refused (no remedy)',
+        'pk.spatial.gather: expected an (N, C, H, W) block, got shape (2, 5) [ste'
+        'p 0 forward; parallelkit/spatial/grid.py:64 in global_size]',
+    ),
+    ('tv fcn_resnet50', 'rows'): (
+        'crash',
+        "AttributeError: 'collections.OrderedDict' object has no attribute 'dim' "
+        '[step 0 forward; parallelkit/spatial/grid.py:63 in global_size]',
+    ),
+    ('tv deeplabv3_mobilenet_v3_large', 'rows'): (
+        'wrong',
+        '1 of 1 comparisons differ on rank(s) [0, 1]; first: step 0 output[out] s'
+        'hape (2, 3, 32, 64) != (2, 3, 64, 64)',
+    ),
+    ('tv lraspp_mobilenet_v3_large', 'rows'): (
+        'wrong',
+        '1 of 1 comparisons differ on rank(s) [0, 1]; first: step 0 output[out] s'
+        'hape (2, 3, 32, 64) != (2, 3, 64, 64)',
+    ),
+    ('timm resnet18', 'rows'): (
+        'exact',
+        '',
+    ),
+    ('timm resnet18 BatchNormAct2d', 'rows'): (
+        'wrong',
+        '266 of 372 comparisons differ on rank(s) [0, 1]; first: step 0 output: m'
+        'ax |diff| 0.112 = 0.43 of max |expected|; step 0 input grad: max |diff| '
+        '0.0108 = 1.1 of max |expected|; step 0 conv1.weight grad: max |diff| 0.2'
+        '04 = 0.97 of max |expected|; step 0 bn1.weight grad: max |diff| 0.0336 ='
+        ' 1.6 of m...',
+    ),
+    ('timm seresnext26d_32x4d', 'rows'): (
+        'refused',
+        'SpatialAvgPool2d: ceil_mode=True is not supported; pad the input instead'
+        ' [parallelize; parallelkit/nn/spatial_pooling.py:34 in __init__]',
+    ),
+    ('timm efficientnet_b0', 'rows'): (
+        'wrong',
+        '954 of 1150 comparisons differ on rank(s) [0, 1]; first: step 0 output: '
+        'max |diff| 14.3 = 2.8 of max |expected|; step 0 input grad: max |diff| 8'
+        '.5 = 1 of max |expected|; step 0 conv_stem.weight grad: max |diff| 264 ='
+        ' 0.94 of max |expected|; step 0 bn1.weight grad: max |diff| 17.8 = 1 of '
+        'max |expe...',
+    ),
+    ('timm mobilenetv3_small_050', 'rows'): (
+        'wrong',
+        '640 of 776 comparisons differ on rank(s) [0, 1]; first: step 0 output: m'
+        'ax |diff| 2.56 = 1.3 of max |expected|; step 0 input grad: max |diff| 0.'
+        '255 = 0.97 of max |expected|; step 0 conv_stem.weight grad: max |diff| 6'
+        '.18 = 0.97 of max |expected|; step 0 bn1.weight grad: max |diff| 0.832 ='
+        ' 1 of max...',
+    ),
+    ('timm convnext_atto', 'rows'): (
+        'wrong',
+        '324 of 516 comparisons differ on rank(s) [0, 1]; first: step 0 stem.1.we'
+        'ight grad: max |diff| 0.0249 = 0.49 of max |expected|; step 0 stem.1.bia'
+        's grad: max |diff| 0.0496 = 0.51 of max |expected|; step 0 stages.0.bloc'
+        'ks.0.gamma grad: max |diff| 0.000581 = 0.67 of max |expected|; step 0 st'
+        'ages.0.bl...',
+    ),
+    ('timm regnety_002', 'rows'): (
+        'wrong',
+        '610 of 1012 comparisons differ on rank(s) [0, 1]; first: step 0 output: '
+        'max |diff| 0.0451 = 0.24 of max |expected|; step 0 input grad: max |diff'
+        '| 0.0154 = 1.1 of max |expected|; step 0 stem.conv.weight grad: max |dif'
+        'f| 0.11 = 1.2 of max |expected|; step 0 stem.bn.weight grad: max |diff| '
+        '0.0244 = ...',
+    ),
+    ('timm inception_v3', 'rows'): (
+        'crash',
+        'RuntimeError: Sizes of tensors must match except in dimension 1. Expecte'
+        'd size 2 but got size 1 for tensor number 2 in the list. [step 0 forward'
+        '; timm/models/inception_v3.py:105 in forward]',
+    ),
+    ('smp Unet resnet18', 'rows'): (
+        'exact',
+        '',
+    ),
+    ('smp FPN resnet18', 'rows'): (
+        'refused (no remedy)',
+        "SpatialUpsample: mode must be 'nearest' or 'bilinear' with align_corners"
+        "=False, got mode='bilinear', align_corners=True [parallelize; parallelki"
+        't/nn/spatial_pooling.py:178 in __init__]',
+    ),
+    ('smp DeepLabV3 resnet18', 'rows'): (
+        'refused (no remedy)',
+        "SpatialUpsample: mode must be 'nearest' or 'bilinear' with align_corners"
+        "=False, got mode='bilinear', align_corners=True [parallelize; parallelki"
+        't/nn/spatial_pooling.py:178 in __init__]',
+    ),
+    ('smp PSPNet resnet18', 'rows'): (
+        'refused (no remedy)',
+        'parallelize: AdaptiveAvgPool2d((2, 2)) under spatial parallelism; only o'
+        'utput_size=1 (global pooling) is supported [parallelize; parallelkit/par'
+        'allel/parallelize.py:173 in _spatial_layer]',
+    ),
+    ('smp Linknet mobilenet_v2', 'rows'): (
+        'exact',
+        '',
+    ),
+    ('tv resnet18', 'cols'): (
+        'exact',
+        '',
+    ),
+    ('tv resnet50', 'cols'): (
+        'exact',
+        '',
+    ),
+    ('tv mobilenet_v2', 'cols'): (
+        'refused (no remedy)',
+        'pk.spatial.gather: expected an (N, C, H, W) block, got shape (2, 5) [ste'
+        'p 0 forward; parallelkit/spatial/grid.py:64 in global_size]',
+    ),
+    ('tv mobilenet_v3_small', 'cols'): (
+        'wrong',
+        '555 of 776 comparisons differ on rank(s) [0, 1]; first: step 0 input gra'
+        'd: max |diff| 0.000158 = 0.089 of max |expected|; step 0 features.0.0.we'
+        'ight grad: max |diff| 0.00436 = 0.1 of max |expected|; step 0 features.0'
+        '.1.weight grad: max |diff| 0.000428 = 0.07 of max |expected|; step 0 fea'
+        'tures.0.1...',
+    ),
+    ('tv efficientnet_b0', 'cols'): (
+        'wrong',
+        '851 of 1150 comparisons differ on rank(s) [0, 1]; first: step 0 input gr'
+        'ad: max |diff| 1.24 = 0.24 of max |expected|; step 0 features.0.0.weight'
+        ' grad: max |diff| 42.6 = 0.27 of max |expected|; step 0 features.0.1.wei'
+        'ght grad: max |diff| 2.66 = 0.2 of max |expected|; step 0 features.0.1.b'
+        'ias grad:...',
+    ),
+    ('tv regnet_x_400mf', 'cols'): (
+        'exact',
+        '',
+    ),
+    ('tv regnet_y_400mf', 'cols'): (
+        'wrong',
+        '991 of 1222 comparisons differ on rank(s) [0, 1]; first: step 0 input gr'
+        'ad: max |diff| 0.224 = 0.23 of max |expected|; step 0 stem.0.weight grad'
+        ': max |diff| 6.69 = 0.26 of max |expected|; step 0 stem.1.weight grad: m'
+        'ax |diff| 1.4 = 0.27 of max |expected|; step 0 stem.1.bias grad: max |di'
+        'ff| 1.08 ...',
+    ),
+    ('tv convnext_tiny', 'cols'): (
+        'wrong',
+        '556 of 732 comparisons differ on rank(s) [0, 1]; first: step 0 features.'
+        '0.1.weight grad: max |diff| 0.0633 = 0.89 of max |expected|; step 0 feat'
+        'ures.0.1.bias grad: max |diff| 0.085 = 0.5 of max |expected|; step 0 fea'
+        'tures.1.0.layer_scale grad: max |diff| 0.00239 = 0.6 of max |expected|; '
+        'step 0 fe...',
+    ),
+    ('tv densenet121', 'cols'): (
+        'refused (no remedy)',
+        'pk.spatial.gather: expected an (N, C, H, W) block, got shape (2, 5) [ste'
+        'p 0 forward; parallelkit/spatial/grid.py:64 in global_size]',
+    ),
+    ('tv googlenet', 'cols'): (
+        'refused',
+        'SpatialMaxPool2d: ceil_mode=True is not supported; pad the input instead'
+        ' [parallelize; parallelkit/nn/spatial_pooling.py:34 in __init__]',
+    ),
+    ('tv shufflenet_v2_x0_5', 'cols'): (
+        'refused (no remedy)',
+        'pk.spatial.gather: expected an (N, C, H, W) block, got shape (2, 5) [ste'
+        'p 0 forward; parallelkit/spatial/grid.py:64 in global_size]',
+    ),
+    ('tv squeezenet1_1', 'cols'): (
+        'refused',
+        'SpatialMaxPool2d: ceil_mode=True is not supported; pad the input instead'
+        ' [parallelize; parallelkit/nn/spatial_pooling.py:34 in __init__]',
+    ),
+    ('tv vgg11_bn', 'cols'): (
+        'refused (no remedy)',
+        'parallelize: AdaptiveAvgPool2d((7, 7)) under spatial parallelism; only o'
+        'utput_size=1 (global pooling) is supported [parallelize; parallelkit/par'
+        'allel/parallelize.py:173 in _spatial_layer]',
+    ),
+    ('tv mnasnet0_5', 'cols'): (
+        'refused (no remedy)',
+        'pk.spatial.gather: expected an (N, C, H, W) block, got shape (2, 5) [ste'
+        'p 0 forward; parallelkit/spatial/grid.py:64 in global_size]',
+    ),
+    ('tv fcn_resnet50', 'cols'): (
+        'crash',
+        "AttributeError: 'collections.OrderedDict' object has no attribute 'dim' "
+        '[step 0 forward; parallelkit/spatial/grid.py:63 in global_size]',
+    ),
+    ('tv deeplabv3_mobilenet_v3_large', 'cols'): (
+        'wrong',
+        '1 of 1 comparisons differ on rank(s) [0, 1]; first: step 0 output[out] s'
+        'hape (2, 3, 64, 32) != (2, 3, 64, 64)',
+    ),
+    ('tv lraspp_mobilenet_v3_large', 'cols'): (
+        'wrong',
+        '1 of 1 comparisons differ on rank(s) [0, 1]; first: step 0 output[out] s'
+        'hape (2, 3, 64, 32) != (2, 3, 64, 64)',
+    ),
+    ('timm resnet18', 'cols'): (
+        'exact',
+        '',
+    ),
+    ('timm resnet18 BatchNormAct2d', 'cols'): (
+        'wrong',
+        '266 of 372 comparisons differ on rank(s) [0, 1]; first: step 0 output: m'
+        'ax |diff| 0.112 = 0.43 of max |expected|; step 0 input grad: max |diff| '
+        '0.0108 = 1.1 of max |expected|; step 0 conv1.weight grad: max |diff| 0.2'
+        '04 = 0.97 of max |expected|; step 0 bn1.weight grad: max |diff| 0.0336 ='
+        ' 1.6 of m...',
+    ),
+    ('timm seresnext26d_32x4d', 'cols'): (
+        'refused',
+        'SpatialAvgPool2d: ceil_mode=True is not supported; pad the input instead'
+        ' [parallelize; parallelkit/nn/spatial_pooling.py:34 in __init__]',
+    ),
+    ('timm efficientnet_b0', 'cols'): (
+        'wrong',
+        '954 of 1150 comparisons differ on rank(s) [0, 1]; first: step 0 output: '
+        'max |diff| 8.62 = 1.7 of max |expected|; step 0 input grad: max |diff| 8'
+        '.16 = 1 of max |expected|; step 0 conv_stem.weight grad: max |diff| 271 '
+        '= 0.96 of max |expected|; step 0 bn1.weight grad: max |diff| 17.8 = 1 of'
+        ' max |exp...',
+    ),
+    ('timm mobilenetv3_small_050', 'cols'): (
+        'wrong',
+        '640 of 776 comparisons differ on rank(s) [0, 1]; first: step 0 output: m'
+        'ax |diff| 2.2 = 1.1 of max |expected|; step 0 input grad: max |diff| 0.2'
+        '77 = 1.1 of max |expected|; step 0 conv_stem.weight grad: max |diff| 6.5'
+        '1 = 1 of max |expected|; step 0 bn1.weight grad: max |diff| 0.832 = 1 of'
+        ' max |exp...',
+    ),
+    ('timm convnext_atto', 'cols'): (
+        'wrong',
+        '309 of 516 comparisons differ on rank(s) [0, 1]; first: step 0 stem.1.we'
+        'ight grad: max |diff| 0.0319 = 0.62 of max |expected|; step 0 stem.1.bia'
+        's grad: max |diff| 0.0479 = 0.5 of max |expected|; step 0 stages.0.block'
+        's.0.gamma grad: max |diff| 0.000535 = 0.62 of max |expected|; step 0 sta'
+        'ges.0.blo...',
+    ),
+    ('timm regnety_002', 'cols'): (
+        'wrong',
+        '610 of 1012 comparisons differ on rank(s) [0, 1]; first: step 0 output: '
+        'max |diff| 0.0451 = 0.24 of max |expected|; step 0 input grad: max |diff'
+        '| 0.0154 = 1.1 of max |expected|; step 0 stem.conv.weight grad: max |dif'
+        'f| 0.11 = 1.2 of max |expected|; step 0 stem.bn.weight grad: max |diff| '
+        '0.0244 = ...',
+    ),
+    ('timm inception_v3', 'cols'): (
+        'crash',
+        'RuntimeError: Sizes of tensors must match except in dimension 1. Expecte'
+        'd size 2 but got size 1 for tensor number 2 in the list. [step 0 forward'
+        '; timm/models/inception_v3.py:105 in forward]',
+    ),
+    ('smp Unet resnet18', 'cols'): (
+        'exact',
+        '',
+    ),
+    ('smp FPN resnet18', 'cols'): (
+        'refused (no remedy)',
+        "SpatialUpsample: mode must be 'nearest' or 'bilinear' with align_corners"
+        "=False, got mode='bilinear', align_corners=True [parallelize; parallelki"
+        't/nn/spatial_pooling.py:178 in __init__]',
+    ),
+    ('smp DeepLabV3 resnet18', 'cols'): (
+        'refused (no remedy)',
+        "SpatialUpsample: mode must be 'nearest' or 'bilinear' with align_corners"
+        "=False, got mode='bilinear', align_corners=True [parallelize; parallelki"
+        't/nn/spatial_pooling.py:178 in __init__]',
+    ),
+    ('smp PSPNet resnet18', 'cols'): (
+        'refused (no remedy)',
+        'parallelize: AdaptiveAvgPool2d((2, 2)) under spatial parallelism; only o'
+        'utput_size=1 (global pooling) is supported [parallelize; parallelkit/par'
+        'allel/parallelize.py:173 in _spatial_layer]',
+    ),
+    ('smp Linknet mobilenet_v2', 'cols'): (
+        'exact',
+        '',
+    ),
+    ('tv resnet18', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('tv resnet50', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('tv mobilenet_v2', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('tv mobilenet_v3_small', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('tv efficientnet_b0', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('tv regnet_x_400mf', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('tv regnet_y_400mf', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('tv convnext_tiny', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('tv densenet121', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('tv googlenet', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('tv shufflenet_v2_x0_5', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('tv squeezenet1_1', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('tv vgg11_bn', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('tv mnasnet0_5', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('tv fcn_resnet50', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('tv deeplabv3_mobilenet_v3_large', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('tv lraspp_mobilenet_v3_large', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('timm resnet18', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('timm resnet18 BatchNormAct2d', 'channel'): (
+        'wrong',
+        '242 of 334 comparisons differ on rank(s) [0, 1]; first: step 0 output: m'
+        'ax |diff| 0.112 = 0.43 of max |expected|; step 0 input grad: max |diff| '
+        '0.0108 = 1.1 of max |expected|; step 0 bn1.weight grad: max |diff| 0.033'
+        '6 = 1.6 of max |expected|; step 0 bn1.bias grad: max |diff| 0.00728 = 1.'
+        '2 of max ...',
+    ),
+    ('timm seresnext26d_32x4d', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('timm efficientnet_b0', 'channel'): (
+        'wrong',
+        '728 of 926 comparisons differ on rank(s) [0, 1]; first: step 0 output: m'
+        'ax |diff| 9.29 = 1.8 of max |expected|; step 0 input grad: max |diff| 7.'
+        '75 = 0.95 of max |expected|; step 0 bn1.weight grad: max |diff| 17.8 = 1'
+        ' of max |expected|; step 0 bn1.bias grad: max |diff| 22.7 = 0.96 of max '
+        '|expected...',
+    ),
+    ('timm mobilenetv3_small_050', 'channel'): (
+        'wrong',
+        '496 of 634 comparisons differ on rank(s) [0, 1]; first: step 0 output: m'
+        'ax |diff| 2.9 = 1.5 of max |expected|; step 0 input grad: max |diff| 0.2'
+        '9 = 1.1 of max |expected|; step 0 bn1.weight grad: max |diff| 0.832 = 1 '
+        'of max |expected|; step 0 bn1.bias grad: max |diff| 0.814 = 1 of max |ex'
+        'pected|; ...',
+    ),
+    ('timm convnext_atto', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('timm regnety_002', 'channel'): (
+        'wrong',
+        '510 of 822 comparisons differ on rank(s) [0, 1]; first: step 0 output: m'
+        'ax |diff| 0.0451 = 0.24 of max |expected|; step 0 input grad: max |diff|'
+        ' 0.0154 = 1.1 of max |expected|; step 0 stem.bn.weight grad: max |diff| '
+        '0.0244 = 1.4 of max |expected|; step 0 stem.bn.bias grad: max |diff| 0.0'
+        '118 = 1 o...',
+    ),
+    ('timm inception_v3', 'channel'): (
+        'wrong',
+        '1326 of 1518 comparisons differ on rank(s) [0, 1]; first: step 0 output:'
+        ' max |diff| 8.61 = 1.4 of max |expected|; step 0 input grad: max |diff| '
+        '1.26e+05 = 1.4 of max |expected|; step 0 Conv2d_1a_3x3.bn.weight grad: m'
+        'ax |diff| 7.6e+05 = 1.2 of max |expected|; step 0 Conv2d_1a_3x3.bn.bias '
+        'grad: max...',
+    ),
+    ('smp Unet resnet18', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('smp FPN resnet18', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('smp DeepLabV3 resnet18', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('smp PSPNet resnet18', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('smp Linknet mobilenet_v2', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('tv resnet18', 'data x rows'): (
+        'exact',
+        '',
+    ),
+    ('tv mobilenet_v3_small', 'data x rows'): (
+        'wrong',
+        '554 of 778 comparisons differ on rank(s) [0, 1, 2, 3]; first: step 0 inp'
+        'ut grad: max |diff| 0.000222 = 0.063 of max |expected|; step 0 features.'
+        '0.0.weight grad: max |diff| 0.00532 = 0.12 of max |expected|; step 0 fea'
+        'tures.0.1.weight grad: max |diff| 0.000474 = 0.078 of max |expected|; st'
+        'ep 0 feat...',
+    ),
+    ('tv googlenet', 'data x rows'): (
+        'refused',
+        'SpatialMaxPool2d: ceil_mode=True is not supported; pad the input instead'
+        ' [parallelize; parallelkit/nn/spatial_pooling.py:34 in __init__]',
+    ),
+    ('tv deeplabv3_mobilenet_v3_large', 'data x rows'): (
+        'wrong',
+        '1 of 1 comparisons differ on rank(s) [0, 1, 2, 3]; first: step 0 output['
+        'out] shape (1, 3, 32, 64) != (1, 3, 64, 64)',
+    ),
+    ('timm resnet18 BatchNormAct2d', 'data x rows'): (
+        'wrong',
+        '266 of 374 comparisons differ on rank(s) [0, 1, 2, 3]; first: step 0 out'
+        'put: max |diff| 0.112 = 0.76 of max |expected|; step 0 input grad: max |'
+        'diff| 0.0216 = 1.1 of max |expected|; step 0 conv1.weight grad: max |dif'
+        'f| 0.204 = 0.97 of max |expected|; step 0 bn1.weight grad: max |diff| 0.'
+        '0336 = 1....',
+    ),
+    ('timm convnext_atto', 'data x rows'): (
+        'wrong',
+        '308 of 518 comparisons differ on rank(s) [0, 1, 2, 3]; first: step 0 ste'
+        'm.1.weight grad: max |diff| 0.0249 = 0.49 of max |expected|; step 0 stem'
+        '.1.bias grad: max |diff| 0.0496 = 0.51 of max |expected|; step 0 stages.'
+        '0.blocks.0.gamma grad: max |diff| 0.000581 = 0.67 of max |expected|; ste'
+        'p 0 stage...',
+    ),
+    ('smp Unet resnet18', 'data x rows'): (
+        'exact',
+        '',
+    ),
+    ('smp FPN resnet18', 'data x rows'): (
+        'refused (no remedy)',
+        "SpatialUpsample: mode must be 'nearest' or 'bilinear' with align_corners"
+        "=False, got mode='bilinear', align_corners=True [parallelize; parallelki"
+        't/nn/spatial_pooling.py:178 in __init__]',
+    ),
+}
+# END EXPECTED
