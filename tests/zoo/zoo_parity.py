@@ -94,7 +94,7 @@ def _run(comm: Communicator, arch: str, strategy: str, tamper: str | None, state
     opt_dense = torch.optim.SGD(dense.parameters(), lr=0.05, momentum=0.9)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
-    for step in range(STEPS):
+    for step in range(min(STEPS, case.steps)):
         at = f"step {step}"
         gen = torch.Generator().manual_seed(100 + step)
         x = torch.randn(BATCH, *case.shape, generator=gen, dtype=torch.float64)
