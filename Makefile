@@ -1,8 +1,8 @@
 # The two commands of README.md. Each sets itself up on a fresh machine.
 #   make run    the main job: ResNet-18 on scikit-learn's digits, 2 ranks, data parallel + SyncBN
 #   make test   ruff + the whole suite: pure and gloo tiers, the mpiexec tier on 1-4 ranks, the XLA
-#               tier, and the GPU tier (skipped without CUDA)
-# and: make test-zoo (pk.parallelize on torchvision, timm and smp networks, in .venv-zoo)
+#               tier, the GPU tier (skipped without CUDA), and the model-zoo tier (pk.parallelize
+#               on torchvision, timm and smp networks, in .venv-zoo)
 # and: make bench (every script under benchmarks/, ~35 min; results under benchmarks/results/)
 
 VENV ?= .venv
@@ -60,7 +60,7 @@ $(ZOO_VENV)/.installed: pyproject.toml Makefile
 run: $(VENV)/.installed
 	$(VENV)/bin/parallelkit train train.overwrite=true
 
-test: lint test-py test-mpi test-xla test-gpu
+test: lint test-py test-mpi test-xla test-gpu test-zoo
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check parallelkit tests benchmarks examples
