@@ -35,6 +35,7 @@ BLOCKS = {
     "channel slice": lambda x: x[:, 1:3],
     "batch index": lambda x: x[0],
     "cat along channels": lambda x: torch.cat([x, x * 2], dim=1),
+    "stack, then a sum over the new dimension": lambda x: torch.stack([x, x * 2]).sum(0),
     "chunk along channels": lambda x: x.chunk(2, dim=1)[1],
     "view of the leading dims": lambda x: x.view(2, 2, 2, 5, 6),
     "transpose of the leading dims": lambda x: x.transpose(0, 1),
@@ -75,6 +76,7 @@ REFUSED = {
     "amax over H and W": (lambda x: x.amax((2, 3)), "reduces over H or W"),
     "a whole tensor varying over W": (lambda x: x + torch.ones(6), "varies over H or W"),
     "cat along H": (lambda x: torch.cat([x, x], 2), "along H or W"),
+    "stack after W": (lambda x: torch.stack([x, x], -1), "along H or W"),
     "F.interpolate to a size, align_corners": (
         lambda x: F.interpolate(x, size=(10, 12), mode="bilinear", align_corners=True),
         "to a size= has no exact rule",

@@ -282,7 +282,7 @@ class SpatialGuard(TorchFunctionMode):
             return self._on_whole_images(func, args, kwargs)
         if getattr(func, "__name__", "") == "__get__":
             return self._property(func, args, kwargs)
-        if func in (torch.cat, torch.concat, torch.concatenate):
+        if func in (torch.cat, torch.concat, torch.concatenate, torch.stack):
             return self._cat(func, args, kwargs, blocks)
         if func is Tensor.__getitem__:
             return self._getitem(func, args, kwargs)
@@ -555,7 +555,12 @@ class SpatialGuard(TorchFunctionMode):
         dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
         hw = self.hw(blocks[0])
         same = all(self.is_split(t) and self.hw(t) == hw for t in tensors)
-        if same and dim % tensors[0].dim() - tensors[0].dim() not in hw:
+        ndim = tensors[0].dim() + (func is torch.stack)  # stack adds a dimension
+        if (
+            same
+            and dim % ndim - ndim not in hw
+            and (func is not torch.stack or dim % ndim - ndim < min(hw))
+        ):
             return self._marked(func(*args, **kwargs), hw)
         raise self._refuse(_name(func), "it joins blocks with whole tensors, or along H or W")
 
