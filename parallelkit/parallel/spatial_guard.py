@@ -162,7 +162,7 @@ class SpatialGuard(TorchFunctionMode):
     ) -> None:
         super().__init__()
         self.comm, self._grid, self.whole_comm = comm, grid, whole_comm
-        self._upsamplers: dict[tuple[int, str], nn.Module] = {}
+        self._layers: dict[tuple, nn.Module] = {}  # spatial layers made for functional calls
         self._restore: dict[int, tuple[Any, Any]] = {}
         self._warned: set[Callable] = set()
         self.names = {m: name for name, m in model.named_modules()}
@@ -424,10 +424,10 @@ class SpatialGuard(TorchFunctionMode):
             return self._gathered(func, args, kwargs)
         call.pop("return_indices", None)
         key = (func, *sorted((k, str(v)) for k, v in call.items()))
-        if key not in self._upsamplers:
+        if key not in self._layers:
             cls = spool.SpatialMaxPool2d if func is F.max_pool2d else spool.SpatialAvgPool2d
-            self._upsamplers[key] = cls(**call, comm=self.comm, grid=self.grid)
-        return self._marked(self._upsamplers[key](x))
+            self._layers[key] = cls(**call, comm=self.comm, grid=self.grid)
+        return self._marked(self._layers[key](x))
 
     def _gathered(self, func, args, kwargs) -> Any:
         """An operation the blocks cannot do alone, run on the gathered whole images and cut
@@ -514,9 +514,9 @@ class SpatialGuard(TorchFunctionMode):
                 )
             return self._gathered(F.interpolate, args, kwargs)
         key = (int(factors[0]), mode)
-        if key not in self._upsamplers:
-            self._upsamplers[key] = spool.SpatialUpsample(*key, comm=self.comm, grid=self.grid)
-        return self._marked(self._upsamplers[key](x))
+        if key not in self._layers:
+            self._layers[key] = spool.SpatialUpsample(*key, comm=self.comm, grid=self.grid)
+        return self._marked(self._layers[key](x))
 
     def _scale_of_size(self, x: Tensor, size: tuple) -> tuple[float, float]:
         """The whole images' scale factors that ``size`` (this rank's) stands for, if every
