@@ -92,6 +92,18 @@ NETWORKS = {
 }
 
 
+# (ranks, strategy, grid): every strategy on 2 ranks and the 4-rank grids, for the tiers that run
+# the networks once per device (lazy tensors, CUDA).
+STRATEGY_GRIDS = [
+    (2, "data", None),
+    (2, "spatial", None),
+    (2, "channel", None),
+    (4, "spatial", dict(rows=2, cols=2)),
+    (4, "spatial", dict(data=2, rows=2)),
+    (4, "channel", dict(data=2, channel=2)),
+]
+
+
 # ----------------------------------------------------------------------------- forward code
 # Networks whose forward code, not their leaf layers, decides correctness under spatial
 # parallelism: the patterns of torchvision's, timm's and smp's models, written small.

@@ -28,7 +28,7 @@ from channel_cases import parity as channel_parity
 from device_cases import collectives, debug_mode, host_tensors_refused
 from dp_cases import training_parity
 from functional_cases import adjoint_products
-from network_cases import NETWORKS, network_parity
+from network_cases import NETWORKS, STRATEGY_GRIDS, network_parity
 from spatial_cases import layer_parity
 
 LAZY = "lazy"
@@ -104,17 +104,7 @@ def test_data_parallel_on_the_device(device_ranks):
 
 
 @pytest.mark.parametrize("name", list(NETWORKS))
-@pytest.mark.parametrize(
-    ("size", "strategy", "grid"),
-    [
-        (2, "data", None),
-        (2, "spatial", None),
-        (2, "channel", None),
-        (4, "spatial", dict(rows=2, cols=2)),
-        (4, "spatial", dict(data=2, rows=2)),
-        (4, "channel", dict(data=2, channel=2)),
-    ],
-)
+@pytest.mark.parametrize(("size", "strategy", "grid"), STRATEGY_GRIDS)
 def test_networks_on_the_device(device_ranks, name, size, strategy, grid):
     plain_batchnorm = strategy == "channel" and not grid  # torch's batch_norm, see above
     for triples in device_ranks(size).run(

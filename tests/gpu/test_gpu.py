@@ -24,7 +24,7 @@ from cases import assert_results, assert_triples
 from channel_cases import parity as channel_parity
 from device_cases import collectives, host_tensors_refused
 from dp_cases import training_parity
-from network_cases import NETWORKS, network_parity
+from network_cases import NETWORKS, STRATEGY_GRIDS, network_parity
 from spatial_cases import layer_parity
 
 GPU = "cuda:0"
@@ -93,17 +93,7 @@ def test_data_parallel_on_cuda(cuda_ranks):
 
 
 @pytest.mark.parametrize("name", list(NETWORKS))
-@pytest.mark.parametrize(
-    ("size", "strategy", "grid"),
-    [
-        (2, "data", None),
-        (2, "spatial", None),
-        (2, "channel", None),
-        (4, "spatial", dict(rows=2, cols=2)),
-        (4, "spatial", dict(data=2, rows=2)),
-        (4, "channel", dict(data=2, channel=2)),
-    ],
-)
+@pytest.mark.parametrize(("size", "strategy", "grid"), STRATEGY_GRIDS)
 def test_networks_on_cuda(cuda_ranks, name, size, strategy, grid):
     for triples in cuda_ranks(size).run(
         network_parity, name, strategy, grid, steps=2, device=GPU, timeout=600
