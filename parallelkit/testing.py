@@ -66,7 +66,6 @@ def _worker(
         OMP_NUM_THREADS="1",
     )
     import torch
-    from torch.utils._pytree import tree_map
 
     torch.set_num_threads(1)
     if device is not None and str(device).startswith("lazy"):
@@ -76,17 +75,21 @@ def _worker(
     import parallelkit as pk
 
     comm = pk.init(backend, timeout=timeout, device=device)
-
-    def on_host(v: Any) -> Any:
-        return v.detach().cpu() if isinstance(v, torch.Tensor) else v
-
     while (job := inbox.get()) is not None:
         try:
             fn, args, kwargs = pickle.loads(job)
-            result = tree_map(on_host, fn(comm, *args, **kwargs))
+            result = on_host(fn(comm, *args, **kwargs))
             outbox.put((rank, True, pickle.dumps(result)))
         except BaseException:
             outbox.put((rank, False, traceback.format_exc()))
+
+
+def on_host(results: Any) -> Any:
+    """``results`` with every tensor in it (any nesting) detached and copied to host memory."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v, results)
 
 
 class Ranks:

@@ -9,21 +9,13 @@ own cases, each against values computed on the host.
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
-from torch.utils._pytree import tree_map
 
 from parallelkit.comm import Communicator, tensor_split_sizes
 from parallelkit.comm.torch_dist import TorchCommunicator
 
 Triple = tuple[str, torch.Tensor, torch.Tensor]
-
-
-def on_host(results: Any) -> Any:
-    """``results`` with every tensor copied to host memory, for comparing on the rank."""
-    return tree_map(lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v, results)
 
 
 def _base(rank: int) -> torch.Tensor:

@@ -276,10 +276,8 @@ class SpatialGuard(TorchFunctionMode):
             weight, bias = _arg(args, kwargs, 3, "weight"), _arg(args, kwargs, 4, "bias")
             eps = kwargs.get("eps", args[7] if len(args) > 7 else 1e-5)
             return self._group_norm(x, x.shape[1], weight, bias, eps)
-        if func in (F.adaptive_avg_pool2d, F.adaptive_max_pool2d) and not (
-            func is F.adaptive_avg_pool2d and _all(_arg(args, kwargs, 1, "output_size"), 1)
-        ):
-            return self._on_whole_images(func, args, kwargs)
+        if func in (F.adaptive_avg_pool2d, F.adaptive_max_pool2d):
+            return self._adaptive_pool(func, args, kwargs)
         if getattr(func, "__name__", "") == "__get__":
             return self._property(func, args, kwargs)
         if func in (torch.cat, torch.concat, torch.concatenate, torch.stack):
@@ -292,11 +290,6 @@ class SpatialGuard(TorchFunctionMode):
             x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             self._nchw(func, x)
             return self._marked(func(x, self._summed(weight)))
-        if func is F.adaptive_avg_pool2d and _all(
-            args[1] if len(args) > 1 else kwargs["output_size"], 1
-        ):
-            self._nchw(func, args[0])
-            return self._mean_hw(args[0], keepdim=True)
         kind = _NAMED.get(func)
         if kind is not None:
             return getattr(self, f"_{kind}")(func, args, kwargs)
@@ -447,6 +440,13 @@ class SpatialGuard(TorchFunctionMode):
         y = func(gather(x, self.comm, self.grid), *args[1:], **kwargs)
         return self._marked(scatter(y, self.comm, self.grid))
 
+    def _adaptive_pool(self, func, args, kwargs) -> Any:
+        """Global average pooling is a mean over H and W; other sizes pool the whole images."""
+        self._nchw(func, args[0])
+        if func is F.adaptive_avg_pool2d and _all(_arg(args, kwargs, 1, "output_size"), 1):
+            return self._mean_hw(args[0], keepdim=True)
+        return self._on_whole_images(func, args, kwargs)
+
     def _on_whole_images(self, func, args, kwargs) -> Any:
         """Adaptive pooling to a fixed size (VGG's 7x7, PSPNet's pyramid): the blocks are
         gathered into the whole images (one all-gather of this feature map) and pooled; the
@@ -470,21 +470,41 @@ class SpatialGuard(TorchFunctionMode):
             (t := ref()) is not None and tuple(t.shape[-2:]) == size and hw == (-2, -1)
             for ref, hw in self._blocks.values()
         )
-        table = self.comm.all_gather_ints([int(has_block), *size])  # the same answer everywhere
-        g = self.grid
-        out_h = [table[i * g.cols][1] for i in range(g.rows)]
-        out_w = [table[j][2] for j in range(g.cols)]
-        expected = [[1, out_h[r // g.cols], out_w[r % g.cols]] for r in range(len(table))]
-        if (
-            table != expected
-            or out_h != tensor_split_sizes(sum(out_h), g.rows)
-            or out_w != tensor_split_sizes(sum(out_w), g.cols)
-        ):
+        whole_size = self._whole_size(size, ok=has_block)
+        if whole_size is None:
             return None
-        whole = F.interpolate(**{**call, "size": (sum(out_h), sum(out_w))})
+        whole = F.interpolate(**{**call, "size": whole_size})
         # Cut with scatter: its backward gathers the blocks' gradients, so that the whole
         # input gets its whole gradient on every rank.
-        return self._marked(scatter(whole, self.comm, g))
+        return self._marked(scatter(whole, self.comm, self.grid))
+
+    def _whole_size(
+        self, size: tuple[int, int], beside: tuple[int, int] | None = None, ok: bool = True
+    ) -> tuple[int, ...] | None:
+        """The whole images' (H, W) of which every rank's ``size`` is its block in
+        tensor_split layout, and then also those of every rank's ``beside``: from one host
+        all-gather, so the same answer on every rank. None unless every rank's sizes fit its
+        place in the grid and ``ok`` is true everywhere."""
+        g = self.grid
+        pairs = [size] if beside is None else [size, beside]
+        table = self.comm.all_gather_ints([int(ok), *(int(v) for hw in pairs for v in hw)])
+        # Rank i * cols + j holds row block i and column block j.
+        heights = [[table[i * g.cols][1 + 2 * k] for i in range(g.rows)] for k in range(len(pairs))]
+        widths = [[table[j][2 + 2 * k] for j in range(g.cols)] for k in range(len(pairs))]
+        expected = [
+            [1, *(v for hs, ws in zip(heights, widths, strict=True)
+                  for v in (hs[r // g.cols], ws[r % g.cols]))]
+            for r in range(len(table))
+        ]  # fmt: skip
+        if table != expected:
+            return None
+        if heights[0] != tensor_split_sizes(sum(heights[0]), g.rows):
+            return None
+        if widths[0] != tensor_split_sizes(sum(widths[0]), g.cols):
+            return None
+        return tuple(
+            sum(sizes) for hs, ws in zip(heights, widths, strict=True) for sizes in (hs, ws)
+        )
 
     def _interpolate(self, args, kwargs) -> Any:
         """Upsampling by an integer factor, nearest or bilinear without align_corners, by
@@ -521,27 +541,14 @@ class SpatialGuard(TorchFunctionMode):
     def _scale_of_size(self, x: Tensor, size: tuple) -> tuple[float, float]:
         """The whole images' scale factors that ``size`` (this rank's) stands for, if every
         rank's requested size is its block of one whole size in tensor_split layout."""
-        g = self.grid
-        table = self.comm.all_gather_ints([x.shape[-2], x.shape[-1], *map(int, size)])
-        # Rank i * cols + j holds row block i and column block j.
-        h = [table[i * g.cols][0] for i in range(g.rows)]
-        w = [table[j][1] for j in range(g.cols)]
-        out_h = [table[i * g.cols][2] for i in range(g.rows)]
-        out_w = [table[j][3] for j in range(g.cols)]
-        expected = [
-            [h[r // g.cols], w[r % g.cols], out_h[r // g.cols], out_w[r % g.cols]]
-            for r in range(len(table))
-        ]
-        if (
-            table != expected
-            or out_h != tensor_split_sizes(sum(out_h), g.rows)
-            or out_w != tensor_split_sizes(sum(out_w), g.cols)
-        ):
+        sizes = self._whole_size(tuple(map(int, size)), beside=(x.shape[-2], x.shape[-1]))
+        if sizes is None:
             raise self._refuse(
                 "F.interpolate", f"the size {tuple(size)} asked on each rank is not a block of "
                 "one whole size (give scale_factor= instead)",
             )  # fmt: skip
-        return sum(out_h) / max(sum(h), 1), sum(out_w) / max(sum(w), 1)
+        out_h, out_w, h, w = sizes
+        return out_h / max(h, 1), out_w / max(w, 1)
 
     def _property(self, func, args, kwargs) -> Any:
         name = getattr(getattr(func, "__self__", None), "__name__", "")

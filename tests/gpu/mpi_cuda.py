@@ -12,10 +12,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
 
 import parallelkit as pk
+from parallelkit.testing import on_host
 
 from bn_cases import parity as bn_parity
 from cases import assert_results, assert_triples
-from device_cases import collectives, host_tensors_refused, on_host
+from device_cases import collectives, host_tensors_refused
 from network_cases import network_parity
 
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import pytest
 
+from parallelkit.testing import on_host
+
 from bn_cases import parity as bn_parity
 from cases import assert_results, assert_triples
-from device_cases import collectives, host_tensors_refused, on_host
+from device_cases import collectives, host_tensors_refused
 from dp_cases import training_parity
 from network_cases import network_parity
 from spatial_cases import layer_parity
