@@ -10,6 +10,7 @@ dimension). Triples: the logits and loss every step, every gradient that is whol
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -483,3 +484,31 @@ def host_exchanges_per_step(comm: Communicator, grid: dict) -> tuple[int, int]:
     finally:
         type(comm).all_gather_ints = real
     return in_step, direct
+
+
+def accumulated_grads(comm: Communicator, grid: dict, local_first: bool) -> list[Triple]:
+    """Gradients accumulated over two backwards without zero_grad, the first synchronized or
+    local (``no_sync``), then a third after zero_grad: the dense model's sums each time (under
+    spatial parallelism a rank's gradients are shares of the whole ones)."""
+    build, shape, loss_fn, _ = NETWORKS["bottleneck resnet"]
+    torch.manual_seed(0)
+    dense = build().double()
+    g = pk.Grid(comm, **grid)
+    model = pk.parallelize(copy.deepcopy(dense), g, g)
+    rows = torch.arange(4).tensor_split(g.data)[g.coords[0]]
+    triples: list[Triple] = []
+    for k in range(3):
+        gen = torch.Generator().manual_seed(k)
+        x = torch.randn(4, *shape, generator=gen, dtype=torch.float64)
+        target = torch.randint(0, 10, (4,), generator=gen)
+        if k == 2:
+            dense.zero_grad()
+            model.zero_grad()
+        (loss_fn(dense(x), target) / 4).backward()
+        local = model.no_sync() if (k == 0 and local_first) else contextlib.nullcontext()
+        with local:
+            (loss_fn(model(x[rows]), target[rows]) * g.data / 4).backward()
+        if k == 0 and local_first:
+            continue  # this rank's share only: nothing to compare yet
+        triples += _grads(f"backward {k}", model, dense)
+    return triples

@@ -206,3 +206,54 @@ def constructed_on_every_rank(comm: Communicator) -> list[Triple]:
         for name, p in layer.named_parameters():
             out.append((name, p.detach(), comm.broadcast(p.detach(), src=0)))
     return out
+
+
+def overlapped(comm: Communicator, *args, **kwargs) -> tuple[int, list]:
+    """``failures`` with SpatialParallelConv2d fetching its halo rows on a helper thread."""
+    from parallelkit.nn import SpatialParallelConv2d
+
+    SpatialParallelConv2d.overlap = True
+    try:
+        return failures(comm, *args, **kwargs)
+    finally:
+        SpatialParallelConv2d.overlap = False
+
+
+def edges_left_out(comm: Communicator, size: tuple[int, int], grid=None) -> list[str]:
+    """Negative control of the edge path: with the halo rows' terms not added to the block's
+    edge rows, the output and the gradients must not match."""
+    from parallelkit.nn import spatial_edges
+
+    real = spatial_edges.add_halo_terms
+    spatial_edges.add_halo_terms = lambda y, *args: y
+    try:
+        _, bad = failures(comm, "conv", [dict(kernel_size=3, padding=1)], size, grid)
+    finally:
+        spatial_edges.add_halo_terms = real
+    return bad
+
+
+def saved_bytes(comm: Communicator, hw: tuple[int, int], grid=None) -> dict[str, int]:
+    """What a spatial 3x3 convolution keeps for backward beyond its parameters and its input
+    block (which the previous layer saves anyway), measured with saved_tensors_hooks: the
+    edge path keeps only thin slabs, where assembling the halo-extended block kept a copy."""
+    from parallelkit.nn import SpatialParallelConv2d
+
+    torch.manual_seed(0)
+    dense = nn.Conv2d(8, 8, 3, padding=1).double()
+    layer = SpatialParallelConv2d.from_dense(dense, comm, grid)
+    x = torch.randn(2, 8, *hw, dtype=torch.float64)
+    x_blk = pk.spatial.scatter(x, comm, grid).requires_grad_()
+    known = {x_blk.data_ptr(), layer.weight.data_ptr()}
+    extra: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.data_ptr() not in known:
+            extra.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x_blk)
+    block = x_blk.numel() * x_blk.element_size()
+    rows = x_blk.shape[2] if grid is None or grid[0] > 1 else x_blk.shape[3]
+    return {"extra": sum(extra), "block": block, "row": block // rows}

@@ -20,6 +20,7 @@ from network_cases import (
     FORWARD_CODE,
     NETWORKS,
     REFUSED,
+    accumulated_grads,
     block_outputs,
     chained,
     drop_in,
@@ -202,3 +203,12 @@ def test_spatial_output_must_be_whole_or_blocks():
 def test_the_whole_size_travels_with_the_blocks(ranks, size, grid):
     for in_step, direct in ranks(size).run(host_exchanges_per_step, grid):
         assert (in_step, direct > 0) == (0, True)
+
+
+@pytest.mark.parametrize("local_first", [False, True])
+@pytest.mark.parametrize(
+    ("size", "grid"), [(2, dict(rows=2)), (4, dict(data=2, rows=2)), (2, dict(data=2))]
+)
+def test_gradients_accumulate_as_in_the_dense_model(ranks, size, grid, local_first):
+    for triples in ranks(size).run(accumulated_grads, grid, local_first):
+        assert triples and assert_triples(triples) is None

@@ -15,8 +15,11 @@ from spatial_cases import (
     constructed_on_every_rank,
     conv_configs,
     conv_transpose_configs,
+    edges_left_out,
     failures,
     other_failures,
+    overlapped,
+    saved_bytes,
     scatter_gather,
 )
 
@@ -109,3 +112,30 @@ def test_scatter_gather(ranks, size, grid):
 def test_parameters_start_as_rank_0s(ranks):
     for triples in ranks(3).run(constructed_on_every_rank):
         assert_triples(triples)
+
+
+@pytest.mark.parametrize(("size", "grid"), [(2, None), (3, None), (3, (1, 3))])
+def test_conv_with_the_halo_fetched_during_the_block(ranks, size, grid):
+    """overlap=True: the halo rows arrive on a helper thread while the block is convolved."""
+    configs = [c for c in CONVS if c["stride"] == 1][::2]
+    _check(ranks(size).run(overlapped, "conv", configs, (11, 9), grid, timeout=300), 20)
+
+
+@pytest.mark.parametrize(
+    ("size", "hw", "grid"), [(2, (8, 5), None), (3, (11, 6), None), (2, (5, 8), (1, 2))]
+)
+def test_edge_path_without_the_halo_terms_does_not_match(ranks, size, hw, grid):
+    for bad in ranks(size).run(edges_left_out, hw, grid):
+        assert any("output" in b for b in bad) and any("input grad" in b for b in bad), bad
+
+
+@pytest.mark.parametrize(("size", "grid"), [(2, None), (2, (1, 2)), (4, (2, 2))])
+def test_spatial_conv_saves_little_beyond_its_block(ranks, size, grid):
+    """Saved for backward beyond the input block and the weight: the edge path (one split
+    dimension) keeps at most two slabs of 3 rows; a 2x2 grid still assembles the
+    halo-extended block (a control that the measurement sees a copy)."""
+    for saved in ranks(size).run(saved_bytes, (24, 20), grid):
+        if grid == (2, 2):
+            assert saved["extra"] > saved["block"], saved
+        else:
+            assert 0 < saved["extra"] <= 2 * 3 * saved["row"], saved

@@ -32,6 +32,7 @@ from torch import nn
 import parallelkit.functional as pkf
 from parallelkit.comm import Communicator, tensor_split_sizes
 from parallelkit.geometry import Window, conv_padding, starts, transposed_needs
+from parallelkit.nn import spatial_edges
 from parallelkit.spatial import layout
 from parallelkit.spatial.grid import SpatialGrid, grid_of
 
@@ -134,7 +135,14 @@ class SpatialParallelConv2d(nn.Conv2d):
     Forward: fetch the halo, convolve with no padding; backward: return the halo gradients and
     sum the parameter gradients over the grid. Constructed directly, every rank must construct
     it: the parameters start as rank 0's.
+
+    A stride-1 "same" convolution along the one split dimension skips the fetch: it convolves
+    the block as it is and adds the halo rows' terms to its edge rows
+    (:mod:`parallelkit.nn.spatial_edges`), copying nothing; ``overlap = True`` fetches those
+    rows on a helper thread while the block is convolved.
     """
+
+    overlap = False
 
     def __init__(
         self,
@@ -181,9 +189,13 @@ class SpatialParallelConv2d(nn.Conv2d):
                 f"{type(self).__name__}: input has {x_blk.shape[1]} channels, expected "
                 f"{self.in_channels} (block shape {tuple(x_blk.shape)})"
             )
-        x_halo, out_hw, pad = _fetch(x_blk, self.grid, self.windows, size, native=True)
         weight = layout.replicated(self.weight, self.comm)
         bias = None if self.bias is None else layout.replicated(self.bias, self.comm)
+        if (edges := spatial_edges.plan(self.grid, self.windows, size)) is not None:
+            return spatial_edges.conv2d(
+                x_blk, weight, bias, self.windows, self.groups, self.grid, edges, self.overlap
+            )
+        x_halo, out_hw, pad = _fetch(x_blk, self.grid, self.windows, size, native=True)
         if min(out_hw) == 0:
             return _empty_output(x_halo, self.out_channels, out_hw, x_halo, weight, bias)
         return F.conv2d(x_halo, weight, bias, self.stride, pad, self.dilation, self.groups)

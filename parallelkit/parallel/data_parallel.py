@@ -109,7 +109,10 @@ class DataParallel(nn.Module):
                 p.register_post_accumulate_grad_hook(
                     functools.partial(self._on_grad_ready, len(self._params) - 1)
                 )
+                if self.replicas < self.comm.size and c is self.comm:
+                    p.register_hook(self._grads_to_shares)
         self._require_sync = True
+        self._whole_grads = False  # replicas span several ranks and .grad holds whole sums
         self._rebuild_pending = True
         self._build_buckets(list(reversed(range(len(self._params)))))
 
@@ -118,6 +121,20 @@ class DataParallel(nn.Module):
         if self.broadcast_buffers and self.training and self.comm.size > 1:
             _broadcast_coalesced(list(self.module.buffers()), self.comm)
         return self.module(*args, **kwargs)
+
+    def _grads_to_shares(self, grad: torch.Tensor) -> torch.Tensor:
+        """Before the first gradient of a backward is accumulated: gradients kept from a
+        synchronized backward (accumulation without zero_grad) are whole, the same on every
+        rank of a replica, and the coming sum over the replica's ranks would count them once
+        per rank, so each rank keeps its share of them."""
+        if self._whole_grads:
+            self._whole_grads = False
+            shares = self.comm.size // self.replicas
+            with torch.no_grad():
+                for p, c in zip(self._params, self._comms, strict=True):
+                    if p.grad is not None and c is self.comm:
+                        p.grad.div_(shares)
+        return grad
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -234,6 +251,7 @@ class DataParallel(nn.Module):
             self._copy_out(k)
         if self._rebuild_pending:
             self._rebuild(self._arrival + missing)
+        self._whole_grads = self.replicas < self.comm.size
         self._reset()
 
     def _copy_out(self, k: int) -> None:
