@@ -109,7 +109,7 @@ def _empty_output(
     y = x.new_zeros(x.shape[0], channels, *hw)
     for p in params:
         if p is not None:
-            y = y + 0 * p.sum()
+            y = y + (0 * p).sum()  # a full zero gradient for p, not an expanded one
     return y
 
 
