@@ -48,6 +48,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     net.add_argument("--latency", type=float, help="microseconds per message (with --bandwidth)")
     comp = p.add_argument_group("compute (default: measured here)")
     comp.add_argument("--flop-rate", type=float, help="GFLOP/s of one rank's device")
+    comp.add_argument("--byte-rate", type=float, help="GB/s of its memory (default: GFLOP/s / 10)")
     comp.add_argument(
         "--cores", type=float, help="cores the ranks share (default: this machine's with the probe)"
     )
@@ -96,7 +97,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
     nets = walk.build(args.model, args.image_size, args.classes, args.stem)
     if args.flop_rate:
-        profiles = [measure.from_flops(n, args.flop_rate * 1e9) for n in nets]
+        byte_rate = (args.byte_rate or args.flop_rate / 10) * 1e9
+        profiles = [measure.from_flops(n, args.flop_rate * 1e9, byte_rate) for n in nets]
     else:
         import torch
 
