@@ -7,7 +7,8 @@
 Reads the measured runs (default benchmarks/results/train.json: images/s and peak memory per
 model, strategy and rank count), then does what ``parallelkit plan`` does once per model:
 walks the network, times its layers on one rank at the smallest per-rank batch of the runs,
-probes the network between two local gloo ranks and measures a bare rank's memory. It
+probes the network between two local gloo ranks, measures a bare rank's memory and one
+1-rank training step's peak memory at that batch (the memory model's calibration). It
 predicts every measured configuration with the same grid (dense = 1 rank, data, spatial =
 rows, channel, hybrid = 2 data x 2 rows) and reports:
 
@@ -17,10 +18,12 @@ rows, channel, hybrid = 2 data x 2 rows) and reports:
 - per model and rank count: the strategy the plan ranks first among those measured, and
   whether it was the measured fastest.
 
-Two predictions per configuration: with the machine's cores (what a user gets: the plan
-cannot know the load to come), and with the cores that the run's other processes left free
-(train.json records their load per run), which shows how much of the error is the shared
-machine. Saves benchmarks/results/plan_vs_measured.md and .json (``--out``).
+Two predictions per configuration: on the machine's cores alone (what a user gets: the plan
+cannot know the load to come), and sharing them with the load that other processes put on
+the machine during that run (train.json records it per run), which shows how much of the
+error is the shared machine. Compute is measured as CPU time, so the probe itself does not
+depend on the load while it runs. Saves benchmarks/results/plan_vs_measured.md and .json
+(``--out``).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import torch
 
 from parallelkit.plan import measure, network, walk
 from parallelkit.plan.command import baseline_mib
-from parallelkit.plan.cost import Estimate, Machine, Option, estimate
+from parallelkit.plan.cost import Estimate, Machine, Option, calibrate, estimate
 
 from _common import command_line, environment, library_state, save
 
@@ -72,16 +75,17 @@ def predict(measured: dict[str, Any], nproc: int) -> tuple[list[dict], dict[str,
     base = baseline_mib()
     link = network.probe()
     torch.set_num_threads(1)
-    nets, profiles = {}, {}
+    nets, profiles, overhead = {}, {}, {}
     for key in sorted({r["model"] for r in rows}):
         name, size, stem = MODELS[key]
-        batch = min(r["batch"] // r["ranks"] for r in rows if r["model"] == key)
+        batch = max(1, min(r["batch"] // r["ranks"] for r in rows if r["model"] == key))
         nets[key] = walk.build(name, size, stem=stem)
-        profiles[key] = [measure.measure(n, max(1, batch)) for n in nets[key]]
+        profiles[key] = [measure.measure(n, batch) for n in nets[key]]
+        peak = measure.peak_mib(name, size, 10, stem, batch)
+        overhead[key] = calibrate(nets[key], batch, Machine(baseline_mib=base), peak).overhead_mib
     out = []
     for r in rows:
         opt = grid_of(r["strategy"], r["ranks"])
-        free = max(0.5, nproc - r["other_load_cores"])
         est = {
             label: estimate(
                 nets[r["model"]],
@@ -89,14 +93,15 @@ def predict(measured: dict[str, Any], nproc: int) -> tuple[list[dict], dict[str,
                 opt,
                 r["batch"],
                 link,
-                Machine(cores=cores, baseline_mib=base),
+                Machine(nproc, base, overhead[r["model"]], load),
             )
-            for label, cores in (("nominal", nproc), ("load", free))
+            for label, load in (("nominal", 0.0), ("load", r["other_load_cores"]))
         }
         out.append(_row(r, est))
     inputs = {
         "network": link.as_dict(),
         "baseline_mib": base,
+        "overhead_mib": overhead,
         "profiles": {k: [p.source for p in v] for k, v in profiles.items()},
     }
     return out, inputs
@@ -158,7 +163,7 @@ def summary(rows: list[dict], picks: list[dict]) -> dict[str, Any]:
 def table(rows: list[dict]) -> str:
     lines = [
         "| model | strategy | ranks | other load (cores) | measured step (s) | predicted "
-        "(s): compute + exchange + reductions | error | predicted with the run's free cores (s) "
+        "(s): compute + exchange + reductions | error | predicted with the run's other load (s) "
         "| error | measured MiB/rank | predicted MiB/rank | error |",
         "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
@@ -178,7 +183,7 @@ def table(rows: list[dict]) -> str:
 def picks_table(picks: list[dict]) -> str:
     lines = [
         "| model | ranks | measured fastest | plan's pick | hit | pick's measured slowdown "
-        "| plan's pick (free cores) | hit |",
+        "| plan's pick (with the other load) | hit |",
         "|---|--:|---|---|---|--:|---|---|",
     ]
     for p in picks:
@@ -204,20 +209,23 @@ def report(rows, picks, summ, inputs, env, measured_path, seconds) -> str:
             f"{env['measured_date']}, {env['measured_parallelkit']})",
             f"- network probe: {link['latency_s'] * 1e6:.0f} us latency, "
             f"{link['bandwidth_Bps'] / 1e9:.2f} GB/s; process baseline "
-            f"{inputs['baseline_mib']:.0f} MiB; compute: "
+            f"{inputs['baseline_mib']:.0f} MiB; memory beyond the tensors of a 1-rank step "
+            "(measured at the probe batch): "
+            + ", ".join(f"{k} {v:.0f} MiB" for k, v in inputs["overhead_mib"].items())
+            + "; compute: "
             + "; ".join(f"{k}: {', '.join(v)}" for k, v in inputs["profiles"].items()),
             "",
             "## Summary",
             "",
             "- median absolute error of the step time: "
             f"{summ['median_abs_time_error_nominal']:.0%} "
-            f"(goal {GOAL_TIME:.0%}); with the cores the other processes left free during each "
+            f"(goal {GOAL_TIME:.0%}); with the load other processes put on the cores during each "
             f"run: {summ['median_abs_time_error_load']:.0%}",
             f"- median absolute error of the peak memory per rank: "
             f"{summ['median_abs_memory_error']:.0%} (goal {GOAL_MEMORY:.0%})",
             f"- the plan's first choice was the measured fastest in "
             f"{summ['recommendation_hits_nominal']} of {summ['groups']} (model, ranks) groups "
-            f"({summ['recommendation_hits_load']} of {summ['groups']} with the free cores)",
+            f"({summ['recommendation_hits_load']} of {summ['groups']} with the runs' other load)",
             "",
             "## Per configuration",
             "",

@@ -7,7 +7,8 @@
         --bandwidth 25 --latency 2 --flop-rate 20000
 
 Compute is measured here on one rank (each layer's forward and backward at the real size, a
-few seconds) unless ``--flop-rate`` (GFLOP/s of a device not at hand) is given. The network is
+few seconds), and so is the memory a real step takes beyond its tensors (one 1-rank step in
+a fresh process), unless ``--flop-rate`` (GFLOP/s of a device not at hand) is given. The network is
 probed here between two local ranks (a few seconds) unless ``--preset`` or ``--bandwidth`` and
 ``--latency`` describe one. With the probe, the ranks share this machine's cores; otherwise
 each rank is taken to have a device of its own (``--cores`` overrides either).
@@ -26,7 +27,7 @@ import sys
 from pathlib import Path
 
 from parallelkit.plan import measure, network, walk
-from parallelkit.plan.cost import Machine
+from parallelkit.plan.cost import Machine, calibrate
 from parallelkit.plan.planner import Plan, plan, table
 
 PROG = "parallelkit plan"
@@ -111,6 +112,10 @@ def make_plan(args: argparse.Namespace) -> Plan:
     )
     base = args.baseline_mib if args.baseline_mib is not None else baseline_mib()
     machine = Machine(cores=cores, baseline_mib=base)
+    if not args.flop_rate:  # this machine: calibrate the memory model on one rank
+        b = max(1, args.batch // args.ranks)
+        peak = measure.peak_mib(args.model, args.image_size, args.classes, args.stem, b)
+        machine = calibrate(nets, b, machine, peak)
     return plan(nets, profiles, args.batch, args.ranks, link, machine, args.model, args.image_size)
 
 

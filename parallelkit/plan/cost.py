@@ -22,8 +22,9 @@ strategy does per step follows ``pk.parallelize`` (``parallelkit/parallel/parall
                     all-reduce of two sums backward (SyncBatchNorm)
 
 Ranks that outnumber the cores share them: compute (and a local network's messages) slow by
-``ranks / cores``. Memory per rank: the process baseline, parameters + gradients + momentum
-(+ DataParallel's flat bucket buffers), the activations autograd keeps (each leaf's output,
+``(ranks + other processes' load) / cores``. Memory per rank: the process baseline,
+parameters + gradients + momentum (+ DataParallel's flat bucket buffers), the activations
+autograd keeps (each leaf's output,
 the rank's share of it under spatial parallelism plus the fetched halo block each
 convolution saves), and the largest activation gradient twice (backward's working set).
 
@@ -110,11 +111,24 @@ def _divisors(n: int) -> list[int]:
 
 @dataclass(frozen=True)
 class Machine:
-    """Where the ranks run: ``cores`` they share (None: one device each, no sharing) and the
-    memory of a rank's process before any model (interpreter, torch, parallelkit)."""
+    """Where the ranks run: ``cores`` they share (None: one device each, no sharing), the
+    memory of a rank's process before any model (interpreter, torch, parallelkit), and the
+    memory a step takes beyond its tensors (see :func:`calibrate`)."""
 
     cores: float | None = None
     baseline_mib: float = 0.0
+    # What a real step holds beyond the model's tensors (allocator caches, kernels'
+    # workspaces): a 1-rank step's measured peak less this model's prediction for it.
+    overhead_mib: float = 0.0
+    # Cores that other processes keep busy meanwhile; they share the cores fairly (Linux's
+    # scheduler), so each rank gets cores / (ranks + other_load) of one when oversubscribed.
+    other_load: float = 0.0
+
+    def slowdown(self, ranks: int) -> float:
+        """How much longer a rank's compute takes than on a core of its own."""
+        if self.cores is None:
+            return 1.0
+        return max(1.0, (ranks + self.other_load) / self.cores)
 
 
 @dataclass
@@ -322,6 +336,7 @@ def memory(nets: Sequence[Net], opt: Option, batch: int, machine: Machine) -> di
         "parameters, gradients, optimizer": state / MIB,
         "activations": live / MIB,
         "backward working set": working / MIB,
+        "allocator and workspaces": machine.overhead_mib,
     }
 
 
@@ -342,7 +357,7 @@ def estimate(
     est = Estimate(opt)
     if batch % opt.data:
         est.problems.append(f"global batch {batch} does not split over {opt.data} data ranks")
-    slow = 1.0 if machine.cores is None else max(1.0, opt.ranks / machine.cores)
+    slow = machine.slowdown(opt.ranks)
     link_slow = slow if link.shares_cores else 1.0
     for net, prof in zip(nets, profiles, strict=True):
         compute = compute_seconds(net, prof, opt, batch)
@@ -352,6 +367,15 @@ def estimate(
         est.reductions_s += reduction_seconds(net, prof, opt, batch, link, backward) * link_slow
     est.memory_mib = memory(nets, opt, batch, machine)
     return est
+
+
+def calibrate(nets: Sequence[Net], batch: int, machine: Machine, peak_mib: float) -> Machine:
+    """``machine`` with the overhead that makes the 1-rank prediction at ``batch`` equal
+    ``peak_mib``, a 1-rank step's measured peak (never below zero)."""
+    bare = Machine(machine.cores, machine.baseline_mib)
+    predicted = sum(memory(nets, Option(), batch, bare).values())
+    over = max(0.0, peak_mib - predicted)
+    return Machine(machine.cores, machine.baseline_mib, over, machine.other_load)
 
 
 def rank(estimates: Sequence[Estimate]) -> list[Estimate]:

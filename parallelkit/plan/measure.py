@@ -54,14 +54,18 @@ def from_flops(
 
 # ---------------------------------------------------------------------------- measuring
 def _time(fn, repeats: int) -> float:
-    """Least seconds of ``repeats`` calls of ``fn`` after one warm-up call (the least is the
-    least disturbed by other processes on a shared machine)."""
+    """Least CPU seconds of this thread over ``repeats`` calls of ``fn`` after one warm-up.
+
+    CPU time, not wall time: what the layer costs a core of its own, whatever other processes
+    do meanwhile on a shared machine (the cost model adds the sharing of cores back:
+    :class:`parallelkit.plan.cost.Machine`). One compute thread, as the ranks run.
+    """
     fn()
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = time.thread_time()
         fn()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, time.thread_time() - start)
     return best
 
 
@@ -113,3 +117,38 @@ def _optimizer_seconds(model: nn.Module) -> float:
     seconds = _time(opt.step, 2)
     model.zero_grad(set_to_none=True)
     return seconds / max(1, sum(p.numel() for p in params))
+
+
+# ---------------------------------------------------------------------------- memory
+_PEAK_CODE = """
+import re, sys, torch
+from parallelkit.plan.walk import build
+torch.set_num_threads(1)
+name, stem = sys.argv[1], sys.argv[4]
+size, classes, batch = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[5])
+for net in build(name, size, classes, stem):
+    model = net.model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-9, momentum=0.9, weight_decay=5e-4)
+    for _ in range(2):
+        outs = [model(torch.randn(batch, *net.input_shape)) for _ in range(min(net.passes, 2))]
+        sum(o.float().sum() for o in outs).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+status = open("/proc/self/status").read()
+print(int(re.search(r"VmHWM:\\s+(\\d+)", status).group(1)) / 1024)
+"""
+
+
+def peak_mib(name: str, image_size: int, classes: int, stem: str, batch: int) -> float:
+    """Peak resident memory (MiB) of a fresh process that trains model ``name`` for two steps
+    at ``batch`` images on one rank (VmHWM: Linux carries a parent's peak into a child's
+    ru_maxrss, not its VmHWM)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    argv = [name, str(image_size), str(classes), stem, str(batch)]
+    out = subprocess.run([sys.executable, "-c", _PEAK_CODE, *argv], capture_output=True,
+                         text=True, check=True, env=env)  # fmt: skip
+    return float(out.stdout)
