@@ -6,6 +6,8 @@ parallelkit train [--config FILE] [--resume] [key=value ...]
 parallelkit data shard SRC OUT --samples-per-shard N
                         write a data set as WebDataset tar shards
 parallelkit info        versions, available backends and what ``pk.init("auto")`` would pick
+parallelkit plan --model M --image-size S --batch B --ranks N [--json PATH]
+                        predicted step time and memory of every grid, ranked (parallelkit.plan)
 """
 
 from __future__ import annotations
@@ -98,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     # train and data hand the rest of the line to their own parsers.
     if argv[:1] == ["train"]:
         return train(argv[1:])
+    if argv[:1] == ["plan"]:
+        from parallelkit.plan.command import main as plan_main
+
+        return plan_main(argv[1:])
     if argv[:2] == ["data", "shard"]:
         from parallelkit.data import shard_main
 
@@ -106,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, backends, and what pk.init('auto') picks")
     sub.add_parser("train", help="train a network (parallelkit train --help)")
+    sub.add_parser("plan", help="rank the grids for a model (parallelkit plan --help)")
     data = sub.add_parser("data", help="data tools (parallelkit data shard --help)")
     data.add_subparsers(dest="data_command", required=True).add_parser(
         "shard", help="write WebDataset tar shards"

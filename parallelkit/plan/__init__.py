@@ -1,0 +1,44 @@
+"""``parallelkit plan``: a cost model that predicts, for a model, an image size, a global batch
+and N ranks, each grid's step time (compute, exchange, reductions) and peak memory per rank,
+and recommends the fastest.
+
+(The modules ``walk`` and ``measure`` keep their functions of the same names; import them
+from there: ``parallelkit.plan.measure.measure``.)
+
+It lives beside the layers it models and imports only what it reads (the geometry, the model
+constructors); nothing in training depends on it. One idea per module:
+
+    walk      the model's leaf layers, shapes, FLOPs and parameters (a meta-device forward)
+    measure   per-layer compute: timed on one rank, or FLOPs over a rate
+    network   latency + bytes / bandwidth: probed here, given, or a preset (NVLink, IB, ICI)
+    cost      step time and memory of one grid, from the three above (pure arithmetic)
+    planner   every grid ranked; the table and the JSON
+    command   the ``parallelkit plan`` command line
+
+Its accuracy on this machine is in benchmarks/results/plan_vs_measured.md.
+"""
+
+from parallelkit.plan.cost import Estimate, Machine, Option, estimate, options
+from parallelkit.plan.measure import Profile, from_flops
+from parallelkit.plan.network import PRESETS, Network, probe
+from parallelkit.plan.planner import Plan, plan, table
+from parallelkit.plan.walk import Layer, Net, build
+
+__all__ = [
+    "PRESETS",
+    "Estimate",
+    "Layer",
+    "Machine",
+    "Net",
+    "Network",
+    "Option",
+    "Plan",
+    "Profile",
+    "build",
+    "estimate",
+    "from_flops",
+    "options",
+    "plan",
+    "probe",
+    "table",
+]

@@ -1,0 +1,383 @@
+"""The cost model: step time (compute, exchange, reductions) and peak memory per rank of one
+network under one process grid, from the walk's layers, a compute profile and a network.
+
+Pure arithmetic: no torch, no processes, so every term can be tested by hand. What each
+strategy does per step follows ``pk.parallelize`` (``parallelkit/parallel/parallelize.py``):
+
+    grid            compute per rank                  exchange                  reductions
+    data  d         the layers on batch/d images       -                         gradients: one
+                                                                                 bucketed all-reduce
+                                                                                 (25 MiB buckets)
+                                                                                 overlapped with
+                                                                                 backward
+    spatial r x c   region layers on the rank's block  per conv/pool: halo rows  parameter grads of
+                    (output rows / H), the rest whole  forward and back          region layers:
+                                                       (geometry.Window.plan);   one all-reduce
+                                                       a sizes all-gather;       each over r x c
+                                                       gather at region end
+    channel k       convolutions by k (their output    per conv: all-gather of   -
+                    or input channels), the rest whole y (fwd), all-reduce of
+                                                       dx (bwd)
+    every grid      BatchNorm over data x spatial: one all-gather of (n, mean, M2) forward, one
+                    all-reduce of two sums backward (SyncBatchNorm)
+
+Ranks that outnumber the cores share them: compute (and a local network's messages) slow by
+``(ranks + other processes' load) / cores``. Memory per rank: the process baseline,
+parameters + gradients + momentum (+ DataParallel's flat bucket buffers), the activations
+autograd keeps (each leaf's output,
+the rank's share of it under spatial parallelism plus the fetched halo block each
+convolution saves), and the largest activation gradient twice (backward's working set).
+
+Legend: ``b`` images per rank, ``s`` spatial ranks (rows x cols), ``k`` channel ranks, ``d``
+data ranks; bytes are fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from parallelkit.geometry import Window, blocks, received_rows, starts, transposed_needs
+from parallelkit.plan.measure import Profile
+from parallelkit.plan.network import Network
+from parallelkit.plan.walk import Layer, Net
+
+F32 = 4
+MIB = 1 << 20
+BUCKET_BYTES = 25 * MIB  # DataParallel's default bucket_cap_mb
+
+
+@dataclass(frozen=True)
+class Option:
+    """A process grid: ``data x rows x cols x channel`` ranks."""
+
+    data: int = 1
+    rows: int = 1
+    cols: int = 1
+    channel: int = 1
+
+    @property
+    def ranks(self) -> int:
+        return self.data * self.rows * self.cols * self.channel
+
+    @property
+    def spatial(self) -> int:
+        return self.rows * self.cols
+
+    @property
+    def strategy(self) -> str:
+        """What ``parallelkit train``'s ``parallel.strategy`` calls it."""
+        model = self.spatial * self.channel
+        if model == 1:
+            return "data" if self.data > 1 else "dense"
+        if self.data > 1:
+            return "hybrid"
+        return "spatial" if self.spatial > 1 else "channel"
+
+    @property
+    def label(self) -> str:
+        parts = [
+            f"{v} {n}"
+            for n, v in (
+                ("data", self.data),
+                ("rows", self.rows),
+                ("cols", self.cols),
+                ("channel", self.channel),
+            )
+            if v > 1
+        ]
+        return " x ".join(parts) or "1 rank"
+
+
+def options(ranks: int) -> list[Option]:
+    """Every grid of ``ranks`` ranks that ``pk.parallelize`` takes (spatial and channel
+    parallelism are not combined)."""
+    out = []
+    for d in _divisors(ranks):
+        rest = ranks // d
+        for r in _divisors(rest):
+            for c in _divisors(rest // r):
+                k = rest // r // c
+                if r * c > 1 and k > 1:
+                    continue
+                out.append(Option(d, r, c, k))
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [i for i in range(1, n + 1) if n % i == 0]
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Where the ranks run: ``cores`` they share (None: one device each, no sharing), the
+    memory of a rank's process before any model (interpreter, torch, parallelkit), and the
+    memory a step takes beyond its tensors (see :func:`calibrate`)."""
+
+    cores: float | None = None
+    baseline_mib: float = 0.0
+    # What a real step holds beyond the model's tensors (allocator caches, kernels'
+    # workspaces): a 1-rank step's measured peak less this model's prediction for it.
+    overhead_mib: float = 0.0
+    # Cores that other processes keep busy meanwhile; they share the cores fairly (Linux's
+    # scheduler), so each rank gets cores / (ranks + other_load) of one when oversubscribed.
+    other_load: float = 0.0
+
+    def slowdown(self, ranks: int) -> float:
+        """How much longer a rank's compute takes than on a core of its own."""
+        if self.cores is None:
+            return 1.0
+        return max(1.0, (ranks + self.other_load) / self.cores)
+
+
+@dataclass
+class Estimate:
+    """Predicted step (seconds) and peak memory per rank (MiB) of one grid."""
+
+    option: Option
+    compute_s: float = 0.0
+    exchange_s: float = 0.0
+    reductions_s: float = 0.0
+    memory_mib: dict[str, float] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.exchange_s + self.reductions_s
+
+    @property
+    def peak_mib(self) -> float:
+        return sum(self.memory_mib.values())
+
+    @property
+    def feasible(self) -> bool:
+        return not self.problems
+
+
+# ---------------------------------------------------------------------------- geometry
+def spatial_share(layer: Layer, opt: Option) -> float:
+    """The largest share of the layer's output that one rank computes (1 outside the region)."""
+    if not layer.spatial or opt.spatial == 1 or len(layer.out_shape) != 3:
+        return 1.0
+    share = 1.0
+    for n, parts in zip(layer.out_shape[1:], (opt.rows, opt.cols), strict=True):
+        share *= max(b - a for a, b in blocks(n, parts)) / n
+    return share
+
+
+def halo_rows(layer: Layer, dim: int, parts: int) -> tuple[int, int]:
+    """(rows the busiest rank receives from others, input rows it then holds) along spatial
+    ``dim`` (0: H, 1: W) of ``layer`` split over ``parts`` ranks; (0, block) when nothing moves.
+    """
+    n, m = layer.in_shape[1 + dim], layer.out_shape[1 + dim]
+    sizes = [b - a for a, b in blocks(n, parts)]
+    if parts == 1:
+        return 0, n
+    if layer.kind == "convT":
+        k, s, p, _, d = layer.window[dim]
+        out = [b - a for a, b in blocks(m, parts)]
+        want = [
+            transposed_needs(o, o + sz, n, k, s, p, d)
+            for o, sz in zip(starts(out), out, strict=True)
+        ]
+    else:
+        k, s, lo, hi, d = layer.window[dim]
+        _, _, want = Window(k, s, lo, hi, d).plan(n, parts)
+    got = received_rows(sizes, want)
+    r = max(range(parts), key=lambda i: got[i])
+    return got[r], max(hi - lo for lo, hi in want)
+
+
+def halo_bytes(layer: Layer, opt: Option, images: float) -> float:
+    """Bytes the busiest rank receives in the layer's forward halo exchange."""
+    if not layer.window or not layer.spatial or opt.spatial == 1:
+        return 0.0
+    c, h, w = layer.in_shape
+    rows, _ = halo_rows(layer, 0, opt.rows)
+    cols, _ = halo_rows(layer, 1, opt.cols)
+    h_blk = math.ceil(h / opt.rows)
+    w_blk = math.ceil(w / opt.cols)
+    return images * c * F32 * (rows * (w_blk + cols) + cols * h_blk)
+
+
+# ---------------------------------------------------------------------------- time
+def _channel_split(layer: Layer, k: int) -> str | None:
+    """How ``pk.parallelize`` splits the layer over ``k`` channel ranks (parallelize's
+    ``_channel_layer``): "out", "in", or None (stays dense)."""
+    if k == 1 or layer.kind not in ("conv", "convT"):
+        return None
+    out_c, in_c = layer.out_shape[0], layer.in_shape[0]
+    if layer.kind == "convT":
+        return None if layer.groups != 1 else "out" if out_c >= k else "in" if in_c >= k else None
+    if layer.groups != 1 and layer.groups < k:
+        return None
+    if out_c >= k:
+        return "out"
+    return "in" if in_c >= k and layer.groups == 1 else None
+
+
+def compute_seconds(net: Net, prof: Profile, opt: Option, batch: int) -> float:
+    """One rank's compute for one step of ``net`` (all its passes and its optimizer step),
+    on a core of its own."""
+    b = batch / opt.data
+    per_image = 0.0
+    for layer, t in zip(net.layers, prof.layer_s, strict=True):
+        share = spatial_share(layer, opt)
+        if _channel_split(layer, opt.channel):
+            share /= opt.channel
+        per_image += t * share
+    per_image += prof.other_s / opt.spatial  # elementwise work in the region, mostly
+    return net.passes * b * per_image + params_per_rank(net, opt) * prof.optimizer_s_per_param
+
+
+def params_per_rank(net: Net, opt: Option) -> float:
+    """Parameters one rank holds: channel-split convolutions hold 1/k of their weights."""
+    split = sum(layer.params for layer in net.layers if _channel_split(layer, opt.channel))
+    return net.params - split + split / opt.channel
+
+
+def exchange_seconds(net: Net, opt: Option, batch: int, link: Network) -> float:
+    """Activation traffic of one step: halos and region ends (spatial), gathered and reduced
+    activations (channel)."""
+    b, s, k = batch / opt.data, opt.spatial, opt.channel
+    total, in_region = 0.0, False
+    for i, layer in enumerate(net.layers):
+        if s > 1 and layer.spatial and layer.window:
+            nbytes = halo_bytes(layer, opt, b)
+            # forward fetch and backward return; each from up to two neighbours per dim
+            total += 2 * (2 * link.latency_s + nbytes / link.bandwidth_Bps)
+            total += link.all_gather(8 * s, s)  # the blocks' sizes
+        if s > 1 and in_region and not layer.spatial:  # the region ends: gather or global pool
+            total += link.all_gather(b * layer.in_numel * F32, s)
+        in_region = layer.spatial
+        split = _channel_split(layer, k)
+        x_bytes, y_bytes = b * layer.in_numel * F32, b * layer.out_numel * F32
+        needs_dx = i > 0 or net.input_grad
+        if split == "out":
+            total += link.all_gather(y_bytes, k) + (link.all_reduce(x_bytes, k) if needs_dx else 0)
+        elif split == "in":
+            total += link.all_reduce(y_bytes, k) + (link.all_gather(x_bytes, k) if needs_dx else 0)
+    if s > 1 and in_region:  # the output stays split to the end: gathered
+        total += link.all_gather(b * net.layers[-1].out_numel * F32, s)
+    return net.passes * total
+
+
+def reduction_seconds(
+    net: Net, prof: Profile, opt: Option, batch: int, link: Network, backward_s: float
+) -> float:
+    """BatchNorm statistics, spatial parameter-gradient sums and DataParallel's all-reduce."""
+    s, group = opt.spatial, opt.data * opt.spatial
+    per_pass, per_grad_pass = 0.0, 0.0
+    for layer in net.layers:
+        if layer.kind == "norm" and group > 1:
+            c = layer.out_shape[0]
+            per_pass += link.all_gather(3 * c * F32 * group, group) + link.all_reduce(
+                2 * c * F32, group
+            )
+        if s > 1 and layer.spatial and layer.params:  # copy_to_group's backward, per tensor
+            ring = 2 * (s - 1)
+            per_grad_pass += layer.tensors * ring * link.latency_s
+            per_grad_pass += ring * layer.params * F32 / s / link.bandwidth_Bps
+    total = net.passes * per_pass + net.grad_passes * per_grad_pass
+    if opt.data > 1:
+        total += data_parallel_exposed(net, prof, opt, link, backward_s)
+    return total
+
+
+def data_parallel_exposed(
+    net: Net, prof: Profile, opt: Option, link: Network, backward_s: float
+) -> float:
+    """Seconds of DataParallel's all-reduce not hidden behind backward: buckets of 25 MiB
+    fill in reverse layer order as backward reaches them (spread over ``backward_s`` like the
+    layers' compute) and go out one after another."""
+    layers = [(layer, t) for layer, t in zip(net.layers, prof.layer_s, strict=True) if layer.params]
+    total_t = sum(t for _, t in layers) or 1.0
+    clock, fill, free = 0.0, 0.0, 0.0
+    scale = params_per_rank(net, opt) / max(net.params, 1)
+    for layer, t in reversed(layers):
+        clock += backward_s * t / total_t
+        fill += layer.params * scale * F32
+        if fill >= BUCKET_BYTES:
+            free = max(free, clock) + link.all_reduce(fill, opt.data)
+            fill = 0.0
+    if fill:
+        free = max(free, backward_s) + link.all_reduce(fill, opt.data)
+    return max(0.0, free - backward_s)
+
+
+# ---------------------------------------------------------------------------- memory
+def activation_bytes(net: Net, opt: Option, batch: int) -> float:
+    """What autograd keeps for backward on one rank: every leaf's output (its block under
+    spatial parallelism), plus the fetched input block each spatial convolution saves."""
+    b, total = batch / opt.data, 0.0
+    for layer in net.layers:
+        share = spatial_share(layer, opt)
+        if not layer.inplace:
+            total += b * layer.out_numel * F32 * share
+        if opt.spatial > 1 and layer.spatial and layer.window:
+            _, h = halo_rows(layer, 0, opt.rows)
+            _, w = halo_rows(layer, 1, opt.cols)
+            total += b * layer.in_shape[0] * h * w * F32
+    return total
+
+
+def memory(nets: Sequence[Net], opt: Option, batch: int, machine: Machine) -> dict[str, float]:
+    """Peak memory per rank, MiB, by part."""
+    params = sum(params_per_rank(net, opt) for net in nets)
+    state = params * F32 * (3 + (1 if opt.data > 1 else 0))
+    live = sum(min(net.passes, 2) * activation_bytes(net, opt, batch) for net in nets)
+    largest = max(
+        layer.out_numel * spatial_share(layer, opt) for net in nets for layer in net.layers
+    )
+    working = 2 * batch / opt.data * largest * F32
+    return {
+        "baseline": machine.baseline_mib,
+        "parameters, gradients, optimizer": state / MIB,
+        "activations": live / MIB,
+        "backward working set": working / MIB,
+        "allocator and workspaces": machine.overhead_mib,
+    }
+
+
+# ---------------------------------------------------------------------------- one grid
+def estimate(
+    nets: Sequence[Net],
+    profiles: Sequence[Profile],
+    opt: Option,
+    batch: int,
+    link: Network,
+    machine: Machine,
+) -> Estimate:
+    """Step time and memory per rank of ``nets`` (one training step runs them all) on ``opt``.
+
+    Grids that ``pk.parallelize`` takes but this batch does not fit are kept, with the reason
+    in ``problems``; they rank last.
+    """
+    est = Estimate(opt)
+    if batch % opt.data:
+        est.problems.append(f"global batch {batch} does not split over {opt.data} data ranks")
+    slow = machine.slowdown(opt.ranks)
+    link_slow = slow if link.shares_cores else 1.0
+    for net, prof in zip(nets, profiles, strict=True):
+        compute = compute_seconds(net, prof, opt, batch)
+        backward = compute * 2 / 3 / net.passes * slow  # the last pass's backward
+        est.compute_s += compute * slow
+        est.exchange_s += exchange_seconds(net, opt, batch, link) * link_slow
+        est.reductions_s += reduction_seconds(net, prof, opt, batch, link, backward) * link_slow
+    est.memory_mib = memory(nets, opt, batch, machine)
+    return est
+
+
+def calibrate(nets: Sequence[Net], batch: int, machine: Machine, peak_mib: float) -> Machine:
+    """``machine`` with the overhead that makes the 1-rank prediction at ``batch`` equal
+    ``peak_mib``, a 1-rank step's measured peak (never below zero)."""
+    bare = Machine(machine.cores, machine.baseline_mib)
+    predicted = sum(memory(nets, Option(), batch, bare).values())
+    over = max(0.0, peak_mib - predicted)
+    return Machine(machine.cores, machine.baseline_mib, over, machine.other_load)
+
+
+def rank(estimates: Sequence[Estimate]) -> list[Estimate]:
+    """Feasible grids fastest first, then the infeasible ones."""
+    return sorted(estimates, key=lambda e: (not e.feasible, e.step_s))

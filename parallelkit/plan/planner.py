@@ -1,0 +1,169 @@
+"""The plan: every grid for N ranks, costed and ranked, as a table and as JSON.
+
+    nets = walk.build("resnet18", 224)
+    profiles = [measure.measure(net, batch=2) for net in nets]     # or measure.from_flops
+    p = plan(nets, profiles, batch=8, ranks=4, link=network.probe(), machine=Machine(cores=2))
+    print(table(p)); p.recommended.option                            # Option(data=2, rows=2, ...)
+    Plan.from_dict(json.loads(json.dumps(p.to_dict())))             # the same plan
+
+The inputs are all injectable, so tests build a plan from made-up profiles and networks and no
+test ever times anything; ``parallelkit plan`` (:mod:`parallelkit.plan.command`) measures them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from parallelkit.plan.cost import Estimate, Machine, Option, estimate, options, rank
+from parallelkit.plan.measure import Profile
+from parallelkit.plan.network import Network
+from parallelkit.plan.walk import Net
+
+
+@dataclass
+class Plan:
+    """Ranked estimates (fastest feasible first) and what they were computed from."""
+
+    model: str
+    image_size: int
+    batch: int
+    ranks: int
+    link: Network
+    machine: Machine
+    compute: str  # where the compute profile came from
+    estimates: list[Estimate] = field(default_factory=list)
+
+    @property
+    def recommended(self) -> Estimate:
+        """The fastest grid that the batch fits (the first of the ranking)."""
+        return self.estimates[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "image_size": self.image_size,
+            "batch": self.batch,
+            "ranks": self.ranks,
+            "network": self.link.as_dict(),
+            "machine": asdict(self.machine),
+            "compute": self.compute,
+            "recommended": _estimate_dict(self.recommended, self.batch),
+            "ranking": [_estimate_dict(e, self.batch) for e in self.estimates],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        ests = [
+            Estimate(
+                Option(**e["grid"]),
+                e["compute_s"],
+                e["exchange_s"],
+                e["reductions_s"],
+                dict(e["memory_mib"]),
+                list(e["problems"]),
+            )
+            for e in d["ranking"]
+        ]
+        return cls(
+            d["model"],
+            d["image_size"],
+            d["batch"],
+            d["ranks"],
+            Network(**d["network"]),
+            Machine(**d["machine"]),
+            d["compute"],
+            ests,
+        )
+
+
+def _estimate_dict(e: Estimate, batch: int) -> dict[str, Any]:
+    return {
+        "strategy": e.option.strategy,
+        "grid": asdict(e.option),
+        "label": e.option.label,
+        "step_s": e.step_s,
+        "compute_s": e.compute_s,
+        "exchange_s": e.exchange_s,
+        "reductions_s": e.reductions_s,
+        "images_per_s": batch / e.step_s if e.step_s > 0 else None,
+        "memory_mib": e.memory_mib,
+        "peak_mib": e.peak_mib,
+        "feasible": e.feasible,
+        "problems": e.problems,
+    }
+
+
+def plan(
+    nets: Sequence[Net],
+    profiles: Sequence[Profile],
+    batch: int,
+    ranks: int,
+    link: Network,
+    machine: Machine,
+    model: str = "model",
+    image_size: int = 0,
+    grids: Sequence[Option] | None = None,
+) -> Plan:
+    """Cost every grid of ``ranks`` ranks (or ``grids``) and rank them."""
+    if batch < 1 or ranks < 1:
+        raise ValueError(f"plan: batch and ranks must be positive, got {batch} and {ranks}")
+    grids = options(ranks) if grids is None else grids
+    ests = rank([estimate(nets, profiles, g, batch, link, machine) for g in grids])
+    sources = sorted({p.source for p in profiles})
+    return Plan(model, image_size, batch, ranks, link, machine, ", ".join(sources), ests)
+
+
+# ---------------------------------------------------------------------------- the table
+def table(p: Plan) -> str:
+    """The ranking as aligned text, and the recommendation under it."""
+    link, m = p.link, p.machine
+    cores = "each rank on its own device" if m.cores is None else f"{m.cores:g} cores shared"
+    head = [
+        f"parallelkit plan: {p.model} {p.image_size}x{p.image_size}, global batch {p.batch}, "
+        f"{p.ranks} ranks",
+        f"network: {link.name}: {link.latency_s * 1e6:.1f} us latency, "
+        f"{link.bandwidth_Bps / 1e9:.3g} GB/s; compute: {p.compute}; {cores}; "
+        f"process baseline {m.baseline_mib:.0f} MiB",
+        "",
+    ]
+    cols = [
+        "#",
+        "strategy",
+        "grid",
+        "step s",
+        "compute",
+        "exchange",
+        "reductions",
+        "images/s",
+        "MiB/rank",
+        "note",
+    ]
+    rows = []
+    for i, e in enumerate(p.estimates, 1):
+        rows.append(
+            [
+                str(i),
+                e.option.strategy,
+                e.option.label,
+                f"{e.step_s:.3f}",
+                f"{e.compute_s:.3f}",
+                f"{e.exchange_s:.3f}",
+                f"{e.reductions_s:.3f}",
+                f"{p.batch / e.step_s:.2f}" if e.step_s else "-",
+                f"{e.peak_mib:.0f}",
+                "; ".join(e.problems),
+            ]
+        )
+    widths = [max(len(c), *(len(r[j]) for r in rows)) for j, c in enumerate(cols)]
+    fmt = lambda r: "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip()  # noqa: E731
+    best = p.recommended
+    tail = [
+        "",
+        f"recommended: {best.option.strategy} ({best.option.label}): {best.step_s:.3f} s per "
+        f"step, {p.batch / best.step_s:.2f} images/s, {best.peak_mib:.0f} MiB per rank"
+        if best.feasible
+        else "recommended: none (no grid fits; see the notes)",
+    ]
+    return "\n".join([*head, fmt(cols), *(fmt(r) for r in rows), *tail])
