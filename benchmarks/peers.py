@@ -330,18 +330,18 @@ def run_torch(n: int, cfg: dict, workdir: Path) -> tuple[list[dict], dict]:
 
 
 def chainer_time_rows(record: dict) -> list[dict]:
-    names = {
-        "bn": "ChainerMN MultiNodeBatchNormalization",
-        "conv": "ChainerMN parallel_convolution example",
-        "dp": "ChainerMN multi-node optimizer",
-    }
     return [
-        {"workload": w, "framework": names[w], "ranks": record["ranks"], **t}
-        for w, t in record["times"].items()
+        {"workload": w, "framework": v, "ranks": record["ranks"], **t}
+        for w, variants in record["times"].items()
+        for v, t in variants.items()
     ]
 
 
 TORCH_NAMES = {
+    ("bn", "local BatchNorm2d"): "torch local BatchNorm2d",
+    ("conv", "dense"): "torch dense Conv2d",
+    ("dp", "bare"): "torch bare (plain SGD)",
+    ("spatial", "dense"): "torch dense Conv2d",
     ("bn", "parallelkit"): "parallelkit SyncBatchNorm",
     ("conv", "parallelkit"): "parallelkit ChannelParallelConv2d",
     ("dp", "parallelkit"): "parallelkit DataParallel",

@@ -19,7 +19,10 @@ Three workloads, as ChainerMN offers them (its ``naive`` communicator, on CPU):
            outputs (a grouped convolution); written here after the example
     dp     chainermn.create_multi_node_optimizer(SGD): a small CNN, gradients averaged
 
-Exactness runs in float64 on the cases in the inputs; timing in float32 on the timing shapes.
+Exactness runs in float64 on the cases in the inputs; timing in float32 on the timing shapes,
+each ChainerMN variant alternating with its chainer baseline without communication (local
+BatchNormalization, the dense Convolution2D, plain SGD) in the same processes, so that the
+ratio of the two is ChainerMN's parallel overhead under the same load.
 """
 
 from __future__ import annotations
@@ -40,12 +43,14 @@ import chainer.links as L
 import chainermn
 import mpi4py
 import numpy as np
+from mpi4py import MPI
 
 # chainermn marks its collectives and links "experimental" with a warning on every call.
 warnings.filterwarnings("ignore", category=FutureWarning, module="chainer")
 
 WARMUP = 2
 MIN_ITERS = 2
+Step = Callable[[], object]
 
 
 # ---------------------------------------------------------------------------- timing
@@ -55,17 +60,26 @@ def time_block(fn: Callable[[], object], iters: int, comm: Any) -> float:
     start = time.perf_counter()
     for _ in range(iters):
         fn()
-    return comm.mpi_comm.allreduce(time.perf_counter() - start, op=mpi4py.MPI.MAX) / iters
+    return comm.mpi_comm.allreduce(time.perf_counter() - start, op=MPI.MAX) / iters
 
 
-def measure(fn: Callable[[], object], comm: Any, repeats: int, target_s: float) -> dict:
-    """Warm up, size the blocks to ~target_s, then time ``repeats`` blocks; median and all."""
-    for _ in range(WARMUP):
-        fn()
-    once = time_block(fn, 1, comm)
-    iters = max(MIN_ITERS, round(target_s / max(once, 1e-6)))
-    times = [time_block(fn, iters, comm) for _ in range(repeats)]
-    return {"s": statistics.median(times), "times": times, "iters": iters}
+def measure(steps: dict[str, Step], comm: Any, repeats: int, target_s: float) -> dict:
+    """Warm up, size the blocks to ~target_s, then time ``repeats`` blocks of every variant,
+    in order on even rounds and reversed on odd ones; the median of each and every block."""
+    iters = {}
+    for name, fn in steps.items():
+        for _ in range(WARMUP):
+            fn()
+        iters[name] = max(MIN_ITERS, round(target_s / max(time_block(fn, 1, comm), 1e-6)))
+    names = list(steps)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            times[name].append(time_block(steps[name], iters[name], comm))
+    return {
+        name: {"s": statistics.median(ts), "times": ts, "iters": iters[name]}
+        for name, ts in times.items()
+    }
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -121,20 +135,32 @@ def bn_exact(comm: Any, inputs: dict, sizes: list[int], eps: float) -> dict[str,
     }
 
 
-def bn_step(comm: Any, shape: list[int], eps: float) -> Callable[[], object]:
-    """One float32 forward + backward of MultiNodeBatchNormalization on this rank's batch."""
-    rng = np.random.default_rng(comm.rank)
-    x = chainer.Variable(rng.standard_normal(shape, dtype=np.float32))
-    dy = rng.standard_normal(shape, dtype=np.float32)
-    bn = bn_layer(comm, shape[1], np.float32, eps)
+def fwd_bwd(link: Any, x: np.ndarray, dy: np.ndarray) -> Step:
+    """One forward + backward of ``link`` on ``x`` with output gradient ``dy``."""
+    xv = chainer.Variable(x)
 
     def step() -> None:
-        bn.cleargrads()
-        y = bn(x)
+        link.cleargrads()
+        xv.grad = None
+        y = link(xv)
         y.grad = dy
         y.backward()
 
     return step
+
+
+def bn_steps(comm: Any, shape: list[int], eps: float) -> dict[str, Step]:
+    """float32 forward + backward on this rank's batch: chainer's local BatchNormalization
+    (no communication, the baseline) and MultiNodeBatchNormalization."""
+    rng = np.random.default_rng(comm.rank)
+    x = rng.standard_normal(shape, dtype=np.float32)
+    dy = rng.standard_normal(shape, dtype=np.float32)
+    return {
+        "chainer local BatchNormalization": fwd_bwd(L.BatchNormalization(shape[1], eps=eps), x, dy),
+        "ChainerMN MultiNodeBatchNormalization": fwd_bwd(
+            bn_layer(comm, shape[1], np.float32, eps), x, dy
+        ),
+    }
 
 
 # ---------------------------------------------------------------------------- conv
@@ -178,20 +204,19 @@ def conv_exact(comm: Any, inputs: dict, pad: int) -> dict[str, Any]:
     return {"y": y.array, "gx": summed(comm, xv.grad), "gweight": summed(comm, gw)}
 
 
-def conv_step(comm: Any, shape: list[int], c_out: int, pad: int) -> Callable[[], object]:
+def conv_steps(comm: Any, shape: list[int], c_out: int, pad: int) -> dict[str, Step]:
+    """The dense Convolution2D on the whole input (every rank) and the example's layer."""
     rng = np.random.default_rng(0)
     weight = rng.standard_normal((c_out, shape[1], 3, 3), dtype=np.float32) * 0.05
-    conv = ExampleParallelConv2D(comm, weight, pad)
-    x = chainer.Variable(rng.standard_normal(shape, dtype=np.float32))
+    dense = L.Convolution2D(shape[1], c_out, 3, pad=pad, nobias=True, initialW=weight)
+    x = rng.standard_normal(shape, dtype=np.float32)
     dy = rng.standard_normal((shape[0], c_out, *shape[2:]), dtype=np.float32)
-
-    def step() -> None:
-        conv.cleargrads()
-        y = conv(x)
-        y.grad = dy
-        y.backward()
-
-    return step
+    return {
+        "chainer dense Convolution2D": fwd_bwd(dense, x, dy),
+        "ChainerMN parallel_convolution example": fwd_bwd(
+            ExampleParallelConv2D(comm, weight, pad), x, dy
+        ),
+    }
 
 
 # ---------------------------------------------------------------------------- dp
@@ -254,12 +279,20 @@ def dp_exact(comm: Any, inputs: dict, lr: float) -> dict[str, Any]:
     return {name: params["/" + path].array.copy() for name, path in PARAMS.items()}
 
 
-def dp_step(comm: Any, inputs: dict, batch: int, size: int, lr: float) -> Callable[[], object]:
-    model, optimizer = dp_setup(comm, inputs, np.float32, lr)
+def dp_steps(comm: Any, inputs: dict, batch: int, size: int, lr: float) -> dict[str, Step]:
+    """An SGD step on this rank's batch: plain chainer SGD (no communication, the baseline)
+    and the multi-node optimizer, each on its own model copy."""
     rng = np.random.default_rng(comm.rank)
     x = rng.standard_normal((batch, 3, size, size), dtype=np.float32)
     t = rng.integers(0, 10, batch).astype(np.int32)
-    return lambda: dp_train_step(model, optimizer, x, t)
+    bare = SmallCNN()
+    plain = chainer.optimizers.SGD(lr=lr)
+    plain.setup(bare)
+    model, optimizer = dp_setup(comm, inputs, np.float32, lr)
+    return {
+        "chainer bare (plain SGD)": lambda: dp_train_step(bare, plain, x, t),
+        "ChainerMN multi-node optimizer": lambda: dp_train_step(model, optimizer, x, t),
+    }
 
 
 # ---------------------------------------------------------------------------- main
@@ -278,12 +311,12 @@ def exact_results(comm: Any, inputs: dict, cfg: dict) -> dict[str, np.ndarray]:
 
 def timings(comm: Any, inputs: dict, cfg: dict) -> dict[str, Any]:
     rep, target = cfg["repeats"], cfg["target_s"]
-    steps = {
-        "bn": bn_step(comm, cfg["bn_shape"], cfg["eps"]),
-        "conv": conv_step(comm, cfg["conv_shape"], cfg["conv_out"], cfg["pad"]),
-        "dp": dp_step(comm, inputs, cfg["dp_batch"], cfg["dp_size"], cfg["lr"]),
+    workloads = {
+        "bn": lambda: bn_steps(comm, cfg["bn_shape"], cfg["eps"]),
+        "conv": lambda: conv_steps(comm, cfg["conv_shape"], cfg["conv_out"], cfg["pad"]),
+        "dp": lambda: dp_steps(comm, inputs, cfg["dp_batch"], cfg["dp_size"], cfg["lr"]),
     }
-    return {name: measure(fn, comm, rep, target) for name, fn in steps.items()}
+    return {name: measure(make(), comm, rep, target) for name, make in workloads.items()}
 
 
 def main() -> None:
@@ -299,7 +332,7 @@ def main() -> None:
             "chainer": chainer.__version__,
             "numpy": np.__version__,
             "mpi4py": mpi4py.__version__,
-            "mpi": mpi4py.MPI.Get_library_version().splitlines()[0].strip(),
+            "mpi": MPI.Get_library_version().splitlines()[0].strip(),
             "python": platform.python_version(),
         }
         record = {"ranks": comm.size, "versions": versions, "times": times}

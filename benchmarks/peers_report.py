@@ -14,107 +14,56 @@ from typing import Any
 
 EXACT_TOL = 1e-9  # float64 relative error under which a result counts as the dense one
 
-# (workload, numerator framework, its ranks, denominator framework, its ranks, what it says)
+CHAINER_BN, PK_BN = "ChainerMN MultiNodeBatchNormalization", "parallelkit SyncBatchNorm"
+CHAINER_CONV = "ChainerMN parallel_convolution example"
+PK_CONV = "parallelkit ChannelParallelConv2d"
+CHAINER_DP, PK_DP = "ChainerMN multi-node optimizer", "parallelkit DataParallel"
+PK_ROWS = "parallelkit SpatialParallelConv2d rows"
+PK_COLUMNS = "parallelkit SpatialParallelConv2d columns"
+
+# (workload, numerator, its ranks, denominator, its ranks, what it says). Pairs measured in
+# the same processes, alternating, come first: they hold under the machine's load. A
+# framework against its own baseline without communication is its parallel overhead (bn,
+# dp) or speedup (conv, spatial); across frameworks the two sides ran at different times.
 RATIOS = [
-    (
-        "bn",
-        "ChainerMN MultiNodeBatchNormalization",
-        2,
-        "ChainerMN MultiNodeBatchNormalization",
-        1,
-        "ChainerMN: 2 ranks / 1 rank (same batch per rank)",
-    ),
-    (
-        "bn",
-        "parallelkit SyncBatchNorm",
-        2,
-        "parallelkit SyncBatchNorm",
-        1,
-        "parallelkit: 2 ranks / 1 rank (same batch per rank)",
-    ),
-    (
-        "bn",
-        "ChainerMN MultiNodeBatchNormalization",
-        2,
-        "parallelkit SyncBatchNorm",
-        2,
-        "ChainerMN / parallelkit, 2 ranks",
-    ),
-    (
-        "conv",
-        "ChainerMN parallel_convolution example",
-        1,
-        "ChainerMN parallel_convolution example",
-        2,
-        "ChainerMN speedup, 1 rank / 2 ranks (same whole input)",
-    ),
-    (
-        "conv",
-        "parallelkit ChannelParallelConv2d",
-        1,
-        "parallelkit ChannelParallelConv2d",
-        2,
-        "parallelkit speedup, 1 rank / 2 ranks (same whole input)",
-    ),
-    (
-        "conv",
-        "ChainerMN parallel_convolution example",
-        2,
-        "parallelkit ChannelParallelConv2d",
-        2,
-        "ChainerMN / parallelkit, 2 ranks",
-    ),
-    (
-        "dp",
-        "ChainerMN multi-node optimizer",
-        2,
-        "ChainerMN multi-node optimizer",
-        1,
-        "ChainerMN: 2 ranks / 1 rank (same batch per rank)",
-    ),
-    (
-        "dp",
-        "parallelkit DataParallel",
-        2,
-        "parallelkit DataParallel",
-        1,
-        "parallelkit: 2 ranks / 1 rank (same batch per rank)",
-    ),
-    ("dp", "torch DDP", 2, "torch DDP", 1, "DDP: 2 ranks / 1 rank (same batch per rank)"),
-    (
-        "dp",
-        "ChainerMN multi-node optimizer",
-        2,
-        "parallelkit DataParallel",
-        2,
-        "ChainerMN / parallelkit, 2 ranks",
-    ),
-    ("dp", "torch DDP", 2, "parallelkit DataParallel", 2, "DDP / parallelkit, 2 ranks"),
-    (
-        "spatial",
-        "dense",
-        1,
-        "parallelkit SpatialParallelConv2d rows",
-        2,
-        "parallelkit rows speedup, dense 1 rank / 2 ranks",
-    ),
-    (
-        "spatial",
-        "DTensor Shard(2)",
-        2,
-        "parallelkit SpatialParallelConv2d rows",
-        2,
-        "DTensor Shard(2) / parallelkit rows, 2 ranks",
-    ),
-    (
-        "spatial",
-        "DTensor Shard(3)",
-        2,
-        "parallelkit SpatialParallelConv2d columns",
-        2,
-        "DTensor Shard(3) / parallelkit columns, 2 ranks",
-    ),
-]
+    ("bn", CHAINER_BN, 2, "chainer local BatchNormalization", 2,
+     "ChainerMN overhead: MultiNodeBN / local BN, 2 ranks"),
+    ("bn", PK_BN, 2, "torch local BatchNorm2d", 2,
+     "parallelkit overhead: SyncBatchNorm / local BatchNorm2d, 2 ranks"),
+    ("bn", "chainer local BatchNormalization", 1, "torch local BatchNorm2d", 1,
+     "raw speed: chainer / torch local batch norm, 1 rank"),
+    ("bn", CHAINER_BN, 2, PK_BN, 2, "ChainerMN / parallelkit, 2 ranks (different times)"),
+    ("conv", "chainer dense Convolution2D", 2, CHAINER_CONV, 2,
+     "ChainerMN example speedup: dense / example, 2 ranks (the example is grouped: wrong)"),
+    ("conv", "torch dense Conv2d", 2, PK_CONV, 2,
+     "parallelkit speedup: dense / ChannelParallelConv2d, 2 ranks"),
+    ("conv", "chainer dense Convolution2D", 1, CHAINER_CONV, 2,
+     "ChainerMN example speedup over 1 rank alone (different times)"),
+    ("conv", "torch dense Conv2d", 1, PK_CONV, 2,
+     "parallelkit speedup over 1 rank alone (different times)"),
+    ("conv", "chainer dense Convolution2D", 1, "torch dense Conv2d", 1,
+     "raw speed: chainer / torch dense convolution, 1 rank"),
+    ("conv", CHAINER_CONV, 2, PK_CONV, 2, "ChainerMN / parallelkit, 2 ranks (different times)"),
+    ("dp", CHAINER_DP, 2, "chainer bare (plain SGD)", 2,
+     "ChainerMN overhead: multi-node optimizer / plain SGD, 2 ranks"),
+    ("dp", PK_DP, 2, "torch bare (plain SGD)", 2,
+     "parallelkit overhead: DataParallel / plain SGD, 2 ranks"),
+    ("dp", "torch DDP", 2, "torch bare (plain SGD)", 2, "DDP overhead: DDP / plain SGD, 2 ranks"),
+    ("dp", "torch DDP", 2, PK_DP, 2, "DDP / parallelkit, 2 ranks"),
+    ("dp", "chainer bare (plain SGD)", 1, "torch bare (plain SGD)", 1,
+     "raw speed: chainer / torch SGD step, 1 rank"),
+    ("dp", CHAINER_DP, 2, PK_DP, 2, "ChainerMN / parallelkit, 2 ranks (different times)"),
+    ("spatial", "torch dense Conv2d", 2, PK_ROWS, 2,
+     "parallelkit speedup: dense / rows split, 2 ranks"),
+    ("spatial", "torch dense Conv2d", 2, PK_COLUMNS, 2,
+     "parallelkit speedup: dense / columns split, 2 ranks"),
+    ("spatial", "torch dense Conv2d", 1, PK_ROWS, 2,
+     "parallelkit rows speedup over 1 rank alone (different times)"),
+    ("spatial", "DTensor Shard(2)", 2, PK_ROWS, 2,
+     "DTensor Shard(2) / parallelkit rows, 2 ranks (DTensor: wrong)"),
+    ("spatial", "DTensor Shard(3)", 2, PK_COLUMNS, 2,
+     "DTensor Shard(3) / parallelkit columns, 2 ranks (DTensor: wrong)"),
+]  # fmt: skip
 
 
 def seconds(timed: list[dict], workload: str, framework: str, ranks: int) -> float | None:
@@ -198,12 +147,15 @@ def ratio_table(ratios: list[dict]) -> str:
 
 HOW_TO_READ = """\
 Times are float32 forward + backward steps (dp: a whole SGD step), the median over timed
-blocks of the slowest rank, one thread per rank. bn and dp keep the per-rank batch fixed
-(2 ranks / 1 rank = 1.00 means no parallel overhead); conv and spatial split one fixed
-problem (1 rank / 2 ranks is the speedup). ChainerMN computes in numpy and torch in ATen, so
-compare each framework's own 2 ranks / 1 rank first; the cross-framework ratios mix raw
-speed with overhead. The frameworks ran one after another in this one run on a shared
-machine: these are the ratios of this run, not constants.
+blocks of the slowest rank, one thread per rank. bn and dp keep the per-rank batch fixed;
+conv and spatial split one fixed problem. Every parallel variant alternates, block by block,
+with its framework's baseline without communication (local batch norm, the dense
+convolution on the whole input, a plain SGD step), run at the same time on every rank: their
+ratio is the parallel overhead or speedup under the same load, and is the number to read.
+ChainerMN computes in numpy and torch in ATen ("raw speed" rows), and the two sides ran one
+after the other, so the cross-framework ratios mix raw speed, overhead and the load of the
+moment. The machine is shared (the load line above): these are the ratios of this run, not
+constants.
 
 Exactness is float64, against the dense single-process computation (torch) on the whole
 batch or image, max |a - dense| / max |dense| per quantity: y output, gx input gradient,

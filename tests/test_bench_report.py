@@ -22,6 +22,8 @@ PK_BN = "parallelkit SyncBatchNorm"
 
 def timed_rows() -> list[dict]:
     return [
+        {"workload": "bn", "framework": "chainer local BatchNormalization", "ranks": 2, "s": 0.01},
+        {"workload": "bn", "framework": "torch local BatchNorm2d", "ranks": 2, "s": 0.004},
         {"workload": "bn", "framework": CHAINER_BN, "ranks": 1, "s": 0.010},
         {"workload": "bn", "framework": CHAINER_BN, "ranks": 2, "s": 0.015},
         {"workload": "bn", "framework": PK_BN, "ranks": 1, "s": 0.004},
@@ -47,11 +49,13 @@ def test_verdicts() -> None:
 
 def test_key_ratios_take_only_measured_pairs() -> None:
     ratios = {r["measure"]: r["ratio"] for r in peers_report.key_ratios(timed_rows())}
-    assert ratios["ChainerMN: 2 ranks / 1 rank (same batch per rank)"] == pytest.approx(1.5)
-    assert ratios["parallelkit: 2 ranks / 1 rank (same batch per rank)"] == pytest.approx(1.25)
-    assert ratios["ChainerMN / parallelkit, 2 ranks"] == pytest.approx(3.0)
+    assert ratios["ChainerMN overhead: MultiNodeBN / local BN, 2 ranks"] == pytest.approx(1.5)
+    key = "parallelkit overhead: SyncBatchNorm / local BatchNorm2d, 2 ranks"
+    assert ratios[key] == pytest.approx(1.25)
+    assert ratios["ChainerMN / parallelkit, 2 ranks (different times)"] == pytest.approx(3.0)
+    # no 1-rank local batch norm was timed: no raw-speed ratio
     # parallelkit's spatial rows were not timed: no DTensor ratio, no division by nothing
-    assert not any("DTensor" in m for m in ratios)
+    assert not any("DTensor" in m or "raw speed" in m for m in ratios)
 
 
 def test_tables() -> None:
