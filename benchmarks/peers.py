@@ -59,7 +59,7 @@ class Config:
     """What both sides compute: float64 exactness cases and float32 timing shapes."""
 
     ranks: list[int] = field(default_factory=lambda: [1, 2])
-    repeats: int = 5  # timed blocks per variant
+    repeats: int = 7  # timed blocks per variant, alternating
     target_s: float = 0.3  # rough duration of one timed block
     eps: float = 1e-5
     pad: int = 1  # every convolution: 3x3, padding 1
