@@ -234,25 +234,24 @@ def peers_times(timed: list[dict], path: Path) -> Path:
 
 
 def peers_exactness(exact: list[dict], path: Path) -> Path:
-    """The worst float64 relative error of each framework and case (refusals left out)."""
-    rows = [r for r in exact if r["errors"] and max(r["ranks"] for r in exact) == r["ranks"]]
+    """The worst float64 relative error of each framework and case at the most ranks; what
+    refused to run is named under the axis."""
+    most = max(r["ranks"] for r in exact)
+    rows = [r for r in exact if r["ranks"] == most and r["errors"]]
+    refused = sorted({r["framework"] for r in exact if r["ranks"] == most and not r["errors"]})
     worst = [max((e if isinstance(e, float) else 1.0) for e in r["errors"].values()) for r in rows]
-    fig, ax = plt.subplots(figsize=(8, 0.35 * len(rows) + 1.5))
+    fig, ax = plt.subplots(figsize=(8, 0.35 * len(rows) + 1.8))
     colors = ["C2" if e <= 1e-9 else "C3" for e in worst]
     ax.barh(range(len(rows)), [max(e, ERROR_FLOOR) for e in worst], color=colors)
-    ax.set_yticks(
-        range(len(rows)),
-        [f"{r['workload']}: {short(r['framework'])} ({r['case']})" for r in rows],
-        fontsize=7,
-    )
+    labels = [f"{r['workload']}: {short(r['framework'])} ({r['case']})" for r in rows]
+    ax.set_yticks(range(len(rows)), labels, fontsize=7)
     ax.set_xscale("log")
     ax.axvline(1e-9, color="black", lw=0.8, ls=":")
     ax.invert_yaxis()
-    n = rows[0]["ranks"] if rows else 0
-    ax.set(
-        xlabel="worst relative error vs dense (float64); green: exact, red: wrong",
-        title=f"exactness at {n} ranks",
-    )
+    xlabel = "worst relative error vs dense (float64); green: exact, red: wrong"
+    if refused:
+        xlabel += "\nrefused, not drawn: " + ", ".join(refused)
+    ax.set(xlabel=xlabel, title=f"exactness at {most} ranks")
     return save_fig(fig, path)
 
 
