@@ -1,8 +1,8 @@
 """parallelkit next to its peers: ChainerMN, and torch's DDP, SyncBatchNorm and DTensor.
 
-    make bench-peers       # creates .venv-chainer on first use, then runs this (~10 min)
+    make bench-peers       # creates .venv-chainer on first use, then runs this (~3 min here)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/peers.py --chainer-python .venv-chainer/bin/python
-    ... --quick            # short blocks, a smoke test (~4 min)
+    ... --quick            # short blocks, a smoke test (~1.5 min)
 
 The same workloads in each framework, in one run, on the same inputs and weights (drawn here,
 written to a temporary WORKDIR as inputs.npz), each reported as speed next to exactness:
