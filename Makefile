@@ -111,8 +111,9 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/data_parallel.py
 	$(PY) benchmarks/model_parallel.py
 
-# The peers side by side (~3 min; creating .venv-chainer the first time ~2 min more): ChainerMN in $(CHAINER_VENV) under its mpiexec, torch's
-# DDP, SyncBatchNorm and DTensor in $(VENV); results and plots under benchmarks/results/.
+# The peers side by side (~3 min, plus ~2 min to create .venv-chainer the first time):
+# ChainerMN in $(CHAINER_VENV) under its mpiexec, torch's DDP, SyncBatchNorm and DTensor in
+# $(VENV); results and plots under benchmarks/results/.
 bench-peers: $(VENV)/.installed $(CHAINER_VENV)/.installed
 	$(PY) benchmarks/peers.py --chainer-python $(CHAINER_PY)
 
