@@ -4,6 +4,7 @@
 #               tier, the GPU tier (skipped without CUDA), and the model-zoo tier (pk.parallelize
 #               on torchvision, timm and smp networks, in .venv-zoo)
 # and: make bench (every script under benchmarks/, ~35 min; results under benchmarks/results/)
+#      make bench-peers (ChainerMN and torch's DDP/SyncBatchNorm/DTensor next to parallelkit)
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -28,13 +29,18 @@ ZOO_PY := $(ZOO_VENV)/bin/python
 TORCH_ZOO ?= torch==2.14.1 torchvision==0.29.1
 ZOO_MODELS ?= timm==1.0.31 segmentation_models_pytorch==0.6.0
 ZOO_TEST_ENV := HF_HUB_OFFLINE=1 PARALLELKIT_TIMEOUT=120
+# The peers benchmark runs ChainerMN (inside chainer 7.8.1) under its own mpiexec: chainer
+# needs numpy<2 and an old setuptools to build, so it has its own venv.
+CHAINER_VENV ?= .venv-chainer
+CHAINER_PY := $(CHAINER_VENV)/bin/python
+CHAINER ?= chainer==7.8.1
 
-.PHONY: run test lint test-py test-mpi test-xla test-gpu test-zoo bench clean
+.PHONY: run test lint test-py test-mpi test-xla test-gpu test-zoo bench bench-peers plots clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)"
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[mpi,dev,data,tensorboard,examples]" mpich
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[mpi,dev,data,tensorboard,examples,bench]" mpich
 	touch $@
 
 # torch and torch_xla first, pinned together; then the package and its test tools, which
@@ -55,6 +61,16 @@ $(ZOO_VENV)/.installed: pyproject.toml Makefile
 	$(ZOO_PY) -c "import torch, torchvision, timm, segmentation_models_pytorch; \
 	  assert torch.__version__.startswith('2.14.1'), torch.__version__; print('zoo venv: torch', \
 	  torch.__version__, 'torchvision', torchvision.__version__, 'timm', timm.__version__)"
+	touch $@
+
+# chainer builds from its sdist against the venv's numpy<2 and setuptools<70 (no isolation).
+$(CHAINER_VENV)/.installed: Makefile
+	python3 -m venv $(CHAINER_VENV)
+	$(CHAINER_PY) -m pip install -q --disable-pip-version-check "setuptools<70" wheel "numpy<2"
+	$(CHAINER_PY) -m pip install -q --disable-pip-version-check --no-build-isolation \
+	  "$(CHAINER)" mpi4py mpich
+	$(CHAINER_PY) -c "import chainer, chainermn, mpi4py; print('chainer venv: chainer', \
+	  chainer.__version__, 'mpi4py', mpi4py.__version__)"
 	touch $@
 
 run: $(VENV)/.installed
@@ -94,6 +110,16 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/sync_batchnorm.py
 	$(PY) benchmarks/data_parallel.py
 	$(PY) benchmarks/model_parallel.py
+
+# The peers side by side (~3 min, plus ~2 min to create .venv-chainer the first time):
+# ChainerMN in $(CHAINER_VENV) under its mpiexec, torch's DDP, SyncBatchNorm and DTensor in
+# $(VENV); results and plots under benchmarks/results/.
+bench-peers: $(VENV)/.installed $(CHAINER_VENV)/.installed
+	$(PY) benchmarks/peers.py --chainer-python $(CHAINER_PY)
+
+# The PNGs of every benchmark, redrawn from the JSON records under benchmarks/results/.
+plots: $(VENV)/.installed
+	$(PY) benchmarks/plots.py
 
 clean:
 	rm -rf $(VENV)

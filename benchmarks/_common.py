@@ -9,7 +9,8 @@ spawned ranks inherit that path). What lives here is the part they share to the 
   (calls per block) and ``alternating`` (the order of the variants round by round);
 - the load that other processes put on the machine meanwhile, from /proc (``OtherLoad``);
 - the description of a run: ``environment``, ``library_state`` and ``command_line``;
-- ``save``: the markdown report and the JSON record next to it.
+- ``save``: the markdown report and the JSON record next to it, and the record's PNG plots
+  (plots.py; skipped with a note where matplotlib, the ``bench`` extra, is not installed).
 
 What each script measures, and its tables, stay in the script.
 """
@@ -199,4 +200,16 @@ def save(out: Path, markdown: str, env: dict[str, str], cfg: Any, rows: list, **
     record = {"command": command_line(), "env": env, "config": asdict(cfg), **extra, "rows": rows}
     json_path = out.with_suffix(".json")
     json_path.write_text(json.dumps(record, indent=1) + "\n")
+    draw_plots(json_path)
     return json_path
+
+
+def draw_plots(json_path: Path) -> None:
+    """The PNGs of a saved record, next to it (plots.py), or a note saying why not."""
+    try:
+        from plots import plot
+    except ImportError as exc:  # matplotlib is the optional ``bench`` extra
+        print(f"no plots for {json_path.name}: {exc}", file=sys.stderr)
+        return
+    for png in plot(json_path):
+        print(f"wrote {png}")
