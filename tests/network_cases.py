@@ -419,3 +419,33 @@ def keep_dense_way_out(comm: Communicator) -> list[Triple | str]:
     comm.barrier()
     kept = pk.parallelize(copy.deepcopy(dense), comm, "spatial", keep_dense=["1"])
     return [message, ("kept dense output", kept(x), dense(x).detach())]
+
+
+def block_outputs(comm: Communicator, grid: dict) -> list[Triple]:
+    """``spatial_output="blocks"``: a per-pixel loss computed on each rank's block of the
+    logits and summed over the spatial group gives the dense loss and gradients (the logits
+    are never gathered); each block is the dense logits' block."""
+    torch.manual_seed(0)
+    dense = nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(6, 6, 3, padding=1), nn.Upsample(scale_factor=2), nn.Conv2d(6, 4, 1),
+    ).double()  # fmt: skip
+    g = pk.Grid(comm, **grid)
+    model = pk.parallelize(copy.deepcopy(dense), g, g, spatial_output="blocks")
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 3, 14, 10, generator=gen, dtype=torch.float64)
+    target = torch.randint(0, 4, (4, 14, 10), generator=gen)
+    rows = torch.arange(4).tensor_split(g.data)[g.coords[0]]
+    out = dense(x)
+    loss = F.cross_entropy(out, target, reduction="sum") / 4
+    loss.backward()
+    logits = model(x[rows])
+    mask = pk.spatial.scatter(target[rows, None], g.spatial_comm, g.spatial)[:, 0]
+    part = F.cross_entropy(logits, mask, reduction="sum") * g.data / 4
+    loss_mine = pk.functional.reduce_from_group(part, g.spatial_comm)
+    loss_mine.backward()
+    want = pk.spatial.scatter(out.detach()[rows], g.spatial_comm, g.spatial)
+    triples = [("logits block", logits.detach(), want)]
+    if g.data == 1:
+        triples.append(("loss", loss_mine.detach(), loss.detach()))
+    return triples + _grads("blocks", model, dense)

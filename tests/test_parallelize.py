@@ -20,6 +20,7 @@ from network_cases import (
     FORWARD_CODE,
     NETWORKS,
     REFUSED,
+    block_outputs,
     chained,
     drop_in,
     keep_dense_way_out,
@@ -180,3 +181,17 @@ def test_refusal_names_the_module_and_keep_dense_is_the_way_out(ranks):
         assert message.startswith("spatial parallelism: F.interpolate in '1' (_Resize)"), message
         assert "keep_dense=['1']" in message
         assert_triples([triple])
+
+
+@pytest.mark.parametrize(
+    ("size", "grid"), [(2, dict(rows=2)), (2, dict(cols=2)), (4, dict(rows=2, cols=2)),
+                       (4, dict(data=2, rows=2))],
+)  # fmt: skip
+def test_block_outputs_give_the_dense_loss_and_gradients(ranks, size, grid):
+    for triples in ranks(size).run(block_outputs, grid, timeout=300):
+        assert_triples(triples)
+
+
+def test_spatial_output_must_be_whole_or_blocks():
+    with pytest.raises(ValueError, match="spatial_output must be 'whole' or 'blocks'"):
+        pk.parallelize(nn.Conv2d(1, 1, 1), LocalCommunicator(), "spatial", spatial_output="rows")

@@ -50,6 +50,7 @@ def parallelize(
     *,
     keep_dense: Sequence[str] = (),
     backend: str | None = None,
+    spatial_output: str = "whole",
     **data_parallel_kwargs,
 ) -> nn.Module:
     """``model`` with its layers swapped for parallel ones (see the module docstring).
@@ -61,6 +62,10 @@ def parallelize(
     backend: None (layers over ``comm``) or "xla-spmd": the same strategies as XLA sharding
         annotations (:func:`parallelkit.xla.parallelize`); ``comm`` is then a grid spec
         (``parallelkit.xla.SpmdGrid``, a dict such as ``{"data": 2, "rows": 2}``, or None).
+    spatial_output: "whole" (every rank gets the whole output) or "blocks": under spatial
+        parallelism outputs that are still split come back as this rank's block, as
+        ``pk.spatial.scatter(output, grid.spatial_comm, grid.spatial)`` would cut them, for a
+        loss computed on blocks and reduced exactly (segmentation at full resolution).
     data_parallel_kwargs: passed to DataParallel when there is a data dimension.
     """
     if backend == "xla-spmd":
@@ -69,6 +74,10 @@ def parallelize(
         return parallelize_spmd(model, comm, strategy)  # type: ignore[arg-type]
     if backend is not None:
         raise ValueError(f"parallelize: backend must be None or 'xla-spmd', got {backend!r}")
+    if spatial_output not in ("whole", "blocks"):
+        raise ValueError(
+            f"parallelize: spatial_output must be 'whole' or 'blocks', got {spatial_output!r}"
+        )
     grid = _grid(comm, strategy)
     if isinstance(strategy, Grid):
         strategy = (
@@ -95,7 +104,9 @@ def parallelize(
     spatial_grad = grid.spatial_comm if strategy == "spatial" else None
     _swap(model, lambda m: _sync_batchnorm(m, grid.batch_comm, spatial_grad))
     if strategy == "spatial":
-        model = SpatialRegion(model, grid.spatial_comm, grid.spatial, whole_comm=grid.data_comm)
+        model = SpatialRegion(
+            model, grid.spatial_comm, grid.spatial, grid.data_comm, output=spatial_output
+        )
     if grid.data > 1:
         model = DataParallel(model, grid.data_comm, **data_parallel_kwargs)
     return model

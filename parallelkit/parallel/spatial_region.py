@@ -26,6 +26,9 @@ class SpatialRegion(nn.Module):
 
     ``whole_comm``: the data group, over which BatchNorm normalizes tensors that are whole
     inside the region (the spatial ranks all hold the same samples there).
+    ``output``: "whole" gathers every split output; "blocks" returns this rank's block of it
+    (tensor_split layout over the grid, as ``pk.spatial.scatter`` cuts), for a consumer that
+    works on blocks and reduces exactly (a per-pixel loss): the whole output is never built.
     """
 
     def __init__(
@@ -34,10 +37,13 @@ class SpatialRegion(nn.Module):
         comm: Communicator,
         grid: tuple[int, int],
         whole_comm: Communicator | None = None,
+        output: str = "whole",
     ) -> None:
         super().__init__()
+        if output not in ("whole", "blocks"):
+            raise ValueError(f"SpatialRegion: output must be 'whole' or 'blocks', got {output!r}")
         self.module, self.comm, self.grid = module, comm, grid
-        self.whole_comm = whole_comm
+        self.whole_comm, self.output = whole_comm, output
         self._blocks = grid_of(comm, grid)  # the sub-groups, made once (split is collective)
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -48,6 +54,8 @@ class SpatialRegion(nn.Module):
         guard.mark(x_blk)
         with guard:
             y = self.module(x_blk, *args, **kwargs)
+        if self.output == "blocks":
+            return y
         whole = lambda t: gather(t, self.comm, self._blocks) if guard.is_split(t) else t  # noqa: E731
         return tree_map(whole, y)
 
