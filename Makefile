@@ -34,7 +34,7 @@ ZOO_TEST_ENV := HF_HUB_OFFLINE=1 PARALLELKIT_TIMEOUT=120
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)"
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[mpi,dev,data,tensorboard,examples]" mpich
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[mpi,dev,data,tensorboard,plot,examples]" mpich
 	touch $@
 
 # torch and torch_xla first, pinned together; then the package and its test tools, which

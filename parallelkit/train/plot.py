@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 PERCENT = ("accuracy", "miou", "pixel_accuracy")
+LABELS = {"accuracy": "accuracy", "miou": "mIoU", "pixel_accuracy": "pixel accuracy"}
 FILE = "curves.png"
 
 
@@ -69,7 +70,7 @@ def plot_run(run_dir: Path, path: Path | None = None) -> str:
         for key in PERCENT:
             if key in data["eval"]:
                 steps, values = zip(*data["eval"][key], strict=True)
-                metrics.plot(steps, [100 * v for v in values], "o-", label=key)
+                metrics.plot(steps, [100 * v for v in values], "o-", label=LABELS[key])
         metrics.set(xlabel="step", ylabel="%", title="test metrics")
         metrics.legend()
     fig.tight_layout()
