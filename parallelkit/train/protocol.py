@@ -29,12 +29,10 @@ from torch import nn
 
 import parallelkit as pk
 from parallelkit import models
-from parallelkit.comm import Communicator
 from parallelkit.data import Loader
 from parallelkit.models import zoo
-from parallelkit.nn import ChannelParallelConv2d
-from parallelkit.nn.channel_transposed import ChannelParallelConvTranspose2d
 from parallelkit.parallel import DataParallel, Grid
+from parallelkit.parallel.sharding import sharded_parameters
 from parallelkit.train.config import Config
 from parallelkit.train.optim import build_optimizer, build_schedule
 
@@ -46,12 +44,6 @@ def unwrap(model: nn.Module) -> nn.Module:
     """The model without its DataParallel wrapper: what checkpoints hold, so that a run may
     resume with another number of data-parallel replicas."""
     return model.module if isinstance(model, DataParallel) else model
-
-
-def sharded_parameters(model: nn.Module) -> dict[nn.Parameter, Communicator]:
-    """Weights split over a channel group, with that group (LARS needs their whole norm)."""
-    kinds = ChannelParallelConv2d | ChannelParallelConvTranspose2d
-    return {m.weight: m.comm for m in model.modules() if isinstance(m, kinds) and m.comm.size > 1}
 
 
 def no_sync(model: nn.Module, skip: bool):
