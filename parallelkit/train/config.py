@@ -23,6 +23,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from parallelkit import models
 from parallelkit.data.config import WITH_MASKS, DataConfig, check_config
 from parallelkit.models import zoo
 
@@ -102,6 +103,9 @@ class ParallelConfig:
     channel: int = 1
     timeout: float = 300.0  # seconds before a stuck collective (a dead rank) stops the job
     bucket_cap_mb: float = 25.0
+    # a model with parameters that get no gradient (smp's encoder_depth < 5 keeps the unused
+    # deeper stages): DataParallel then reduces a "used" flag with every bucket
+    find_unused_parameters: bool = False
 
 
 @dataclass
@@ -290,6 +294,11 @@ def _check_task(cfg: Config) -> None:
         raise ValueError("config: train.accumulate > 1 is for train.task=classify or segment")
     if zoo.is_zoo_name(name):
         zoo.check(name, dict(cfg.model.kwargs))
+    elif name != "dcgan" and name not in models.list_models():
+        raise ValueError(
+            f"config: model.name={name!r} is not a model here: {models.list_models()}, dcgan, "
+            "or another library's torchvision:NAME, timm:NAME, smp:ARCH"
+        )
 
 
 def _check_values(cfg: Config) -> None:

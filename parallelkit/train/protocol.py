@@ -110,6 +110,7 @@ class Task:
             self.grid,
             self.grid,
             bucket_cap_mb=self.cfg.parallel.bucket_cap_mb,
+            find_unused_parameters=self.cfg.parallel.find_unused_parameters,
             **parallelize_kwargs,
         )
         opt = build_optimizer(

@@ -9,7 +9,8 @@ models, one of each library, one task and strategy each, to keep the tier's time
 
     torchvision:resnet18   classify   spatial (2 rows)
     timm:resnet18          classify   channel (2)
-    smp:Unet (resnet18)    segment    data x rows (2 x 2), loss and mIoU on blocks
+    smp:Unet (resnet18)    segment    data x rows (2 x 2), loss and mIoU on blocks; a
+                                      shallow encoder, so parallel.find_unused_parameters
 
 The zoo environment has no scikit-learn (digits), so the data are generated.
 """
@@ -40,6 +41,7 @@ CLASSIFY = [*COMMON, "data.name=synthetic", "data.num_classes=4", "data.image_si
 SEGMENT = [
     *COMMON, "train.task=segment", "data.image_size=32", "model.name=smp:Unet",
     "model.kwargs={encoder_name: resnet18, encoder_depth: 3, decoder_channels: [16, 8, 8]}",
+    "parallel.find_unused_parameters=true",  # encoder_depth 3 keeps resnet18's layer3 and 4
 ]  # fmt: skip
 CASES = {
     "torchvision": (
