@@ -382,18 +382,19 @@ def chained(comm: Communicator, mode: str) -> list[Triple]:
 
 
 def se_without_gradient_sum(comm: Communicator) -> list[str]:
-    """Negative control: with the guard's gradient sum for whole tensors meeting blocks turned
-    off, an SE block's parameters get only this rank's share. Returns the mismatching labels."""
-    from types import SimpleNamespace
+    """Negative control: with the sum of the gradient shares of an SE block's pooled vector
+    turned off (the global mean's backward passing this rank's share through, as it may only
+    where whole gradients are not shares), the SE block's parameters and everything before the
+    pool go wrong. Returns the mismatching labels."""
+    import parallelkit.functional as pkf
+    from parallelkit.spatial import layout
 
-    from parallelkit.parallel import spatial_guard
-
-    real = spatial_guard.pkf
-    spatial_guard.pkf = SimpleNamespace(copy_to_group=lambda t, comm: t)
+    real = layout.summed
+    layout.summed = pkf.reduce_from_group
     try:
         triples = network_parity(comm, "forward code: se pool", "spatial", steps=1)
     finally:
-        spatial_guard.pkf = real
+        layout.summed = real
     bad = []
     for label, got, want in triples:
         if not torch.allclose(got.to(want.dtype), want):
@@ -449,3 +450,36 @@ def block_outputs(comm: Communicator, grid: dict) -> list[Triple]:
     if g.data == 1:
         triples.append(("loss", loss_mine.detach(), loss.detach()))
     return triples + _grads("blocks", model, dense)
+
+
+def host_exchanges_per_step(comm: Communicator, grid: dict) -> tuple[int, int]:
+    """Host all-gathers (``all_gather_ints``: block sizes and the like) in the second training
+    step of a parallelized ResNet, where the whole images' size travels with the blocks; and,
+    as a control, in one call of a spatial convolution used directly, which must ask."""
+    build, shape, loss_fn, _ = NETWORKS["resnet18"]
+    torch.manual_seed(0)
+    g = pk.Grid(comm, **grid)
+    model = pk.parallelize(build().double(), g, g)
+    calls = []
+    real = type(comm).all_gather_ints
+
+    def counted(self, values):
+        calls.append(values)
+        return real(self, values)
+
+    x = torch.randn(2, *shape, dtype=torch.float64)
+    target = torch.arange(2)
+    type(comm).all_gather_ints = counted
+    try:
+        loss_fn(model(x), target).backward()  # the first backward rebuilds DataParallel's buckets
+        calls.clear()
+        loss_fn(model(x), target).backward()
+        in_step = len(calls)
+        conv = pk.nn.SpatialParallelConv2d(3, 2, 3, padding=1, comm=g.spatial_comm, grid=g.spatial)
+        conv.double()
+        calls.clear()
+        conv(pk.spatial.scatter(x, g.spatial_comm, g.spatial))
+        direct = len(calls)
+    finally:
+        type(comm).all_gather_ints = real
+    return in_step, direct

@@ -23,6 +23,7 @@ from network_cases import (
     block_outputs,
     chained,
     drop_in,
+    host_exchanges_per_step,
     keep_dense_way_out,
     network_parity,
     refusal,
@@ -195,3 +196,9 @@ def test_block_outputs_give_the_dense_loss_and_gradients(ranks, size, grid):
 def test_spatial_output_must_be_whole_or_blocks():
     with pytest.raises(ValueError, match="spatial_output must be 'whole' or 'blocks'"):
         pk.parallelize(nn.Conv2d(1, 1, 1), LocalCommunicator(), "spatial", spatial_output="rows")
+
+
+@pytest.mark.parametrize(("size", "grid"), [(2, dict(rows=2)), (4, dict(rows=2, cols=2))])
+def test_the_whole_size_travels_with_the_blocks(ranks, size, grid):
+    for in_step, direct in ranks(size).run(host_exchanges_per_step, grid):
+        assert (in_step, direct > 0) == (0, True)

@@ -11,7 +11,9 @@ halo gradients back to their owners, who add them in.
 
 Parameters are replicated over the grid and act on split activations, so each rank's
 gradient is its share of the dense one: they pass through ``copy_to_group``, whose backward
-sums the shares, and after backward every rank holds the dense gradient.
+sums the shares, and after backward every rank holds the dense gradient. Inside
+``pk.parallelize``'s spatial region the shares are left as they are and summed after backward
+in bucketed all-reduces (:mod:`parallelkit.spatial.layout`).
 
 The whole images' (H, W) come from one small all-gather of the blocks' sizes per call; pass
 ``size=(H, W)`` to skip it.
@@ -180,11 +182,15 @@ class SpatialParallelConv2d(nn.Conv2d):
                 f"{self.in_channels} (block shape {tuple(x_blk.shape)})"
             )
         x_halo, out_hw, pad = _fetch(x_blk, self.grid, self.windows, size, native=True)
-        weight = pkf.copy_to_group(self.weight, self.comm)
-        bias = None if self.bias is None else pkf.copy_to_group(self.bias, self.comm)
+        weight = layout.replicated(self.weight, self.comm)
+        bias = None if self.bias is None else layout.replicated(self.bias, self.comm)
         if min(out_hw) == 0:
             return _empty_output(x_halo, self.out_channels, out_hw, x_halo, weight, bias)
         return F.conv2d(x_halo, weight, bias, self.stride, pad, self.dilation, self.groups)
+
+    def out_size(self, size: tuple[int, int]) -> tuple[int, int]:
+        """The whole output's (H, W) for whole inputs of ``size``: geometry only."""
+        return self.windows[0].out_size(size[0]), self.windows[1].out_size(size[1])
 
     @classmethod
     def from_dense(
@@ -251,17 +257,13 @@ class SpatialConvTranspose2d(nn.ConvTranspose2d):
         size = size or self.grid.global_size(x_blk, type(self).__name__)
         k, s, p, d = self.kernel_size, self.stride, self.padding, self.dilation
 
-        def out_size(dim: int, n: int) -> int:
-            span = d[dim] * (k[dim] - 1) + 1
-            return (n - 1) * s[dim] - 2 * p[dim] + span + self.output_padding[dim]
-
         def needs(dim: int, o0: int, o1: int, n: int) -> tuple[int, int]:
             return transposed_needs(o0, o1, n, k[dim], s[dim], p[dim], d[dim])
 
-        x_blk, blocks, firsts = _fetch_ranges(x_blk, self.grid, size, out_size, needs)
+        x_blk, blocks, firsts = _fetch_ranges(x_blk, self.grid, size, self._out_rows, needs)
         out_hw = (blocks[0][1], blocks[1][1])
-        weight = pkf.copy_to_group(self.weight, self.comm)
-        bias = None if self.bias is None else pkf.copy_to_group(self.bias, self.comm)
+        weight = layout.replicated(self.weight, self.comm)
+        bias = None if self.bias is None else layout.replicated(self.bias, self.comm)
         if min(out_hw) == 0 or min(x_blk.shape[2:]) == 0:
             y = _empty_output(x_blk, self.out_channels, out_hw, x_blk, weight)
         else:
@@ -269,6 +271,15 @@ class SpatialConvTranspose2d(nn.ConvTranspose2d):
             # Local row 0 is where the first fetched input row lands: a * stride - padding.
             y = _crop(y, [firsts[i] * s[i] - p[i] for i in range(2)], blocks)
         return y if bias is None else y + bias.view(-1, 1, 1)
+
+    def _out_rows(self, dim: int, n: int) -> int:
+        span = self.dilation[dim] * (self.kernel_size[dim] - 1) + 1
+        pad, stride = self.padding[dim], self.stride[dim]
+        return (n - 1) * stride - 2 * pad + span + self.output_padding[dim]
+
+    def out_size(self, size: tuple[int, int]) -> tuple[int, int]:
+        """The whole output's (H, W) for whole inputs of ``size``: geometry only."""
+        return self._out_rows(0, size[0]), self._out_rows(1, size[1])
 
     @classmethod
     def from_dense(

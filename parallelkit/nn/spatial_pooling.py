@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import parallelkit.functional as pkf
 from parallelkit.comm import Communicator
 from parallelkit.geometry import Window
 from parallelkit.nn.spatial_parallel import _crop, _empty_output, _fetch, _fetch_ranges, _pair
@@ -48,6 +47,10 @@ class _SpatialPool(nn.Module):
         """(fetched block, output block (h, w), padding left to the torch operation)."""
         size = size or self.grid.global_size(x_blk, type(self).__name__)
         return _fetch(x_blk, self.grid, self.windows, size, self.fill, native)
+
+    def out_size(self, size: tuple[int, int]) -> tuple[int, int]:
+        """The whole output's (H, W) for whole inputs of ``size``: geometry only."""
+        return self.windows[0].out_size(size[0]), self.windows[1].out_size(size[1])
 
     def extra_repr(self) -> str:
         return f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}"
@@ -206,6 +209,9 @@ class SpatialUpsample(nn.Module):
         y = F.interpolate(x_blk, scale_factor=s, mode=self.mode)
         return _crop(y, [a * s for a in firsts], blocks)  # local row 0 is global row a * s
 
+    def out_size(self, size: tuple[int, int]) -> tuple[int, int]:
+        return size[0] * self.scale_factor, size[1] * self.scale_factor
+
     @classmethod
     def from_dense(cls, up: nn.Upsample, comm: Communicator, grid=None) -> SpatialUpsample:
         if up.size is not None or up.scale_factor is None:
@@ -221,7 +227,8 @@ class SpatialUpsample(nn.Module):
 class SpatialGlobalAvgPool2d(nn.Module):
     """``nn.AdaptiveAvgPool2d(1)`` ending the spatial region: (N, C, h, w) blocks -> the same
     (N, C, 1, 1) means on every rank. One all-reduce of the local sums and pixel counts; its
-    backward is the identity, right for a loss every rank computes identically."""
+    backward is the identity, right for a loss every rank computes identically (inside
+    ``pk.parallelize``'s region, an all-reduce of the gradient shares: ``layout.summed``)."""
 
     ends_spatial_region = True  # for parallelkit.parallel.spatial_guard
 
@@ -235,7 +242,7 @@ class SpatialGlobalAvgPool2d(nn.Module):
         n, c = x_blk.shape[:2]
         sums = x_blk.sum((2, 3)).reshape(-1)
         count = sums.new_tensor([x_blk.shape[2] * x_blk.shape[3]])
-        total = pkf.reduce_from_group(torch.cat([sums, count]), self.comm)
+        total = layout.summed(torch.cat([sums, count]), self.comm)
         return (total[:-1] / total[-1]).view(n, c, 1, 1)
 
     def to_dense(self) -> nn.AdaptiveAvgPool2d:

@@ -47,6 +47,10 @@ class DataParallel(nn.Module):
         reduce_over: parameter name -> the communicator to average its gradient over instead
             of ``comm``, or ``None`` to leave it alone (e.g. a parameter that model parallelism
             shards over ``comm`` and whose layer reduces it itself).
+        replicas: how many model replicas ``comm`` holds (default: one per rank). The
+            gradients are summed over ``comm`` and divided by it: under spatial parallelism
+            one replica spans the ranks of a spatial group, each holding a share of the
+            replica's gradient (``pk.parallelize`` passes the data dimension).
     """
 
     def __init__(
@@ -59,6 +63,7 @@ class DataParallel(nn.Module):
         compression: str | None = None,
         broadcast_buffers: bool = True,
         reduce_over: Mapping[str, Communicator | None] | None = None,
+        replicas: int | None = None,
     ) -> None:
         super().__init__()
         if compression not in COMPRESSION:
@@ -75,6 +80,12 @@ class DataParallel(nn.Module):
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
         self.compression = COMPRESSION[compression]
+        self.replicas = self.comm.size if replicas is None else replicas
+        if not 1 <= self.replicas <= self.comm.size or self.comm.size % self.replicas:
+            raise ValueError(
+                f"DataParallel: replicas must divide the group size {self.comm.size}, got "
+                f"{replicas}"
+            )
         self._cap_bytes = bucket_cap_mb * 2**20
 
         # Every parameter starts as rank 0's copy over the group that averages it.
@@ -181,7 +192,8 @@ class DataParallel(nn.Module):
         bucket, buffer = self._buckets[k], self._flat[k]
         p = self._params[i]
         view = buffer[bucket.offsets[slot] : bucket.offsets[slot] + p.numel()].view_as(p)
-        scale = 1.0 / self._comms[i].size
+        comm = self._comms[i]
+        scale = 1.0 / (self.replicas if comm is self.comm else comm.size)
         if grad is None:
             view.zero_()
         elif view.dtype == grad.dtype:

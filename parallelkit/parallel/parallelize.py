@@ -12,9 +12,11 @@ parallel layers holding the same parameter tensors. In order:
    split by output channels, or by input channels where there are fewer output channels than
    ranks (a layer with too few of both stays dense).
 2. BatchNorm becomes SyncBatchNorm over the ranks that hold parts of the same batch of images
-   (data x spatial); under spatial parallelism its parameter gradients are summed over the
-   spatial group, like the convolutions' are.
-3. With a data dimension, DataParallel over the data group averages the gradients.
+   (data x spatial).
+3. With a data dimension, DataParallel over the data group averages the gradients. Under
+   spatial parallelism each rank's parameter gradients are its block's shares of the dense
+   ones (:mod:`parallelkit.spatial.layout`): DataParallel over the data x spatial group sums
+   them and divides by the data dimension, in bucketed all-reduces overlapped with backward.
 
 Every rank passes the same whole input and gets the same whole output (or the loss computed
 from it), as from the dense model. Layers named in ``keep_dense`` run on whole (gathered)
@@ -66,7 +68,8 @@ def parallelize(
         parallelism outputs that are still split come back as this rank's block, as
         ``pk.spatial.scatter(output, grid.spatial_comm, grid.spatial)`` would cut them, for a
         loss computed on blocks and reduced exactly (segmentation at full resolution).
-    data_parallel_kwargs: passed to DataParallel when there is a data dimension.
+    data_parallel_kwargs: passed to DataParallel (with a data dimension, and under spatial
+        parallelism, where it sums the parameter gradients over the spatial group).
     """
     if backend == "xla-spmd":
         from parallelkit.xla import parallelize as parallelize_spmd
@@ -105,9 +108,18 @@ def parallelize(
     _swap(model, lambda m: _sync_batchnorm(m, grid.batch_comm, spatial_grad))
     if strategy == "spatial":
         model = SpatialRegion(
-            model, grid.spatial_comm, grid.spatial, grid.data_comm, output=spatial_output
+            model, grid.spatial_comm, grid.spatial, grid.data_comm, spatial_output, shares=True
         )
-    if grid.data > 1:
+        # Its parameters' gradients are shares: summed over data x spatial, divided by the
+        # data dimension. With no data dimension this is an implementation detail: parameters
+        # unused in a step keep their gradient, as the dense model's do, and the spatial
+        # group's buffers are equal already (SyncBatchNorm).
+        if grid.data == 1:
+            data_parallel_kwargs = {
+                "find_unused_parameters": True, "broadcast_buffers": False, **data_parallel_kwargs
+            }
+        model = DataParallel(model, grid.batch_comm, replicas=grid.data, **data_parallel_kwargs)
+    elif grid.data > 1:
         model = DataParallel(model, grid.data_comm, **data_parallel_kwargs)
     return model
 

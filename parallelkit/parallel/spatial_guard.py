@@ -12,9 +12,9 @@ each call that touches one applies a rule:
   outputs are blocks when their inputs were;
 - pointwise operations (activations, arithmetic, ``where``, dropout in eval): local, exact.
   A whole tensor meeting a block (an SE gate, a layer scale, a bias used directly) must be
-  constant over H and W (size 1 there); if it needs a gradient it passes through
-  ``copy_to_group`` (identity forward, gradient summed over the spatial group), since each
-  rank's gradient is its block's share;
+  constant over H and W (size 1 there); each rank's gradient of it is its block's share,
+  summed over the spatial group where it meets the blocks (``copy_to_group``) or, under
+  ``pk.parallelize``, left as a share (:mod:`parallelkit.spatial.layout`);
 - ``cat``/``split``/``chunk``/indexing along channels, reshapes that keep the last two
   dimensions, type and memory-format changes: local, exact;
 - a 1x1 convolution with stride 1 and no padding called directly: pointwise, as above;
@@ -52,7 +52,6 @@ from torch.nn.modules.module import (
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-import parallelkit.functional as pkf
 from parallelkit.comm import Communicator, tensor_split_sizes
 from parallelkit.nn import spatial_parallel as sp
 from parallelkit.nn import spatial_pooling as spool
@@ -71,6 +70,7 @@ _SPATIAL = (
     spool.SpatialUpsample,
 )
 _NORMS = (SyncBatchNorm, _SyncSubclass)
+Size = tuple[int, int]
 
 
 def _words(text: str) -> list[str]:
@@ -159,15 +159,19 @@ class SpatialGuard(TorchFunctionMode):
         comm: Communicator,
         grid: SpatialGrid | None = None,
         whole_comm: Communicator | None = None,
+        shares: bool = False,
     ) -> None:
         super().__init__()
         self.comm, self._grid, self.whole_comm = comm, grid, whole_comm
+        self.shares = shares  # whole tensors' gradients: shares or full (spatial.layout)
         self._layers: dict[tuple, nn.Module] = {}  # spatial layers made for functional calls
         self._restore: dict[int, tuple[Any, Any]] = {}
         self._warned: set[Callable] = set()
         self.names = {m: name for name, m in model.named_modules()}
-        self._blocks: dict[int, tuple[weakref.ref, tuple[int, int]]] = {}
-        self._stack: list[tuple[nn.Module, bool, bool] | None] = []
+        # id -> (the block, where its H and W are, the whole images' (H, W) if known)
+        self._blocks: dict[int, tuple[weakref.ref, tuple[int, int], Size | None]] = {}
+        self._size_now: Size | None = None  # the whole size of the call being ruled on
+        self._stack: list[tuple[nn.Module, bool, bool, Size | None] | None] = []
         self._trusted = 0
         self._hooks: list[Any] = []
 
@@ -180,10 +184,15 @@ class SpatialGuard(TorchFunctionMode):
         """Where block ``t``'s H and W are, counted from the end."""
         return self._blocks[id(t)][1]
 
-    def mark(self, *tensors: Any, hw: tuple[int, int] = (-2, -1)) -> None:
+    def size_of(self, t: Tensor) -> Size | None:
+        """The whole images' (H, W) of block ``t``, if known: it travels from the region's
+        input through every rule and layer, so spatial layers need no size all-gather."""
+        return self._blocks[id(t)][2] if self.is_split(t) else None
+
+    def mark(self, *tensors: Any, hw: tuple[int, int] = (-2, -1), size: Size | None = None) -> None:
         for t in tree_leaves(tensors):
             if isinstance(t, Tensor) and t.dim() >= -min(hw):
-                self._blocks[id(t)] = (weakref.ref(t), hw)
+                self._blocks[id(t)] = (weakref.ref(t), hw, size)
 
     # ------------------------------------------------------------------ entering and leaving
     def __enter__(self) -> SpatialGuard:
@@ -213,19 +222,20 @@ class SpatialGuard(TorchFunctionMode):
         if trusted and isinstance(module, _NORMS) and not split_in and self.comm.size > 1:
             self._normalize_whole(module)
         self._trusted += trusted
-        self._stack.append((module, trusted, split_in and not ends))
+        size = self.size_of(blocks[0]) if blocks else None
+        self._stack.append((module, trusted, split_in and not ends, size))
 
     def _leave_module(self, module: nn.Module, args: tuple, out: Any) -> None:
         entry = self._stack.pop()
         if entry is None:
             return
-        _, trusted, blocks_out = entry
+        _, trusted, blocks_out, size = entry
         if id(module) in self._restore:
             _set_comms(module, *self._restore.pop(id(module)))
         if trusted:
             self._trusted -= 1
-            if blocks_out:
-                self.mark(out)
+            if blocks_out:  # a spatial layer's output size from its geometry; norms keep it
+                self.mark(out, size=_out_size(module, size))
 
     @property
     def grid(self) -> SpatialGrid:
@@ -236,7 +246,7 @@ class SpatialGuard(TorchFunctionMode):
     def _normalize_whole(self, module: nn.Module) -> None:
         """BatchNorm on a whole tensor (DeepLab's pooled branch): every rank of the spatial
         group holds the same samples, so statistics go over the data group only, and each
-        rank's parameter gradient is already the dense one."""
+        rank's parameter gradient is already the dense one (or, under shares, a share of it)."""
         if self.whole_comm is None:
             raise self._refuse(
                 "BatchNorm", "its input is whole (not a block) and this region has no data "
@@ -256,6 +266,15 @@ class SpatialGuard(TorchFunctionMode):
             return resized if resized is not None else func(*args, **kwargs)
         if not blocks or func in _METADATA:
             return func(*args, **kwargs)
+        before, self._size_now = self._size_now, self.size_of(blocks[0])
+        try:
+            return self._rule(func, args, kwargs, blocks)
+        finally:
+            self._size_now = before
+
+    def _rule(self, func, args: tuple, kwargs: dict, blocks: list[Tensor]) -> Any:  # type: ignore[no-untyped-def]
+        """The rule for ``func`` touching ``blocks``; its outputs that are blocks are marked
+        with the whole size of the first (unless the rule changes it)."""
         hw = self.hw(blocks[0])
         if func in _POINTWISE:
             return self._pointwise(func, args, kwargs, blocks)
@@ -307,8 +326,8 @@ class SpatialGuard(TorchFunctionMode):
                 found += [t for t in a if self.is_split(t)]
         return found
 
-    def _marked(self, out: Any, hw: tuple[int, int] = (-2, -1)) -> Any:
-        self.mark(out, hw=hw)
+    def _marked(self, out: Any, hw: tuple[int, int] = (-2, -1), size: Size | None = None) -> Any:
+        self.mark(out, hw=hw, size=size or self._size_now)
         return out
 
     def _nchw(self, func, x: Tensor) -> None:
@@ -316,9 +335,10 @@ class SpatialGuard(TorchFunctionMode):
             raise self._refuse(_name(func), "this rule wants an (N, C, H, W) block")
 
     def _summed(self, t: Any) -> Any:
-        """A whole tensor acting on blocks: identity forward, gradient summed over the group."""
+        """A whole tensor acting on blocks: identity forward, gradient summed over the group
+        (where gradients are shares, nothing to do: ``layout.replicated``)."""
         if isinstance(t, Tensor) and t.requires_grad and not self.is_split(t):
-            return pkf.copy_to_group(t, self.comm)
+            return layout.replicated(t, self.comm)
         return t
 
     def _pointwise(self, func, args, kwargs, blocks: list[Tensor]) -> Any:
@@ -420,7 +440,8 @@ class SpatialGuard(TorchFunctionMode):
         if key not in self._layers:
             cls = spool.SpatialMaxPool2d if func is F.max_pool2d else spool.SpatialAvgPool2d
             self._layers[key] = cls(**call, comm=self.comm, grid=self.grid)
-        return self._marked(self._layers[key](x))
+        layer = self._layers[key]
+        return self._marked(layer(x), size=_out_size(layer, self._size_now))
 
     def _gathered(self, func, args, kwargs) -> Any:
         """An operation the blocks cannot do alone, run on the gathered whole images and cut
@@ -438,7 +459,7 @@ class SpatialGuard(TorchFunctionMode):
                 stacklevel=2,
             )
         y = func(gather(x, self.comm, self.grid), *args[1:], **kwargs)
-        return self._marked(scatter(y, self.comm, self.grid))
+        return self._marked(scatter(y, self.comm, self.grid), size=(y.shape[-2], y.shape[-1]))
 
     def _adaptive_pool(self, func, args, kwargs) -> Any:
         """Global average pooling is a mean over H and W; other sizes pool the whole images."""
@@ -450,7 +471,7 @@ class SpatialGuard(TorchFunctionMode):
     def _on_whole_images(self, func, args, kwargs) -> Any:
         """Adaptive pooling to a fixed size (VGG's 7x7, PSPNet's pyramid): the blocks are
         gathered into the whole images (one all-gather of this feature map) and pooled; the
-        result is whole. Its backward keeps this rank's block of the gradient."""
+        result is whole."""
         x = args[0]
         self._nchw(func, x)
         return func(gather(x, self.comm, self.grid), *args[1:], **kwargs)
@@ -474,9 +495,11 @@ class SpatialGuard(TorchFunctionMode):
         if whole_size is None:
             return None
         whole = F.interpolate(**{**call, "size": whole_size})
-        # Cut with scatter: its backward gathers the blocks' gradients, so that the whole
-        # input gets its whole gradient on every rank.
-        return self._marked(scatter(whole, self.comm, self.grid))
+        # Cut with scatter, whose backward gives the whole input its gradient in the region's
+        # convention (spatial.layout).
+        return self._marked(
+            scatter(whole, self.comm, self.grid), size=(whole.shape[-2], whole.shape[-1])
+        )
 
     def _whole_size(
         self, size: tuple[int, int], beside: tuple[int, int] | None = None, ok: bool = True
@@ -536,7 +559,8 @@ class SpatialGuard(TorchFunctionMode):
         key = (int(factors[0]), mode)
         if key not in self._layers:
             self._layers[key] = spool.SpatialUpsample(*key, comm=self.comm, grid=self.grid)
-        return self._marked(self._layers[key](x))
+        layer = self._layers[key]
+        return self._marked(layer(x), size=_out_size(layer, self._size_now))
 
     def _scale_of_size(self, x: Tensor, size: tuple) -> tuple[float, float]:
         """The whole images' scale factors that ``size`` (this rank's) stands for, if every
@@ -596,10 +620,7 @@ class SpatialGuard(TorchFunctionMode):
             and (padding == "valid" or _all(padding, 0))
             and not self.is_split(weight)
         ):
-            for key in ("weight", "bias"):
-                t = call.get(key)
-                if isinstance(t, Tensor) and t.requires_grad:
-                    call[key] = pkf.copy_to_group(t, self.comm)
+            call["weight"], call["bias"] = self._summed(weight), self._summed(call.get("bias"))
             return self._marked(func(**call))
         raise self._refuse(
             _name(func), "only 1x1 convolutions with stride 1 and no padding are pointwise; "
@@ -670,14 +691,13 @@ class SpatialGuard(TorchFunctionMode):
         return len(args) > named + 1 or bool(set(kwargs) - {"dim", "keepdim"})
 
     def _sum_hw(self, x: Tensor) -> Tensor:
-        """The whole images' sums over H and W (N, C, 1, 1), the same on every rank. Its
-        backward is the identity: whoever consumes a whole tensor passes back the dense
-        gradient on every rank (whole tensors meeting blocks have theirs summed)."""
-        return pkf.reduce_from_group(x.sum((-2, -1), keepdim=True), self.comm)
+        """The whole images' sums over H and W (N, C, 1, 1), the same on every rank
+        (``layout.summed``: its backward follows the region's gradient convention)."""
+        return layout.summed(x.sum((-2, -1), keepdim=True), self.comm)
 
     def _mean_hw(self, x: Tensor, keepdim: bool) -> Tensor:
         count = x.new_full((1,) * x.dim(), float(x.shape[-2] * x.shape[-1]))
-        total = pkf.reduce_from_group(
+        total = layout.summed(
             torch.cat([x.sum((-2, -1), keepdim=True).flatten(), count.flatten()]), self.comm
         )
         mean = (total[:-1] / total[-1]).view(*x.shape[:-2], 1, 1)
@@ -697,6 +717,13 @@ class SpatialGuard(TorchFunctionMode):
             f"spatial parallelism: {op} {where} touches a block of split images, and {why}; "
             f"{way_out}, or use the data or channel strategy"
         )
+
+
+def _out_size(layer: nn.Module, size: Size | None) -> Size | None:
+    """A layer's output size for inputs of ``size``: its geometry, or the same size."""
+    if size is None:
+        return None
+    return layer.out_size(size) if hasattr(layer, "out_size") else size
 
 
 def _name(func: Callable) -> str:

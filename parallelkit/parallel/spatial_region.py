@@ -5,6 +5,14 @@ spatial ones) in a :class:`SpatialRegion`. Its forward scatters the whole input 
 rank's block, runs the model under the spatial guard (``spatial_guard``: every operation on a
 block is exact or refused) and gathers every output that is still split; outputs that became
 whole inside (after a global pool) come back as they are, in the model's own containers.
+
+With ``shares=True`` (what ``pk.parallelize`` builds) the gradients of whole tensors inside the
+region are per-rank shares (:mod:`parallelkit.spatial.layout`): no all-reduce per parameter in
+backward. The region converts at its borders: a whole output's gradient, the same on every rank
+outside, enters as its share (divided by the group size), and a whole extra input's shares are
+summed on the way out. Its parameters' gradients are then shares of the dense ones, which
+whoever wraps the region must sum over the spatial group: ``pk.parallelize`` wraps it in
+DataParallel over the data x spatial group, whose bucketed all-reduces overlap with backward.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+import parallelkit.functional as pkf
 from parallelkit.comm import Communicator
 from parallelkit.parallel.spatial_guard import SpatialGuard
 from parallelkit.spatial import layout
@@ -29,6 +38,7 @@ class SpatialRegion(nn.Module):
     ``output``: "whole" gathers every split output; "blocks" returns this rank's block of it
     (tensor_split layout over the grid, as ``pk.spatial.scatter`` cuts), for a consumer that
     works on blocks and reduces exactly (a per-pixel loss): the whole output is never built.
+    ``shares``: leave the parameters' gradients as shares (see the module docstring).
     """
 
     def __init__(
@@ -38,26 +48,55 @@ class SpatialRegion(nn.Module):
         grid: tuple[int, int],
         whole_comm: Communicator | None = None,
         output: str = "whole",
+        shares: bool = False,
     ) -> None:
         super().__init__()
         if output not in ("whole", "blocks"):
             raise ValueError(f"SpatialRegion: output must be 'whole' or 'blocks', got {output!r}")
         self.module, self.comm, self.grid = module, comm, grid
-        self.whole_comm, self.output = whole_comm, output
+        self.whole_comm, self.output, self.shares = whole_comm, output, shares
         self._blocks = grid_of(comm, grid)  # the sub-groups, made once (split is collective)
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if self.comm.size == 1:  # one rank holds the whole image: nothing to follow
             return self.module(x, *args, **kwargs)
         x_blk = scatter(x, self.comm, self._blocks)
-        guard = SpatialGuard(self.module, self.comm, self._blocks, self.whole_comm)
-        guard.mark(x_blk)
+        if self.shares:  # whole inputs' gradient shares are summed on the way out
+            args, kwargs = tree_map(self._summed_on_exit, (args, kwargs))
+        guard = SpatialGuard(self.module, self.comm, self._blocks, self.whole_comm, self.shares)
+        guard.mark(x_blk, size=(x.shape[-2], x.shape[-1]))
         with guard:
             y = self.module(x_blk, *args, **kwargs)
-        if self.output == "blocks":
-            return y
-        whole = lambda t: gather(t, self.comm, self._blocks) if guard.is_split(t) else t  # noqa: E731
-        return tree_map(whole, y)
+
+        def out(t: Any) -> Any:
+            if guard.is_split(t):
+                if self.output == "blocks":
+                    return t
+                return gather(t, self.comm, self._blocks, size=guard.size_of(t))
+            if self.shares and isinstance(t, torch.Tensor) and t.requires_grad:
+                return _ShareOf.apply(t, self.comm.size)
+            return t
+
+        return tree_map(out, y)
+
+    def _summed_on_exit(self, t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            return pkf.copy_to_group(t, self.comm)
+        return t
+
+
+class _ShareOf(torch.autograd.Function):
+    """Identity forward; backward divides the gradient by the group size: a gradient that is
+    the same on every rank becomes every rank's share of it (spatial.layout)."""
+
+    @staticmethod
+    def forward(ctx, t, size):  # type: ignore[override]
+        ctx.size = size
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad / ctx.size, None
 
 
 class _OnWholeImage(nn.Module):

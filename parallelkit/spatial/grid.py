@@ -15,6 +15,7 @@ import torch
 import parallelkit.functional as pkf
 from parallelkit.comm import Communicator, tensor_split_sizes
 from parallelkit.comm.local import LocalCommunicator
+from parallelkit.spatial import layout
 
 
 class SpatialGrid:
@@ -57,13 +58,16 @@ class SpatialGrid:
     def global_size(self, x: torch.Tensor, name: str = "spatial layer") -> tuple[int, int]:
         """(H, W) of the whole images whose block ``x`` (N, C, h, w) this rank holds.
 
-        One small all-gather of every rank's (h, w); the blocks must be in tensor_split layout,
-        which is checked (the same ValueError on every rank).
+        Inside a spatial region the size travels with the block (``layout.size_of``);
+        elsewhere one small all-gather of every rank's (h, w), and the blocks must be in
+        tensor_split layout, which is checked (the same ValueError on every rank).
         """
         if x.dim() != 4:
             raise ValueError(f"{name}: expected an (N, C, H, W) block, got shape {tuple(x.shape)}")
         if self.comm.size == 1:
             return x.shape[2], x.shape[3]
+        if (known := layout.size_of(x)) is not None:
+            return known
         # Host metadata: every rank's (h, w), by grid position.
         hw = self.comm.all_gather_ints([x.shape[2], x.shape[3]])
         heights = [h for h, _ in hw[:: self.cols]]
@@ -106,23 +110,34 @@ def scatter(
     x: torch.Tensor, comm: Communicator, grid: Sequence[int] | SpatialGrid | None = None
 ) -> torch.Tensor:
     """This rank's block of a replicated (N, C, H, W) tensor; differentiable (backward gathers
-    the blocks' gradients, so every rank gets the whole input gradient)."""
+    the blocks' gradients, so every rank gets the whole input gradient; where whole gradients
+    are shares, :mod:`parallelkit.spatial.layout`, the block's gradient is this rank's share)."""
     g = grid_of(comm, grid)
     if x.dim() != 4:
         raise ValueError(f"pk.spatial.scatter: expected (N, C, H, W), got shape {tuple(x.shape)}")
+    if layout.shares():  # the whole gradient's share is this block's, zeros elsewhere
+        rows, cols = g.block(x.shape[2], x.shape[3])
+        return x[:, :, rows, cols]
     x = pkf.scatter_to_group(x, g.col_comm, 2, tensor_split_sizes(x.shape[2], g.rows))
     return pkf.scatter_to_group(x, g.row_comm, 3, tensor_split_sizes(x.shape[3], g.cols))
 
 
 def gather(
-    y: torch.Tensor, comm: Communicator, grid: Sequence[int] | SpatialGrid | None = None
+    y: torch.Tensor,
+    comm: Communicator,
+    grid: Sequence[int] | SpatialGrid | None = None,
+    size: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """The whole (N, C, H, W) tensor again, on every rank, from each rank's block.
 
     Differentiable for a consumer that every rank runs identically (one replicated loss): the
-    backward keeps this rank's block of the gradient.
+    backward keeps this rank's block of the gradient. ``size``: the whole (H, W) if known
+    (it saves the all-gather of the blocks' sizes).
     """
     g = grid_of(comm, grid)
-    h, w = g.global_size(y, "pk.spatial.gather")
-    y = pkf.gather_from_group(y, g.row_comm, 3, tensor_split_sizes(w, g.cols))
-    return pkf.gather_from_group(y, g.col_comm, 2, tensor_split_sizes(h, g.rows))
+    h, w = size or g.global_size(y, "pk.spatial.gather")
+    # Where whole gradients are shares, the block's gradient is the sum of every rank's share
+    # of it: all_gather's backward (a reduce-scatter).
+    cat = pkf.all_gather if layout.shares() else pkf.gather_from_group
+    y = cat(y, g.row_comm, 3, tensor_split_sizes(w, g.cols))
+    return cat(y, g.col_comm, 2, tensor_split_sizes(h, g.rows))
