@@ -105,12 +105,13 @@ class Task:
     # ------------------------------------------------------------------ shared set-up
     def add(self, name: str, dense: nn.Module, **parallelize_kwargs: Any) -> nn.Module:
         """``dense`` parallelized over the grid, with an optimizer and a schedule."""
+        if self.cfg.parallel.find_unused_parameters:  # else parallelize's own choice
+            parallelize_kwargs["find_unused_parameters"] = True
         net = pk.parallelize(
             dense.to(self.device),
             self.grid,
             self.grid,
             bucket_cap_mb=self.cfg.parallel.bucket_cap_mb,
-            find_unused_parameters=self.cfg.parallel.find_unused_parameters,
             **parallelize_kwargs,
         )
         opt = build_optimizer(
