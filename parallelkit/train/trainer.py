@@ -40,6 +40,7 @@ from parallelkit.train.monitor import Monitor, table
 from parallelkit.train.plot import plot_run
 from parallelkit.train.protocol import Task
 from parallelkit.train.stopping import StopOnSignal, exit_now
+from parallelkit.train.window import LossWindow
 
 
 def requested_device(name: str) -> torch.device | None:
@@ -218,25 +219,17 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
         + (f", resumed at step {step}" if step else "")
     )
     total = task.total_steps
-    window = {"start": time.perf_counter(), "steps": 0}
-    sums: dict[str, torch.Tensor] = {}
+    window = LossWindow(grid.data_comm, t.batch_size)
     last: dict[str, float] = {}
     evals: dict[str, Any] = {}
     started = time.perf_counter()
     images = 0
 
     def log_window() -> None:
-        """Reduce the window's losses over the data group: one host synchronisation."""
-        names = sorted(sums)
-        means = grid.data_comm.all_reduce(torch.stack([sums[k] for k in names]), "mean")
-        elapsed = time.perf_counter() - window["start"]
-        rate = window["steps"] * t.batch_size / elapsed
-        last.update({k: v / window["steps"] for k, v in zip(names, means.tolist(), strict=True)})
-        last.update(img_s=rate, img_s_per_rank=rate / comm.size, lr=task.lr())
+        losses, rate = window.reduce()
+        last.update(losses, img_s=rate, img_s_per_rank=rate / comm.size, lr=task.lr())
         monitor.log("train", step, epoch=epoch, **last)
-        monitor.advance(0, **{k: last[k] for k in names}, **task.headline(evals))
-        sums.clear()
-        window.update(start=time.perf_counter(), steps=0)
+        monitor.advance(0, **losses, **task.headline(evals))
 
     def save_checkpoint() -> None:
         state = {"step": step, "task": task.state()}
@@ -256,9 +249,7 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
             end_of_step(device)
             step += 1
             images += len(x)
-            window["steps"] += 1
-            for k, v in losses.items():
-                sums[k] = sums.get(k, 0) + v.float()
+            window.add(losses)
             monitor.advance(1)
             if step % t.log_every == 0 or step == total:
                 log_window()
@@ -271,7 +262,7 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
             if step >= total:
                 break
         monitor.end_epoch()
-        if window["steps"]:
+        if window.steps:
             log_window()
         if not t.checkpoint_every and (step == (epoch + 1) * len(train) or step >= total):
             save_checkpoint()
