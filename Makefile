@@ -40,7 +40,7 @@ CHAINER ?= chainer==7.8.1
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)"
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[mpi,dev,data,tensorboard,examples,bench]" mpich
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[mpi,dev,data,tensorboard,plot,examples]" mpich
 	touch $@
 
 # torch and torch_xla first, pinned together; then the package and its test tools, which

@@ -5,6 +5,8 @@ parallelkit train [--config FILE] [--resume] [key=value ...]
                         parallel.ranks local ranks, or joins torchrun / mpiexec / srun
 parallelkit data shard SRC OUT --samples-per-shard N
                         write a data set as WebDataset tar shards
+parallelkit plot RUN_DIR
+                        draw RUN_DIR/curves.png (losses and test metrics) from its metrics
 parallelkit info        versions, available backends and what ``pk.init("auto")`` would pick
 parallelkit plan --model M --image-size S --batch B --ranks N [--json PATH]
                         predicted step time and memory of every grid, ranked (parallelkit.plan)
@@ -111,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="parallelkit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, backends, and what pk.init('auto') picks")
+    plot = sub.add_parser("plot", help="draw RUN_DIR/curves.png from RUN_DIR/metrics.jsonl")
+    plot.add_argument("run_dir", metavar="RUN_DIR")
     sub.add_parser("train", help="train a network (parallelkit train --help)")
     sub.add_parser("plan", help="rank the grids for a model (parallelkit plan --help)")
     data = sub.add_parser("data", help="data tools (parallelkit data shard --help)")
@@ -120,6 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "info":
         print(info())
+    if args.command == "plot":
+        from pathlib import Path
+
+        from parallelkit.train.plot import FILE, plot_run
+
+        line = plot_run(Path(args.run_dir))
+        print(line, file=sys.stdout if line.startswith("curves:") else sys.stderr)
+        return 0 if (Path(args.run_dir) / FILE).is_file() else 1
     return 0
 
 

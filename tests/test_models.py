@@ -20,6 +20,7 @@ from parallelkit.models import (
     Discriminator,
     Generator,
     ResNet,
+    UNet,
     create,
     list_models,
     register,
@@ -315,12 +316,24 @@ def test_dcgan_rejects_bad_arguments(kwargs, message):
         Generator(**kwargs)
 
 
+# --------------------------------------------------------------------------- U-Net
+@pytest.mark.parametrize("widths", [(4, 8), (4, 8, 16, 32)])
+def test_unet_returns_logits_at_the_input_resolution(widths):
+    model = UNet(num_classes=5, in_channels=1, widths=widths)
+    x = torch.randn(2, 1, 24, 16, requires_grad=True)
+    out = model(x)
+    assert out.shape == (2, 5, 24, 16)
+    out.sum().backward()
+    assert all(p.grad is not None for p in model.parameters())  # every stage is used
+
+
 # --------------------------------------------------------------------------- registry
 def test_registry_lists_and_creates_the_models():
     assert list_models() == [
-        "dcgan_discriminator", "dcgan_generator", "resnet18", "resnet34", "resnet50"
+        "dcgan_discriminator", "dcgan_generator", "resnet18", "resnet34", "resnet50", "unet"
     ]  # fmt: skip
     assert isinstance(create("resnet50", num_classes=10, stem="cifar"), ResNet)
+    assert isinstance(create("unet", num_classes=3, widths=(4, 8)), UNet)
     assert isinstance(create("dcgan_generator", image_size=32), Generator)
     assert isinstance(create("dcgan_discriminator", image_size=32), Discriminator)
 

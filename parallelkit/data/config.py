@@ -10,7 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DATASETS: tuple[str, ...] = ("digits", "synthetic", "imagefolder", "cifar10", "webdataset")
+DATASETS: tuple[str, ...] = (
+    "digits", "synthetic", "imagefolder", "cifar10", "webdataset", "shapes", "segfolder",
+)  # fmt: skip
+WITH_MASKS: tuple[str, ...] = ("shapes", "segfolder")
+"""Sources whose samples are (image, mask); ``webdataset`` shards may hold either."""
 SPLITS: tuple[str, ...] = ("train", "test")
 
 
@@ -26,16 +30,20 @@ class DataConfig:
     - ``imagefolder``: ``root/train/<class>/*.png|jpg`` and ``root/test`` (or ``root/val``).
     - ``cifar10``: ``root`` is the ``cifar-10-batches-py`` directory of pickled batches.
     - ``webdataset``: ``root`` holds ``train-*.tar``, ``test-*.tar`` and ``manifest.json``
-      as written by ``parallelkit data shard``.
+      as written by ``parallelkit data shard`` (labels, or masks for segmentation).
+    - ``shapes``: generated segmentation scenes of any size with their masks
+      (:mod:`parallelkit.data.shapes`), ``num_classes`` classes counting the background.
+    - ``segfolder``: ``root/{train,test|val}/images/*`` with ``masks/<name>.png``
+      (:mod:`parallelkit.data.segfolder`), ``num_classes`` classes; 255 marks ignored pixels.
     """
 
     name: str = "digits"
     root: str | None = None
     image_size: int = 32
     channels: int = 3
-    num_classes: int = 10  # synthetic only; the other sources know their own
-    train_samples: int = 1024  # synthetic only
-    test_samples: int = 256  # synthetic only
+    num_classes: int = 10  # synthetic, shapes, segfolder; the other sources know their own
+    train_samples: int = 1024  # synthetic, shapes
+    test_samples: int = 256  # synthetic, shapes
     workers: int = 0  # DataLoader worker processes per rank
     shuffle: bool = True
 
@@ -53,7 +61,7 @@ def check_config(cfg: DataConfig, split: str) -> None:
     if cfg.channels not in (1, 3):
         raise ValueError(f"data.channels={cfg.channels} must be 1 (grayscale) or 3 (RGB)")
     positive = {"data.image_size": cfg.image_size}
-    if cfg.name == "synthetic":
+    if cfg.name in ("synthetic", "shapes"):
         positive |= {
             "data.num_classes": cfg.num_classes,
             "data.train_samples": cfg.train_samples,
@@ -62,7 +70,12 @@ def check_config(cfg: DataConfig, split: str) -> None:
     for key, value in positive.items():
         if int(value) != value or value < 1:
             raise ValueError(f"{key}={value} must be a positive integer")
+    if cfg.name in WITH_MASKS and not 2 <= cfg.num_classes <= 255:
+        raise ValueError(
+            f"data.num_classes={cfg.num_classes} must lie in 2..255 for {cfg.name} (the "
+            "background counts; mask value 255 marks ignored pixels)"
+        )
     if cfg.workers < 0:
         raise ValueError(f"data.workers={cfg.workers} must be >= 0")
-    if cfg.name in ("imagefolder", "cifar10", "webdataset") and not cfg.root:
+    if cfg.name in ("imagefolder", "cifar10", "webdataset", "segfolder") and not cfg.root:
         raise ValueError(f"data.name={cfg.name!r} needs data.root, the directory to read")

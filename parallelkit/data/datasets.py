@@ -256,13 +256,27 @@ def _cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return data, labels
 
 
-def load_dataset(cfg: DataConfig, split: str) -> Dataset:
+def load_dataset(
+    cfg: DataConfig, split: str, window: tuple[slice, slice] | None = None
+) -> Dataset:
     """The map-style dataset ``cfg`` names, for ``split`` ("train" or "test").
 
-    WebDataset shards are streamed, not indexed: use :func:`parallelkit.data.build_loader`.
+    ``window``: for sources with masks, the (rows, cols) of every mask to return (this rank's
+    block under spatial parallelism); images stay whole. WebDataset shards are streamed, not
+    indexed: use :func:`parallelkit.data.build_loader`.
     """
     check_config(cfg, split)
     size, channels = cfg.image_size, cfg.channels
+    if cfg.name == "shapes":
+        from parallelkit.data.shapes import ShapesDataset
+
+        length = cfg.train_samples if split == "train" else cfg.test_samples
+        base = SYNTHETIC_BASE[split]
+        return ShapesDataset(length, size, channels, cfg.num_classes, base, window)
+    if cfg.name == "segfolder":
+        from parallelkit.data.segfolder import SegFolderDataset
+
+        return SegFolderDataset(str(cfg.root), split, size, channels, cfg.num_classes, window)
     if cfg.name == "digits":
         return DigitsDataset(split, size, channels)
     if cfg.name == "synthetic":

@@ -30,15 +30,32 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader
 
-from parallelkit.data.config import DataConfig, check_config
+from parallelkit.comm import tensor_split_sizes
+from parallelkit.data.config import WITH_MASKS, DataConfig, check_config
 from parallelkit.data.datasets import load_dataset
 from parallelkit.data.sampler import RankSampler
 from parallelkit.data.shardio import check_shards, load_split
 from parallelkit.data.shardstream import ShardStream
 
+Block = tuple[int, int, int, int]
+"""(rows, cols, row, col): a spatial grid's shape and this rank's place in it."""
+
+
+def window(image_size: int, block: Block | None) -> tuple[slice, slice] | None:
+    """This rank's rows and columns of an ``image_size`` square image, split as
+    ``pk.spatial.scatter`` splits it (``torch.tensor_split`` over rows, then columns)."""
+    if block is None or block[:2] == (1, 1):
+        return None
+    rows, cols, row, col = block
+    hs, ws = tensor_split_sizes(image_size, rows), tensor_split_sizes(image_size, cols)
+    h0, w0 = sum(hs[:row]), sum(ws[:col])
+    return slice(h0, h0 + hs[row]), slice(w0, w0 + ws[col])
+
 
 class Loader:
-    """Iterable of ``(images (N, C, S, S) float32 in about [-1, 1], labels (N,) int64)``.
+    """Iterable of ``(images (N, C, S, S) float32 in about [-1, 1], targets)``: ``labels (N,)
+    int64``, or with ``masks`` true, ``(N, h, w)`` int64 masks (this rank's block of them when
+    the loader was built with a ``block``).
 
     ``len(loader)`` is the number of batches of a whole epoch on this rank, whatever
     ``set_epoch``'s ``start_batch`` (an epoch resumed at batch k yields ``len(loader) - k``).
@@ -55,8 +72,9 @@ class Loader:
         channels: int,
         image_size: int,
         num_samples: int,
+        masks: bool = False,
     ) -> None:
-        self.dataloader = dataloader
+        self.dataloader, self.masks = dataloader, masks
         self.batches, self.batch_size = batches, batch_size
         self.num_classes, self.channels = num_classes, channels
         self.image_size, self.num_samples = image_size, num_samples
@@ -107,13 +125,16 @@ def build_loader(
     seed: int = 0,
     drop_last: bool | None = None,
     shuffle_buffer: int = 512,
+    block: Block | None = None,
 ) -> Loader:
     """Data rank ``rank`` of ``size``'s loader of ``split``, ``batch_size`` images per batch.
 
     Shuffles (``cfg.shuffle``) only the "train" split. ``shuffle_buffer`` is how many samples
     a WebDataset worker holds (compressed) to shuffle within; map-style datasets shuffle
-    globally. Raises ``ValueError`` when the arguments or the data cannot work, e.g. a training
-    split too small to give every rank one full batch.
+    globally. ``block``: under spatial parallelism, this rank's place in the grid; sources with
+    masks then yield only this rank's block of each mask (images stay whole). Raises
+    ``ValueError`` when the arguments or the data cannot work, e.g. a training split too small
+    to give every rank one full batch.
     """
     check_config(cfg, split)
     if size < 1 or not 0 <= rank < size:
@@ -126,6 +147,7 @@ def build_loader(
     shuffle = bool(cfg.shuffle) and split == "train"
     # A private generator: iterating must not draw from the global RNG (model init, dropout).
     generator = torch.Generator().manual_seed(seed)
+    crop = window(cfg.image_size, block)
     if cfg.name == "webdataset":
         shards = load_split(str(cfg.root), split)
         check_shards(shards)
@@ -140,13 +162,16 @@ def build_loader(
             seed=seed,
             drop_last=drop_last,
             buffer=shuffle_buffer,
+            window=crop,
         )
         dataloader = DataLoader(
             stream, batch_size=None, num_workers=cfg.workers, generator=generator
         )
         batches, num_samples, num_classes = len(stream), shards.num_samples, shards.num_classes
+        masks = shards.masks
     else:
-        dataset = load_dataset(cfg, split)
+        dataset = load_dataset(cfg, split, crop)
+        masks = cfg.name in WITH_MASKS
         sampler = RankSampler(
             dataset,  # type: ignore[arg-type]
             rank=rank,
@@ -182,4 +207,5 @@ def build_loader(
         channels=cfg.channels,
         image_size=cfg.image_size,
         num_samples=num_samples,
+        masks=masks,
     )

@@ -4,6 +4,9 @@
     parallelkit data shard cifar10:~/data/cifar-10-batches-py shards/cifar --samples-per-shard 5000
     parallelkit data shard ~/data/flowers shards/flowers --samples-per-shard 1000 --image-size 128
     python -m parallelkit.data.shard synthetic shards/syn --samples-per-shard 64 --image-size 512
+    parallelkit data shard shapes shards/shapes --samples-per-shard 256 --image-size 128
+    parallelkit data shard segfolder:~/data/cells shards/cells --samples-per-shard 100 \
+        --num-classes 3 --image-size 256
 
 Then train on them with ``data.name=webdataset data.root=OUT``. Images are written at
 ``--image-size`` with ``--channels``, so the loader decodes them without resizing.
@@ -23,12 +26,16 @@ SOURCES = """\
 SRC names the dataset to shard:
   digits             scikit-learn's digits (bundled, no download)
   synthetic          random images; sizes from --train-samples/--test-samples/--num-classes
+  shapes             generated segmentation scenes with masks; the same size options
+  segfolder:DIR      DIR/train/images/* with DIR/train/masks/<name>.png, DIR/test (or val);
+                     --num-classes is the class count every mask is checked against
   cifar10:DIR        the python-batch CIFAR-10 directory DIR (cifar-10-batches-py)
   imagefolder:DIR    DIR/train/<class>/*.png|jpg and DIR/test (or DIR/val)
   DIR                an existing directory: the same as imagefolder:DIR
 
 OUT receives train-000000.tar ..., test-000000.tar ... and manifest.json (samples per shard).
 Samples are written in a seeded random order (--shuffle-seed) so that shards mix classes.
+Masks are written as <key>.mask.png beside each image (train with train.task=segment).
 """
 
 
@@ -36,18 +43,23 @@ def parse_source(src: str, args: argparse.Namespace) -> DataConfig:
     """The :class:`DataConfig` that SRC (see ``--help``) and the size options describe."""
     cfg = DataConfig(image_size=args.image_size, channels=args.channels)
     kind, sep, root = src.partition(":")
-    if kind in ("digits", "synthetic") and not sep:
+    classes = args.num_classes
+    if kind in ("digits", "synthetic", "shapes") and not sep:
         cfg.name = kind
         cfg.train_samples, cfg.test_samples = args.train_samples, args.test_samples
-        cfg.num_classes = args.num_classes
-    elif kind in ("cifar10", "imagefolder") and sep and root:
+        cfg.num_classes = classes or (4 if kind == "shapes" else 10)
+    elif kind in ("cifar10", "imagefolder", "segfolder") and sep and root:
         cfg.name, cfg.root = kind, str(Path(root).expanduser())
+        if kind == "segfolder":
+            if classes is None:
+                raise ValueError("segfolder:DIR needs --num-classes, the masks' class count")
+            cfg.num_classes = classes
     elif Path(src).expanduser().is_dir():
         cfg.name, cfg.root = "imagefolder", str(Path(src).expanduser())
     else:
         raise ValueError(
-            f"SRC {src!r} is not digits, synthetic, cifar10:DIR, imagefolder:DIR or an "
-            "existing directory"
+            f"SRC {src!r} is not digits, synthetic, shapes, cifar10:DIR, imagefolder:DIR, "
+            "segfolder:DIR or an existing directory"
         )
     return cfg
 
@@ -72,9 +84,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--splits", default=",".join(SPLITS), help="comma-separated (default train,test)"
     )
-    p.add_argument("--train-samples", type=int, default=1024, help="synthetic only")
-    p.add_argument("--test-samples", type=int, default=256, help="synthetic only")
-    p.add_argument("--num-classes", type=int, default=10, help="synthetic only")
+    p.add_argument("--train-samples", type=int, default=1024, help="synthetic, shapes")
+    p.add_argument("--test-samples", type=int, default=256, help="synthetic, shapes")
+    p.add_argument(
+        "--num-classes", type=int, help="synthetic (default 10), shapes (4), segfolder (needed)"
+    )
     p.add_argument("--shuffle-seed", type=int, default=0, help="order samples are written in")
     p.add_argument(
         "--no-shuffle", action="store_true", help="write samples in dataset order instead"

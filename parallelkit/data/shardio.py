@@ -9,7 +9,8 @@ geometry and encoding::
     {"format": "parallelkit-shards", "version": 1,
      "splits": {"train": {"shards": [{"file": "train-000000.tar", "samples": 512}, ...],
                           "samples": 1438, "image_size": 32, "channels": 3,
-                          "num_classes": 10, "encoding": "png"}, "test": {...}}}
+                          "num_classes": 10, "encoding": "png", "masks": false},
+               "test": {...}}}
 
 The counts are what let every rank compute, without communicating, how many batches every
 other rank will produce (see ``shardstream``); they also let a reader notice a shard that ends
@@ -18,7 +19,12 @@ early instead of silently yielding fewer samples.
 Encodings: ``png`` stores 8-bit pixels (lossless for 8-bit sources such as image folders and
 CIFAR-10 at their own size, about 1/255 of quantisation otherwise, and several times smaller);
 ``npy`` stores the float32 tensor exactly (needed for synthetic Gaussian images, whose values
-fall outside what 8 bits hold). Reading and writing go through the ``webdataset`` package.
+fall outside what 8 bits hold). Masks are always PNG: lossless for labels below 256.
+Reading and writing go through the ``webdataset`` package.
+
+Under spatial parallelism a rank needs only its block of each mask, but a PNG inflates row by
+row from the top and PIL decodes whole images, so the mask is decoded whole and then cropped
+(``decode_sample``'s ``window``); every rank of a spatial group reads the same tar bytes.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import torch
 from torch.utils.data import Dataset
 
 from parallelkit.data.datasets import denormalize, fit, from_uint8, normalize
+from parallelkit.data.segfolder import check_labels, fit_mask
 
 MANIFEST = "manifest.json"
 FORMAT = "parallelkit-shards"
@@ -59,6 +66,7 @@ class SplitShards:
     channels: int
     num_classes: int
     encoding: str
+    masks: bool = False  # samples hold masks (segmentation) instead of labels
 
     @property
     def num_samples(self) -> int:
@@ -77,7 +85,8 @@ def write_shards(
 ) -> list[str]:
     """Write ``dataset``'s ``(image, label)`` samples to ``out_dir/<prefix>-NNNNNN.tar``.
 
-    ``image`` is a normalised ``(C, S, S)`` tensor as the datasets here return. Samples are
+    ``image`` is a normalised ``(C, S, S)`` tensor as the datasets here return; ``label`` an
+    int, or an ``(S, S)`` integer mask (then every sample must have one). Samples are
     written in a permutation seeded by ``shuffle_seed`` (``None``: dataset order), because the
     loader shuffles only shards and a window of samples: a class-sorted image folder written in
     order would give single-class batches. ``prefix`` is the split ("train", "test") and
@@ -101,7 +110,8 @@ def write_shards(
         order = torch.randperm(n, generator=torch.Generator().manual_seed(shuffle_seed)).tolist()
     pattern = str(out / prefix).replace("%", "%%") + "-%06d.tar"
     counts = [min(samples_per_shard, n - i) for i in range(0, n, samples_per_shard)]
-    first, _ = dataset[order[0]]
+    first, first_label = dataset[order[0]]
+    masks = isinstance(first_label, torch.Tensor) and first_label.dim() == 2
     if first.dim() != 3 or first.shape[1] != first.shape[2] or first.shape[0] not in (1, 3):
         raise ValueError(
             f"write_shards: images must be (C, S, S) with C 1 or 3, got {tuple(first.shape)}"
@@ -117,8 +127,12 @@ def write_shards(
                     f"write_shards: sample {index} has shape {tuple(image.shape)}, the first "
                     f"{tuple(first.shape)}; all images of a split must share one shape"
                 )
-            labels_max = max(labels_max, int(label))
-            w.write(encode_sample(image, int(label), encoding, f"{index:09d}"))
+            if masks:
+                labels_max = max(labels_max, _check_mask(label, image, index))
+            else:
+                labels_max = max(labels_max, int(label))
+                label = int(label)
+            w.write(encode_sample(image, label, encoding, f"{index:09d}"))
     files = [pattern % i for i in range(len(counts))]
     assert all(os.path.isfile(f) for f in files), "ShardWriter named its shards differently"
     channels, height, _ = first.shape
@@ -131,13 +145,31 @@ def write_shards(
         "channels": int(channels),
         "num_classes": int(getattr(dataset, "num_classes", labels_max + 1)),
         "encoding": encoding,
+        "masks": masks,
     }
     _update_manifest(out, prefix, split)
     return files
 
 
-def encode_sample(image: torch.Tensor, label: int, encoding: str, key: str) -> dict[str, Any]:
-    """The tar members of one sample: ``{"__key__", "png" | "npy", "cls"}`` as bytes."""
+def _check_mask(mask: Any, image: torch.Tensor, index: int) -> int:
+    """The largest class label of sample ``index``'s mask, after checking its shape."""
+    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(image.shape[1:]):
+        got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(
+            f"write_shards: sample {index} has mask {got}; expected {tuple(image.shape[1:])}, "
+            "the image's height and width (and every sample of a split a mask)"
+        )
+    if mask.min() < 0 or mask.max() > 255:
+        raise ValueError(f"write_shards: sample {index}'s mask has labels outside 0..255")
+    labels = mask[mask != 255]
+    return int(labels.max()) if labels.numel() else 0
+
+
+def encode_sample(
+    image: torch.Tensor, label: int | torch.Tensor, encoding: str, key: str
+) -> dict[str, Any]:
+    """The tar members of one sample: ``{"__key__", "png" | "npy", "cls" | "mask.png"}`` as
+    bytes (``mask.png`` when ``label`` is an ``(H, W)`` mask)."""
     buf = io.BytesIO()
     if encoding == "npy":
         np.save(buf, image.detach().cpu().numpy().astype(np.float32), allow_pickle=False)
@@ -154,7 +186,18 @@ def encode_sample(image: torch.Tensor, label: int, encoding: str, key: str) -> d
         pixels = (x01 * 255).round().clamp(0, 255).to(torch.uint8)
         array = pixels[0].numpy() if pixels.shape[0] == 1 else pixels.permute(1, 2, 0).numpy()
         Image.fromarray(array).save(buf, format="PNG")
+    if isinstance(label, torch.Tensor):
+        return {"__key__": key, encoding: buf.getvalue(), "mask.png": _png(label)}
     return {"__key__": key, encoding: buf.getvalue(), "cls": str(label).encode("ascii")}
+
+
+def _png(mask: torch.Tensor) -> bytes:
+    """An ``(H, W)`` mask of labels 0..255 as one-channel 8-bit PNG bytes."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(mask.to(torch.uint8).numpy(), mode="L").save(buf, format="PNG")
+    return buf.getvalue()
 
 
 def _update_manifest(out: Path, split: str, entry: dict[str, Any]) -> None:
@@ -200,6 +243,7 @@ def load_split(root: str, split: str) -> SplitShards:
             channels=int(entry["channels"]),
             num_classes=int(entry["num_classes"]),
             encoding=str(entry["encoding"]),
+            masks=bool(entry.get("masks", False)),
         )
     except (KeyError, TypeError, ValueError) as err:
         raise ValueError(f"webdataset: {path}: malformed {split!r} entry ({err!r})") from err
@@ -268,15 +312,23 @@ def read_samples(path: str, start: int, stop: int) -> Iterator[dict[str, Any]]:
 
 
 def decode_sample(
-    sample: dict[str, Any], shards: SplitShards, image_size: int, channels: int
-) -> tuple[torch.Tensor, int]:
-    """A raw sample as ``(normalised (channels, S, S) float32 image, label)``."""
+    sample: dict[str, Any],
+    shards: SplitShards,
+    image_size: int,
+    channels: int,
+    window: tuple[slice, slice] | None = None,
+) -> tuple[torch.Tensor, int | torch.Tensor]:
+    """A raw sample as ``(normalised (channels, S, S) float32 image, label)``; for shards with
+    masks the label is the ``(S, S)`` int64 mask, or its ``window`` (rows, cols)."""
     where = f"shard {sample.get('__url__')}, sample {sample.get('__key__')}"
-    data, cls = sample.get(shards.encoding), sample.get("cls")
+    target = "mask.png" if shards.masks else "cls"
+    data, cls = sample.get(shards.encoding), sample.get(target)
     if data is None or cls is None:
-        raise ShardError(f"{where}: needs .{shards.encoding} and .cls members, has {list(sample)}")
+        raise ShardError(
+            f"{where}: needs .{shards.encoding} and .{target} members, has {list(sample)}"
+        )
     try:
-        label = int(cls)
+        label = _decode_mask(cls, shards, image_size, window, where) if shards.masks else int(cls)
         if shards.encoding == "npy":
             image = torch.from_numpy(np.load(io.BytesIO(data), allow_pickle=False))
             return fit(image.float(), image_size, channels), label
@@ -287,3 +339,15 @@ def decode_sample(
     except (OSError, SyntaxError, ValueError) as err:
         raise ShardError(f"{where}: cannot decode: {err}") from err
     return normalize(fit(x01, image_size, channels)), label
+
+
+def _decode_mask(
+    data: bytes, shards: SplitShards, size: int, window: tuple[slice, slice] | None, where: str
+) -> torch.Tensor:
+    """The mask member: decoded whole (PNG cannot be decoded by rows), checked, cropped."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as png:
+        mask = torch.from_numpy(np.array(png, dtype=np.int64))
+    mask = fit_mask(check_labels(mask, shards.num_classes, where), size)
+    return mask[window] if window is not None else mask

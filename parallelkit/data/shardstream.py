@@ -93,7 +93,8 @@ def resume(counts: Sequence[int], start_batch: int) -> tuple[int, list[int]]:
 class ShardStream(IterableDataset):
     """One data rank's batches of a shard split; see the module docstring for the rule.
 
-    Yields collated ``(images (N, C, S, S) float32, labels (N,) int64)``; use it in a DataLoader
+    Yields collated ``(images (N, C, S, S) float32, labels (N,) int64)`` (for shards with
+    masks: ``(N, h, w)`` int64 masks, cropped to ``window`` when given); use it in a DataLoader
     with ``batch_size=None``. ``len()`` is the number of batches of a whole epoch.
     """
 
@@ -110,8 +111,10 @@ class ShardStream(IterableDataset):
         seed: int,
         drop_last: bool,
         buffer: int = 512,
+        window: tuple[slice, slice] | None = None,
     ) -> None:
         self.shards, self.rank, self.batch_size = shards, rank, batch_size
+        self.window = window  # masks only: this rank's block of each
         self.image_size, self.channels = image_size, channels
         self.shuffle, self.seed, self.buffer = shuffle, seed, max(1, buffer)
         self.start, self.stop, self.batches = rank_range(
@@ -149,9 +152,15 @@ class ShardStream(IterableDataset):
             raw = [s for _, s in zip(range(self.batch_size), samples, strict=False)]
             if not raw:
                 return
-            decoded = [decode_sample(s, self.shards, self.image_size, self.channels) for s in raw]
+            decoded = [
+                decode_sample(s, self.shards, self.image_size, self.channels, self.window)
+                for s in raw
+            ]
             images = torch.stack([x for x, _ in decoded])
-            yield images, torch.tensor([y for _, y in decoded], dtype=torch.int64)
+            if self.shards.masks:
+                yield images, torch.stack([y for _, y in decoded])  # type: ignore[misc]
+            else:
+                yield images, torch.tensor([y for _, y in decoded], dtype=torch.int64)
 
     def _worker_range(self, worker: int, workers: int) -> tuple[int, int]:
         counts = tensor_split_sizes(self.batches, workers)

@@ -8,6 +8,9 @@ Build one by name with :func:`create` (names: :func:`list_models`):
 ``"resnet50"``              :func:`resnet50`: Bottleneck 3-4-6-3, 25.6 M parameters
 ``"dcgan_generator"``       :class:`Generator`: noise -> image, 8x8 to 1024x1024
 ``"dcgan_discriminator"``   :class:`Discriminator`: image -> logit, 8x8 to 1024x1024
+``"unet"``                  :class:`UNet`: image -> per-pixel logits (segmentation)
+``"torchvision:NAME"``      another library's model, random weights (:mod:`.zoo`); also
+``"timm:NAME"``, ``"smp:ARCH"``
 ==========================  ===============================================================
 
 (parameter counts for the ImageNet stem and 1000 classes, equal to torchvision's.)
@@ -24,6 +27,7 @@ from parallelkit.models.resnet import (
     resnet34,
     resnet50,
 )
+from parallelkit.models.unet import UNet, unet
 
 __all__ = [
     "BasicBlock",
@@ -32,10 +36,12 @@ __all__ = [
     "Generator",
     "Layer",
     "ResNet",
+    "UNet",
     "create",
     "list_models",
     "register",
     "resnet18",
     "resnet34",
     "resnet50",
+    "unet",
 ]

@@ -2,6 +2,7 @@
 
     model = parallelkit.models.create("resnet50", num_classes=10, stem="cifar")
     parallelkit.models.list_models()   # ['dcgan_discriminator', 'dcgan_generator', 'resnet18', ...]
+    model = parallelkit.models.create("timm:resnet18", num_classes=10)   # another library's
 
 A constructor is any callable returning an ``nn.Module``, registered under a name with
 ``@register("name")``. ``create`` checks the keyword arguments against the constructor before
@@ -18,6 +19,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from torch import nn
+
+from parallelkit.models import zoo
 
 Constructor = Callable[..., nn.Module]
 C = TypeVar("C", bound=Constructor)
@@ -47,7 +50,11 @@ def create(name: str, **kwargs: Any) -> nn.Module:
 
     Raises ValueError for an unknown name (listing the known ones) and TypeError for a keyword
     argument the model does not take (listing those it does), as calling it directly would.
+    ``torchvision:NAME``, ``timm:NAME`` and ``smp:ARCH`` build that library's model
+    (:mod:`parallelkit.models.zoo`; ``num_classes`` and ``in_channels`` are passed on).
     """
+    if zoo.is_zoo_name(name):
+        return zoo.create(name, **kwargs)
     if name not in _REGISTRY:
         raise ValueError(f"create: unknown model {name!r}; known models: {list_models()}")
     fn = _REGISTRY[name]

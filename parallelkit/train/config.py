@@ -23,9 +23,37 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from parallelkit.data.config import DataConfig, check_config
+from parallelkit import models
+from parallelkit.data.config import WITH_MASKS, DataConfig, check_config
+from parallelkit.models import zoo
 
-TASKS = ("classify", "gan")
+TASK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "classify": {"model.name": "resnet18", "model.width": 64, "data.name": "digits",
+                 "data.num_classes": 10, "data.image_size": 32},
+    "gan": {"model.name": "dcgan", "model.width": 64, "data.name": "digits",
+            "data.num_classes": 10, "data.image_size": 32},
+    "segment": {"model.name": "unet", "model.width": 16, "data.name": "shapes",
+                "data.num_classes": 4, "data.image_size": 32},
+}  # fmt: skip
+"""Defaults that depend on ``train.task`` (the keys' defaults are ``${pk.default:KEY,TASK}``
+interpolations): ``parallelkit train train.task=segment`` trains a U-Net on generated shapes."""
+
+
+def _task_default(key: str, task: str) -> Any:
+    # An unknown task resolves like classify, so that validate() names train.task itself.
+    return TASK_DEFAULTS.get(task, TASK_DEFAULTS["classify"])[key]
+
+
+# OmegaConf 2.4 renamed register_new_resolver (2.3, which the XLA environment may hold).
+_register = getattr(OmegaConf, "register_resolver", None) or OmegaConf.register_new_resolver
+_register("pk.default", _task_default, replace=True)
+
+
+def _default(key: str) -> Any:
+    """The dataclass default of ``key``: its task default, resolved when the config is."""
+    return f"${{pk.default:{key},${{train.task}}}}"
+
+TASKS = ("classify", "gan", "segment")
 STRATEGIES = ("data", "spatial", "channel", "hybrid")
 OPTIMIZERS = ("sgd", "adam", "lars")
 SCHEDULES = ("cosine", "constant")
@@ -37,15 +65,18 @@ FAULTS = ("exit", "raise", "raise_in_backward")  # see parallelkit.train.faults
 
 @dataclass
 class ModelConfig:
-    """Which network. ``name`` is a :func:`parallelkit.models.create` name; for the GAN task
-    it names the generator and the discriminator is its mirror."""
+    """Which network. ``name`` is a :func:`parallelkit.models.create` name (``resnet18``,
+    ``unet``, ... or another library's ``torchvision:NAME``, ``timm:NAME``, ``smp:ARCH``); for
+    the GAN task it names the generator and the discriminator is its mirror. The default
+    depends on the task (:data:`TASK_DEFAULTS`)."""
 
-    name: str = "resnet18"
+    name: str = _default("model.name")
     # resnet: "imagenet" (7x7 stride 2 + max pool) or "cifar" (3x3, no pooling). The default
     # main job uses "imagenet" on 32x32 digits: they are 8x8 images upscaled, so the 4x
     # downsampling loses nothing (99.7% test accuracy) and a step is 6x cheaper.
     stem: str = "imagenet"
-    width: int = 64  # resnet: channels of the first stage; dcgan: ngf and ndf
+    # resnet, unet: channels of the first stage; dcgan: ngf and ndf (zoo models: unused)
+    width: int = _default("model.width")  # type: ignore[assignment]
     nz: int = 100  # dcgan: noise dimension
     kwargs: dict[str, Any] = field(default_factory=dict)  # more arguments for create()
 
@@ -72,6 +103,9 @@ class ParallelConfig:
     channel: int = 1
     timeout: float = 300.0  # seconds before a stuck collective (a dead rank) stops the job
     bucket_cap_mb: float = 25.0
+    # a model with parameters that get no gradient (smp's encoder_depth < 5 keeps the unused
+    # deeper stages): DataParallel then reduces a "used" flag with every bucket
+    find_unused_parameters: bool = False
 
 
 @dataclass
@@ -100,7 +134,7 @@ class TrainConfig:
     """The loop. ``batch_size`` is global (all data ranks together), so a run with the same
     seed and batch size sees the same batches on any number of ranks."""
 
-    task: str = "classify"
+    task: str = "classify"  # classify | gan | segment
     epochs: int = 6
     batch_size: int = 64
     accumulate: int = 1  # micro-batches per optimizer step
@@ -118,6 +152,7 @@ class TrainConfig:
     checkpoint_on_signal: bool = False  # SIGINT/SIGTERM: finish the step, checkpoint, exit
     progress: bool = True
     tensorboard: bool = True
+    plot: bool = True  # curves.png in run_dir at the end (needs matplotlib)
     # Testing aids (parallelkit.train.faults): rank fail_rank (-1: the last) fails at step
     # fail_at_step, as fail_how says: exit | raise | raise_in_backward.
     fail_at_step: int = -1
@@ -128,7 +163,13 @@ class TrainConfig:
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    data: DataConfig = field(
+        default_factory=lambda: DataConfig(
+            name=_default("data.name"),
+            num_classes=_default("data.num_classes"),  # type: ignore[arg-type]
+            image_size=_default("data.image_size"),  # type: ignore[arg-type]
+        )
+    )
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -216,17 +257,48 @@ def validate(cfg: Config) -> None:
     if bad := {k: v for k, v in positive.items() if v < 1}:
         raise ValueError(f"config: these must be at least 1: {bad}")
     _check_values(cfg)
-    if (t.task == "gan") != (cfg.model.name == "dcgan"):
-        raise ValueError(
-            f"config: train.task={t.task} with model.name={cfg.model.name}; the GAN task trains "
-            "model.name=dcgan, classification a ResNet"
-        )
+    _check_task(cfg)
     if p.strategy == "hybrid" and p.rows * p.cols * p.channel == 1:
         raise ValueError(
             "config: parallel.strategy=hybrid needs a model-parallel grid, e.g. parallel.rows=2"
         )
     if p.rows * p.cols > 1 and p.channel > 1:
         raise ValueError("config: spatial (rows/cols) and channel parallelism cannot be combined")
+
+
+def _check_task(cfg: Config) -> None:
+    """The model and the data must fit the task; a zoo model must be buildable here."""
+    task, name, data = cfg.train.task, cfg.model.name, cfg.data.name
+    if (task == "gan") != (name == "dcgan"):
+        raise ValueError(
+            f"config: train.task={task} with model.name={name}; the GAN task trains "
+            "model.name=dcgan, and model.name=dcgan is for train.task=gan"
+        )
+    builtin_for = {"unet": "segment", "resnet18": "classify", "resnet34": "classify",
+                   "resnet50": "classify"}  # fmt: skip
+    if builtin_for.get(name, task) != task:
+        raise ValueError(
+            f"config: model.name={name} is a {builtin_for[name]} model, not one for "
+            f"train.task={task}; segmentation: unet, smp:ARCH or a torchvision segmentation "
+            "model; classification: resnet18/34/50, torchvision:NAME or timm:NAME"
+        )
+    masks = data in WITH_MASKS
+    if task == "segment" and not (masks or data == "webdataset"):
+        raise ValueError(
+            f"config: train.task=segment needs masks: data.name=shapes, segfolder or "
+            f"webdataset shards written from one, not {data}"
+        )
+    if task != "segment" and masks:
+        raise ValueError(f"config: data.name={data} holds masks: use it with train.task=segment")
+    if task == "gan" and cfg.train.accumulate > 1:
+        raise ValueError("config: train.accumulate > 1 is for train.task=classify or segment")
+    if zoo.is_zoo_name(name):
+        zoo.check(name, dict(cfg.model.kwargs))
+    elif name != "dcgan" and name not in models.list_models():
+        raise ValueError(
+            f"config: model.name={name!r} is not a model here: {models.list_models()}, dcgan, "
+            "or another library's torchvision:NAME, timm:NAME, smp:ARCH"
+        )
 
 
 def _check_values(cfg: Config) -> None:

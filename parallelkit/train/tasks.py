@@ -1,9 +1,9 @@
-"""The two tasks the trainer runs: image classification and GAN training.
+"""The tasks ``parallelkit train`` runs: classification, GAN training and segmentation.
 
-A task builds its networks from :mod:`parallelkit.models`, parallelizes them over the grid with
-``pk.parallelize`` (the same call for every strategy), owns their optimizers and schedules,
-and knows one training step, its evaluation and its checkpoint state. The loop in
-:mod:`parallelkit.train.trainer` drives either.
+Each is one class of the protocol in :mod:`parallelkit.train.protocol`, registered in
+:data:`TASKS` under its ``train.task`` name; the loop in :mod:`parallelkit.train.trainer`
+builds the configured one with :func:`create` and never asks which it is. Segmentation lives
+in :mod:`parallelkit.train.segment`.
 
 Exactness across rank counts rests on two facts. The loader gives data rank ``r`` of ``D`` the
 batch rows ``r, r + D, r + 2D, ...`` of the global batch, so the union of the ranks' batches
@@ -15,120 +15,31 @@ by the step, and each rank takes its slice, so the fakes are the same as on one 
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from PIL import Image
-from torch import nn
 
-import parallelkit as pk
 from parallelkit import models
-from parallelkit.comm import Communicator
-from parallelkit.nn import ChannelParallelConv2d
-from parallelkit.nn.channel_transposed import ChannelParallelConvTranspose2d
-from parallelkit.parallel import DataParallel, Grid
+from parallelkit.data import Loader
+from parallelkit.parallel import Grid
 from parallelkit.train.config import Config
-from parallelkit.train.optim import build_optimizer, build_schedule
-
-Losses = dict[str, torch.Tensor]
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The model without its DataParallel wrapper: what checkpoints hold, so that a run may
-    resume with another number of data-parallel replicas."""
-    return model.module if isinstance(model, DataParallel) else model
-
-
-def sharded_parameters(model: nn.Module) -> dict[nn.Parameter, Communicator]:
-    """Weights split over a channel group, with that group (LARS needs their whole norm)."""
-    kinds = ChannelParallelConv2d | ChannelParallelConvTranspose2d
-    return {m.weight: m.comm for m in model.modules() if isinstance(m, kinds) and m.comm.size > 1}
-
-
-def no_sync(model: nn.Module, skip: bool):
-    """Accumulate gradients locally (DataParallel.no_sync) when ``skip``."""
-    if skip and isinstance(model, DataParallel):
-        return model.no_sync()
-    return contextlib.nullcontext()
-
-
-class Task:
-    """Shared set-up: parallelize, optimizer and schedule per network."""
-
-    def __init__(self, cfg: Config, grid: Grid, device: torch.device, steps_per_epoch: int):
-        self.cfg, self.grid, self.device = cfg, grid, device
-        self.steps_per_epoch = steps_per_epoch
-        epochs_steps = cfg.train.epochs * steps_per_epoch
-        self.total_steps = min(epochs_steps, cfg.train.max_steps or epochs_steps)
-        self.autocast = torch.autocast(
-            device.type, dtype=torch.bfloat16, enabled=cfg.train.precision == "bf16"
-        )
-        self.optimizers: dict[str, torch.optim.Optimizer] = {}
-        self.schedules: dict[str, torch.optim.lr_scheduler.LRScheduler] = {}
-        self.nets: dict[str, nn.Module] = {}
-
-    def add(self, name: str, dense: nn.Module, keep_dense: tuple[str, ...] = ()) -> nn.Module:
-        net = pk.parallelize(
-            dense.to(self.device),
-            self.grid,
-            self.grid,
-            keep_dense=keep_dense,
-            bucket_cap_mb=self.cfg.parallel.bucket_cap_mb,
-        )
-        opt = build_optimizer(
-            self.cfg.optim, net.parameters(), self.cfg.train.batch_size, sharded_parameters(net)
-        )
-        self.nets[name], self.optimizers[name] = net, opt
-        self.schedules[name] = build_schedule(
-            self.cfg.optim, opt, self.steps_per_epoch, self.total_steps
-        )
-        return net
-
-    def update(self, name: str) -> None:
-        self.optimizers[name].step()
-        self.schedules[name].step()
-        self.optimizers[name].zero_grad(set_to_none=True)
-
-    def state(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for name in self.nets:
-            out[name] = unwrap(self.nets[name]).state_dict()
-            out[f"{name}.optimizer"] = self.optimizers[name].state_dict()
-            out[f"{name}.schedule"] = self.schedules[name].state_dict()
-        return out
-
-    def load_state(self, state: dict[str, Any]) -> None:
-        for name in self.nets:
-            unwrap(self.nets[name]).load_state_dict(state[name])
-            self.optimizers[name].load_state_dict(state[f"{name}.optimizer"])
-            self.schedules[name].load_state_dict(state[f"{name}.schedule"])
-
-    def dense_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Every network in its original form (collective over channel groups)."""
-        return {name: pk.to_dense(net).state_dict() for name, net in self.nets.items()}
-
-    def lr(self) -> float:
-        return next(iter(self.optimizers.values())).param_groups[0]["lr"]
+from parallelkit.train.protocol import Losses, Metrics, Task, network, no_sync
+from parallelkit.train.segment import Segment
 
 
 class Classify(Task):
     """Cross-entropy classification; evaluation reports global loss and accuracy."""
 
-    def __init__(self, cfg, grid, device, steps_per_epoch, channels: int, classes: int):
-        super().__init__(cfg, grid, device, steps_per_epoch)
-        w, m = cfg.model.width, cfg.model
-        dense = models.create(
-            m.name,
-            num_classes=classes,
-            in_channels=channels,
-            stem=m.stem,
+    def __init__(self, cfg: Config, grid: Grid, device: torch.device, train: Loader) -> None:
+        super().__init__(cfg, grid, device, train)
+        w = cfg.model.width
+        dense = network(
+            cfg, train.num_classes, train.channels, stem=cfg.model.stem,
             widths=(w, 2 * w, 4 * w, 8 * w),
-            **m.kwargs,
-        )
+        )  # fmt: skip
         self.model = self.add("model", dense)
 
     def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> Losses:
@@ -144,7 +55,7 @@ class Classify(Task):
         return {"loss": total}
 
     @torch.no_grad()
-    def evaluate(self, loader) -> dict[str, float]:
+    def evaluate(self, loader: Loader) -> Metrics:
         """Loss and accuracy over the whole test split. Each data rank holds different samples
         and every sample is on exactly one rank; the sums are reduced once over the data
         group (not the world: ranks of one model replica saw the same samples)."""
@@ -167,20 +78,37 @@ class Classify(Task):
             "count": int(count),
         }
 
+    def report(self, evals: Metrics) -> str:
+        return (
+            f"test loss {evals['loss']:.4f}, accuracy {100 * evals['accuracy']:.2f}% "
+            f"({evals['count']} images)"
+        )
+
+    def headline(self, evals: Metrics) -> dict[str, float]:
+        return {"test_acc": evals["accuracy"]} if evals else {}
+
+    def summary(self, evals: Metrics) -> list[tuple[str, str]]:
+        if not evals:
+            return []
+        return [
+            ("test loss", f"{evals['loss']:.4f}"),
+            ("test accuracy", f"{100 * evals['accuracy']:.2f}%"),
+        ]
+
 
 class Gan(Task):
     """DCGAN (Radford et al.): the discriminator learns real from fake with BCE on logits,
-    then the generator learns to make the discriminator say "real"."""
+    then the generator learns to make the discriminator say "real". No evaluation; an 8x8
+    grid of samples from fixed noise after every epoch."""
 
-    def __init__(self, cfg, grid, device, steps_per_epoch, channels: int, image_size: int):
-        super().__init__(cfg, grid, device, steps_per_epoch)
+    def __init__(self, cfg: Config, grid: Grid, device: torch.device, train: Loader) -> None:
+        super().__init__(cfg, grid, device, train)
         m, w = cfg.model, cfg.model.width
+        channels, size = train.channels, train.image_size
         generator = models.create(
-            "dcgan_generator", nz=m.nz, ngf=w, nc=channels, image_size=image_size, **m.kwargs
+            "dcgan_generator", nz=m.nz, ngf=w, nc=channels, image_size=size, **m.kwargs
         )
-        discriminator = models.create(
-            "dcgan_discriminator", ndf=w, nc=channels, image_size=image_size
-        )
+        discriminator = models.create("dcgan_discriminator", ndf=w, nc=channels, image_size=size)
         spatial = grid.rows * grid.cols > 1
         self.generator = self.add("generator", generator)
         # The 4x4 -> 1x1 head runs on the whole image (see parallelkit.models.dcgan).
@@ -221,6 +149,9 @@ class Gan(Task):
         self.update("generator")
         return {"loss_d": loss_d.detach(), "loss_g": loss_g.detach()}
 
+    def end_epoch(self, epoch: int, run_dir: Path | None) -> None:
+        self.samples(run_dir / "samples" / f"epoch-{epoch + 1:03d}.png" if run_dir else None)
+
     @torch.no_grad()
     def samples(self, path: Path | None) -> None:
         """The generator's images for the fixed noise, as an 8x8 PNG grid (collective over
@@ -234,3 +165,12 @@ class Gan(Task):
         pixels = grid.round().to(torch.uint8).numpy()
         path.parent.mkdir(parents=True, exist_ok=True)
         Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels).save(path)
+
+
+TASKS: dict[str, type[Task]] = {"classify": Classify, "gan": Gan, "segment": Segment}
+"""``train.task`` -> its class; a new task is one more entry (and its name in config.TASKS)."""
+
+
+def create(cfg: Config, grid: Grid, device: torch.device, train: Loader) -> Task:
+    """The configured task, its networks built and parallelized over ``grid``."""
+    return TASKS[cfg.train.task](cfg, grid, device, train)

@@ -2,8 +2,11 @@
 
     comm, grid   pk.init + a Grid (data x rows x cols x channel) from the config
     data         every data rank reads its rows of each global batch; ranks of one spatial or
-                 channel group read the same rows (they share a data rank)
-    task         networks parallelized with pk.parallelize, optimizers, one step, evaluation
+                 channel group read the same rows (they share a data rank), and per-pixel
+                 targets (masks) only their block of them
+    task         the protocol of parallelkit.train.protocol: networks parallelized with
+                 pk.parallelize, optimizers, one step, evaluation, what to report; the loop
+                 never asks which task it runs
     loop         epochs of steps; every log_every steps one reduction of the losses (the only
                  host synchronisation); checkpoints; evaluation at epoch ends
     end          the dense model(s) exported, a summary table on rank 0
@@ -29,13 +32,15 @@ import torch
 import parallelkit as pk
 from parallelkit.data import build_loader
 from parallelkit.parallel import Grid
-from parallelkit.train import checkpoint, rundir
+from parallelkit.train import checkpoint, rundir, tasks
 from parallelkit.train.config import Config, grid_dims, to_yaml
 from parallelkit.train.faults import maybe_fail
 from parallelkit.train.files import atomic_text, atomic_torch_save, remove_stale
 from parallelkit.train.monitor import Monitor, table
+from parallelkit.train.plot import plot_run
+from parallelkit.train.protocol import Task
 from parallelkit.train.stopping import StopOnSignal, exit_now
-from parallelkit.train.tasks import Classify, Gan, Task
+from parallelkit.train.window import LossWindow
 
 
 def requested_device(name: str) -> torch.device | None:
@@ -137,7 +142,7 @@ def summary_table(
     grid: Grid,
     result: dict[str, Any],
     last: dict[str, float],
-    evals: dict[str, float],
+    evals: list[tuple[str, str]],
 ) -> str:
     """The table rank 0 prints at the end of a run."""
     t, rate = cfg.train, result["run_img_s"]
@@ -156,11 +161,7 @@ def summary_table(
         ("peak memory per rank, MiB (max)", f"{result['peak_memory_mib']:.0f}"),
     ]
     rows += [(f"train {k}", f"{last[k]:.4f}") for k in sorted(last) if k.startswith("loss")]
-    if evals:
-        rows += [
-            ("test loss", f"{evals['loss']:.4f}"),
-            ("test accuracy", f"{100 * evals['accuracy']:.2f}%"),
-        ]
+    rows += evals
     rows.append(("run directory", str(t.run_dir)))
     return table(rows, "parallelkit train: done")
 
@@ -179,14 +180,13 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
             f"train.batch_size={t.batch_size} must split into {grid.data} data-parallel ranks x "
             f"{t.accumulate} micro-batches (train.accumulate)"
         )
-    if t.task == "gan" and t.accumulate > 1:
-        raise ValueError("train.accumulate > 1 is supported for train.task=classify only")
     device = device_for(comm)
     run_dir = Path(t.run_dir)
     lead = comm.rank == 0
     lock, note = open_run_dir(cfg, comm)
 
     per_rank = t.batch_size // grid.data
+    _, row, col, _ = grid.coords
     loaders = {
         split: build_loader(
             cfg.data,
@@ -195,15 +195,13 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
             size=grid.data,
             batch_size=per_rank,
             seed=t.seed,
+            block=(grid.rows, grid.cols, row, col),  # masks: this rank's block only
         )
         for split in ("train", "test")
     }
     train = loaders["train"]
     torch.manual_seed(t.seed)  # the same initial weights on every rank
-    if t.task == "classify":
-        task = Classify(cfg, grid, device, len(train), train.channels, train.num_classes)
-    else:
-        task = Gan(cfg, grid, device, len(train), train.channels, train.image_size)
+    task = tasks.create(cfg, grid, device, train)
 
     step, identity = resume(cfg, task, grid, device)
     monitor = Monitor(
@@ -221,25 +219,17 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
         + (f", resumed at step {step}" if step else "")
     )
     total = task.total_steps
-    window = {"start": time.perf_counter(), "steps": 0}
-    sums: dict[str, torch.Tensor] = {}
+    window = LossWindow(grid.data_comm, t.batch_size)
     last: dict[str, float] = {}
-    evals: dict[str, float] = {}
+    evals: dict[str, Any] = {}
     started = time.perf_counter()
     images = 0
 
     def log_window() -> None:
-        """Reduce the window's losses over the data group: one host synchronisation."""
-        names = sorted(sums)
-        means = grid.data_comm.all_reduce(torch.stack([sums[k] for k in names]), "mean")
-        elapsed = time.perf_counter() - window["start"]
-        rate = window["steps"] * t.batch_size / elapsed
-        last.update({k: v / window["steps"] for k, v in zip(names, means.tolist(), strict=True)})
-        last.update(img_s=rate, img_s_per_rank=rate / comm.size, lr=task.lr())
+        losses, rate = window.reduce()
+        last.update(losses, img_s=rate, img_s_per_rank=rate / comm.size, lr=task.lr())
         monitor.log("train", step, epoch=epoch, **last)
-        monitor.advance(0, **{k: last[k] for k in names})
-        sums.clear()
-        window.update(start=time.perf_counter(), steps=0)
+        monitor.advance(0, **losses, **task.headline(evals))
 
     def save_checkpoint() -> None:
         state = {"step": step, "task": task.state()}
@@ -259,9 +249,7 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
             end_of_step(device)
             step += 1
             images += len(x)
-            window["steps"] += 1
-            for k, v in losses.items():
-                sums[k] = sums.get(k, 0) + v.float()
+            window.add(losses)
             monitor.advance(1)
             if step % t.log_every == 0 or step == total:
                 log_window()
@@ -274,19 +262,16 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
             if step >= total:
                 break
         monitor.end_epoch()
-        if window["steps"]:
+        if window.steps:
             log_window()
         if not t.checkpoint_every and (step == (epoch + 1) * len(train) or step >= total):
             save_checkpoint()
-        if isinstance(task, Classify) and ((epoch + 1) % t.eval_every == 0 or step >= total):
-            evals = task.evaluate(loaders["test"])
+        due = (epoch + 1) % t.eval_every == 0 or step >= total
+        if due and (found := task.evaluate(loaders["test"])):
+            evals = found
             monitor.log("eval", step, epoch=epoch, **evals)
-            monitor.print(
-                f"epoch {epoch + 1}: test loss {evals['loss']:.4f}, "
-                f"accuracy {100 * evals['accuracy']:.2f}% ({evals['count']} images)"
-            )
-        if isinstance(task, Gan):
-            task.samples(run_dir / "samples" / f"epoch-{epoch + 1:03d}.png" if lead else None)
+            monitor.print(f"epoch {epoch + 1}: {task.report(evals)}")
+        task.end_epoch(epoch, run_dir if lead else None)
 
     seconds = time.perf_counter() - started
     memory = comm.all_gather(torch.tensor([peak_memory_mib(device)], device=device)).cpu()
@@ -297,15 +282,17 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
             atomic_torch_save(run_dir / f"{name}.pt", state)
     result = {
         **last,
-        **{f"test_{k}": v for k, v in evals.items()},
+        **{f"test_{k}": v for k, v in evals.items() if not isinstance(v, list)},
         "steps": step,
         "seconds": seconds,
         "run_img_s": rate,  # over the whole run, evaluation and checkpoints included
         "peak_memory_mib": memory.max().item(),
     }
     monitor.log("summary", step, **result)
-    monitor.print(summary_table(cfg, comm, grid, result, last, evals))
+    monitor.print(summary_table(cfg, comm, grid, result, last, task.summary(evals)))
     monitor.close()
+    if lead and t.plot:
+        monitor.print(plot_run(run_dir))
     stop.uninstall()
     if lock is not None:
         lock.release()

@@ -1,0 +1,150 @@
+"""The task protocol: what the training loop asks of a task, and the set-up tasks share.
+
+The loop (:mod:`parallelkit.train.trainer`) knows epochs, logging, checkpoints and faults; a
+task knows its networks and what a step, an evaluation and a report are. The loop calls
+
+    task = TASKS[cfg.train.task](cfg, grid, device, train_loader)   # build
+    losses = task.step(x, y, step)           # one optimizer step; {name: 0-dim tensor}
+    evals = task.evaluate(test_loader)       # {} when the task has no evaluation
+    task.report(evals), task.headline(evals), task.summary(evals)   # for a person
+    task.end_epoch(epoch, run_dir)           # anything per epoch (GAN sample grids)
+    task.state() / load_state() / dense_state() / lr()              # checkpoints, export
+
+and never branches on which task it runs, so a new task is one new class (as torchtitan's
+trainer and Lightning's ``LightningModule`` keep the loop apart from the model's code).
+
+Shared set-up (:class:`Task`): :meth:`Task.add` parallelizes a dense network over the grid
+with ``pk.parallelize`` (the same call for every strategy) and gives it an optimizer and a
+schedule; checkpoint state is every network's dense-named state dict with its optimizer's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import parallelkit as pk
+from parallelkit import models
+from parallelkit.data import Loader
+from parallelkit.models import zoo
+from parallelkit.parallel import DataParallel, Grid
+from parallelkit.parallel.sharding import sharded_parameters
+from parallelkit.train.config import Config
+from parallelkit.train.optim import build_optimizer, build_schedule
+
+Losses = dict[str, torch.Tensor]
+Metrics = dict[str, Any]
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model without its DataParallel wrapper: what checkpoints hold, so that a run may
+    resume with another number of data-parallel replicas."""
+    return model.module if isinstance(model, DataParallel) else model
+
+
+def no_sync(model: nn.Module, skip: bool):
+    """Accumulate gradients locally (DataParallel.no_sync) when ``skip``."""
+    if skip and isinstance(model, DataParallel):
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def network(cfg: Config, classes: int, channels: int, **builtin: Any) -> nn.Module:
+    """``model.name`` as a dense network: a built-in one gets ``builtin`` (widths, stem) as
+    well as ``model.kwargs``; another library's (``timm:NAME``, ...) only ``model.kwargs``."""
+    m = cfg.model
+    extra = {} if zoo.is_zoo_name(m.name) else builtin
+    return models.create(m.name, num_classes=classes, in_channels=channels, **extra, **m.kwargs)
+
+
+class Task:
+    """The protocol (see the module docstring) with its shared set-up; subclasses build their
+    networks in ``__init__`` with :meth:`add` and implement :meth:`step`."""
+
+    def __init__(self, cfg: Config, grid: Grid, device: torch.device, train: Loader) -> None:
+        self.cfg, self.grid, self.device = cfg, grid, device
+        self.steps_per_epoch = len(train)
+        epochs_steps = cfg.train.epochs * self.steps_per_epoch
+        self.total_steps = min(epochs_steps, cfg.train.max_steps or epochs_steps)
+        self.autocast = torch.autocast(
+            device.type, dtype=torch.bfloat16, enabled=cfg.train.precision == "bf16"
+        )
+        self.optimizers: dict[str, torch.optim.Optimizer] = {}
+        self.schedules: dict[str, torch.optim.lr_scheduler.LRScheduler] = {}
+        self.nets: dict[str, nn.Module] = {}
+
+    # ------------------------------------------------------------------ the protocol
+    def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> Losses:
+        """One optimizer step on this rank's batch; the losses as 0-dim device tensors (the
+        loop averages them over the data group once per log window)."""
+        raise NotImplementedError
+
+    def evaluate(self, loader: Loader) -> Metrics:
+        """Metrics over the whole test split, the same on every rank; {} for none."""
+        return {}
+
+    def report(self, evals: Metrics) -> str:
+        """One line after an evaluation."""
+        return ", ".join(f"{k} {v:.4g}" for k, v in evals.items() if isinstance(v, float))
+
+    def headline(self, evals: Metrics) -> dict[str, float]:
+        """The few numbers the progress bar shows beside the losses."""
+        return {}
+
+    def summary(self, evals: Metrics) -> list[tuple[str, str]]:
+        """Rows of the final table for the last evaluation."""
+        return []
+
+    def end_epoch(self, epoch: int, run_dir: Path | None) -> None:
+        """After each epoch (collective over the model group); ``run_dir`` on rank 0 only."""
+
+    # ------------------------------------------------------------------ shared set-up
+    def add(self, name: str, dense: nn.Module, **parallelize_kwargs: Any) -> nn.Module:
+        """``dense`` parallelized over the grid, with an optimizer and a schedule."""
+        if self.cfg.parallel.find_unused_parameters:  # else parallelize's own choice
+            parallelize_kwargs["find_unused_parameters"] = True
+        net = pk.parallelize(
+            dense.to(self.device),
+            self.grid,
+            self.grid,
+            bucket_cap_mb=self.cfg.parallel.bucket_cap_mb,
+            **parallelize_kwargs,
+        )
+        opt = build_optimizer(
+            self.cfg.optim, net.parameters(), self.cfg.train.batch_size, sharded_parameters(net)
+        )
+        self.nets[name], self.optimizers[name] = net, opt
+        self.schedules[name] = build_schedule(
+            self.cfg.optim, opt, self.steps_per_epoch, self.total_steps
+        )
+        return net
+
+    def update(self, name: str) -> None:
+        self.optimizers[name].step()
+        self.schedules[name].step()
+        self.optimizers[name].zero_grad(set_to_none=True)
+
+    def state(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in self.nets:
+            out[name] = unwrap(self.nets[name]).state_dict()
+            out[f"{name}.optimizer"] = self.optimizers[name].state_dict()
+            out[f"{name}.schedule"] = self.schedules[name].state_dict()
+        return out
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        for name in self.nets:
+            unwrap(self.nets[name]).load_state_dict(state[name])
+            self.optimizers[name].load_state_dict(state[f"{name}.optimizer"])
+            self.schedules[name].load_state_dict(state[f"{name}.schedule"])
+
+    def dense_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Every network in its original form (collective over channel groups)."""
+        return {name: pk.to_dense(net).state_dict() for name, net in self.nets.items()}
+
+    def lr(self) -> float:
+        return next(iter(self.optimizers.values())).param_groups[0]["lr"]

@@ -1,0 +1,127 @@
+"""Semantic segmentation: per-pixel cross-entropy, mIoU and pixel accuracy, on blocks.
+
+Why blocks: spatial parallelism splits an image because one device cannot hold its
+activations, and the full-resolution logits are the largest of them. So the network is
+parallelized with ``spatial_output="blocks"``: each rank gets its block of the logits, in the
+layout ``pk.spatial.scatter`` cuts, and its loader gives it the same block of each mask
+(``build_loader(block=...)``). Nothing gathers the logits, so the memory saving holds to the
+loss. Under data and channel strategies the output is whole and the block is the image:
+one code path serves every strategy.
+
+The loss of a step, exactly the 1-process mean over every labelled pixel of the global batch::
+
+    part_r  = sum of per-pixel cross-entropy over this rank's block      (N_local, h, w)
+    n       = labelled pixels of the global (micro-)batch: one all-reduce of counts over the
+              batch group (data x spatial), made before the forward
+    loss_r  = reduce_from_group(part_r, spatial) * D / n                 D: data ranks
+
+``reduce_from_group`` sums over the spatial group (its backward is the identity: each block's
+logits get their own gradient), and DataParallel's mean over the D data ranks turns ``D / n``
+into ``1 / n``. Evaluation sums pixel counts (:mod:`parallelkit.train.segmetrics`) over the
+same group once, after the loop.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import parallelkit.functional as pkf
+from parallelkit.data import Loader
+from parallelkit.data.segfolder import IGNORE
+from parallelkit.parallel import Grid
+from parallelkit.train.config import Config
+from parallelkit.train.protocol import Losses, Metrics, Task, network, no_sync
+from parallelkit.train.segmetrics import pixel_counts, scores
+
+
+class Segment(Task):
+    """Per-pixel classification into the data set's classes (mask value 255: ignored)."""
+
+    def __init__(self, cfg: Config, grid: Grid, device: torch.device, train: Loader) -> None:
+        super().__init__(cfg, grid, device, train)
+        if not train.masks:
+            raise ValueError(
+                f"train.task=segment: data.name={cfg.data.name} ({cfg.data.root}) holds labels, "
+                "not masks; write shards from a data set with masks (shapes, segfolder:DIR)"
+            )
+        self.classes = train.num_classes
+        w = cfg.model.width
+        dense = network(cfg, self.classes, train.channels, widths=(w, 2 * w, 4 * w, 8 * w))
+        self.model = self.add("model", dense, spatial_output="blocks")
+
+    def logits(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """This rank's block of the logits, checked against its block of the mask."""
+        out = self.model(x)
+        if isinstance(out, dict):  # torchvision's segmentation models: {"out", "aux"}
+            out = out["out"]
+        if out.dim() != 4 or out.shape[0] != mask.shape[0] or out.shape[2:] != mask.shape[1:]:
+            raise ValueError(
+                f"train.task=segment: {self.cfg.model.name} returned {tuple(out.shape)}, but "
+                f"this rank's masks are {tuple(mask.shape)}: the model must return per-pixel "
+                "logits (N, classes, H, W) at the input's resolution"
+            )
+        return out
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> Losses:
+        acc, d = self.cfg.train.accumulate, self.grid.data
+        xs, ys = x.chunk(acc), y.chunk(acc)
+        labelled = torch.stack([(m != IGNORE).sum() for m in ys]).float()
+        labelled = self.grid.batch_comm.all_reduce(labelled).clamp(min=1)
+        total = torch.zeros((), device=self.device)
+        # Contiguous micro-batches: over the ranks they are the 1-process micro-batches.
+        for j, (xm, ym) in enumerate(zip(xs, ys, strict=True)):
+            with no_sync(self.model, j < acc - 1), self.autocast:
+                logits = self.logits(xm, ym)
+            part = F.cross_entropy(logits.float(), ym, ignore_index=IGNORE, reduction="sum")
+            loss = pkf.reduce_from_group(part, self.grid.spatial_comm) * d / labelled[j] / acc
+            loss.backward()
+            total += loss.detach()
+        self.update("model")
+        return {"loss": total}
+
+    @torch.no_grad()
+    def evaluate(self, loader: Loader) -> Metrics:
+        """Loss, mIoU and pixel accuracy over the whole test split: each rank sums the loss
+        and the pixel counts of its blocks, and one all-reduce over the batch group (data x
+        spatial; channel ranks hold the same whole output) adds them."""
+        self.model.eval()
+        k = self.classes
+        sums = torch.zeros(3 + 3 * k, dtype=torch.float64, device=self.device)
+        for x, y in loader:
+            x, y = x.to(self.device), y.to(self.device)
+            with self.autocast:
+                logits = self.logits(x, y)
+            loss = F.cross_entropy(logits.float(), y, ignore_index=IGNORE, reduction="sum")
+            counts = pixel_counts(logits.argmax(1), y, k)
+            head = torch.stack([loss.double(), (y != IGNORE).sum().double()])
+            sums += torch.cat([head, sums.new_tensor([len(y)]), counts.flatten()])
+        self.model.train()
+        sums = self.grid.batch_comm.all_reduce(sums).cpu()
+        loss, pixels, images = sums[:3].tolist()
+        spatial = self.grid.rows * self.grid.cols  # each image was counted by every block
+        return {
+            "loss": loss / max(pixels, 1),
+            **scores(sums[3:].view(3, k)),
+            "pixels": int(pixels),
+            "count": int(images) // spatial,
+        }
+
+    def report(self, evals: Metrics) -> str:
+        return (
+            f"test loss {evals['loss']:.4f}, mIoU {100 * evals['miou']:.2f}%, pixel accuracy "
+            f"{100 * evals['pixel_accuracy']:.2f}% ({evals['count']} images)"
+        )
+
+    def headline(self, evals: Metrics) -> dict[str, float]:
+        return {"mIoU": evals["miou"]} if evals else {}
+
+    def summary(self, evals: Metrics) -> list[tuple[str, str]]:
+        if not evals:
+            return []
+        present = f" ({evals['classes_present']} of {self.classes} classes present)"
+        return [
+            ("test loss", f"{evals['loss']:.4f}"),
+            ("test mIoU", f"{100 * evals['miou']:.2f}%" + present),
+            ("test pixel accuracy", f"{100 * evals['pixel_accuracy']:.2f}%"),
+        ]

@@ -1,0 +1,132 @@
+"""``parallelkit train train.task=segment`` end to end, run as a user runs it: a subprocess.
+
+The central check, as tests/test_train.py makes it for classification: for a fixed seed and
+global batch, the loss curve of every strategy (data, spatial 1x2 and 2x2, channel, data x
+rows) equals the 1-process curve, and so do the test loss, mIoU and pixel accuracy. Under
+spatial parallelism the loss and the metrics are computed on each rank's block of the logits
+and masks and reduced; equal numbers mean the reduction is exact. Then masks from WebDataset
+shards, the final table, and the task's config errors.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+from test_train import assert_curves_equal, curve, records, train
+
+# A U-Net of width 4 on 16x16 generated shapes (4 classes): seconds per run.
+TINY = [
+    "train.task=segment",
+    "model.width=4",
+    "data.image_size=16",
+    "data.train_samples=32",
+    "data.test_samples=12",
+    "train.batch_size=8",
+    "train.max_steps=4",
+    "train.log_every=1",
+    "train.progress=false",
+    "train.tensorboard=false",
+    "train.plot=false",
+    "optim.lr=0.4",
+]
+CLASSIFY = [*TINY[1:], "data.name=digits", "data.channels=1", "model.stem=cifar"]
+METRICS = ("loss", "miou", "pixel_accuracy", "count", "pixels")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The 1-process run, computed once."""
+    run = tmp_path_factory.mktemp("segment") / "one"
+    proc = train(run, *TINY, "parallel.ranks=1")
+    return run, proc
+
+
+def evaluation(run) -> dict:
+    (last,) = [r for _, r in sorted(records(run, "eval").items())][-1:]
+    return {k: last[k] for k in METRICS}
+
+
+def test_the_curve_moves_and_the_table_reports_miou(reference):
+    run, proc = reference
+    loss = curve(run)
+    assert len(loss) == 4 and len(set(loss)) == 4 and loss[-1] < loss[0]
+    assert "test mIoU" in proc.stdout and "test pixel accuracy" in proc.stdout
+    got = evaluation(run)
+    assert got["count"] == 12 and got["pixels"] == 12 * 16 * 16
+    assert 0 <= got["miou"] <= 1 and (run / "model.pt").is_file()
+
+
+@pytest.mark.parametrize(
+    ("ranks", "grid"),
+    [
+        (2, ["parallel.strategy=data"]),
+        (2, ["parallel.strategy=spatial"]),
+        (2, ["parallel.strategy=spatial", "parallel.rows=1", "parallel.cols=2"]),
+        (4, ["parallel.strategy=spatial", "parallel.rows=2", "parallel.cols=2"]),
+        (2, ["parallel.strategy=channel"]),
+        (4, ["parallel.strategy=hybrid", "parallel.rows=2"]),
+    ],
+    ids=["data2", "rows2", "cols2", "spatial2x2", "channel2", "data2xrows2"],
+)
+def test_loss_curve_and_metrics_equal_one_process(tmp_path, reference, ranks, grid):
+    train(tmp_path, *TINY, *grid, f"parallel.ranks={ranks}")
+    one, _ = reference
+    assert_curves_equal(curve(tmp_path), curve(one))
+    got, want = evaluation(tmp_path), evaluation(one)
+    assert got["count"] == want["count"] and got["pixels"] == want["pixels"]
+    for key in ("loss", "miou", "pixel_accuracy"):
+        assert got[key] == pytest.approx(want[key], rel=2e-4, abs=1e-5), key
+
+
+def test_negative_control_other_seed_differs(tmp_path, reference):
+    train(tmp_path, *TINY, "parallel.ranks=1", "train.seed=1")
+    assert abs(curve(tmp_path)[-1] - curve(reference[0])[-1]) > 1e-3
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="since e514dac (spatial gradients as shares summed by DataParallel) two micro-batches "
+    "on spatial ranks no longer give the 1-process curve, for classification too, with or "
+    "without no_sync; at af300d7 they did",
+)
+@pytest.mark.parametrize("task", ["segment", "classify"])
+def test_accumulation_on_spatial_ranks(tmp_path, task):
+    run = TINY if task == "segment" else CLASSIFY
+    one, two = tmp_path / "one", tmp_path / "two"
+    train(one, *run, "train.accumulate=2", "parallel.ranks=1")
+    train(two, *run, "train.accumulate=2", "parallel.strategy=spatial", "parallel.ranks=2")
+    assert_curves_equal(curve(two), curve(one))
+
+
+def test_masks_from_shards_on_spatial_ranks(tmp_path):
+    """`parallelkit data shard shapes`, then training on the shards with each rank decoding
+    its block of every mask."""
+    shards = tmp_path / "shards"
+    cmd = [sys.executable, "-m", "parallelkit.cli", "data", "shard", "shapes", str(shards),
+           "--samples-per-shard", "10", "--image-size", "16", "--train-samples", "32",
+           "--test-samples", "12"]  # fmt: skip
+    subprocess.run(cmd, check=True, timeout=120, capture_output=True)
+    data = ["data.name=webdataset", f"data.root={shards}"]
+    train(tmp_path / "one", *TINY, *data, "parallel.ranks=1")
+    train(tmp_path / "two", *TINY, *data, "parallel.strategy=spatial", "parallel.ranks=2")
+    assert_curves_equal(curve(tmp_path / "two"), curve(tmp_path / "one"))
+    assert evaluation(tmp_path / "two")["count"] == 12
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["data.name=digits"], "train.task=segment needs masks"),
+        (["model.name=resnet18"], "resnet18 is a classify model"),
+        (["model.name=torchvision:fcn_resnet50"], "needs torchvision, which is not installed"),
+        (["data.num_classes=1"], "data.num_classes=1 must lie in 2..255"),
+    ],
+)
+def test_config_errors_exit_2(tmp_path, overrides, message):
+    if "torchvision" in overrides[0] and importlib.util.find_spec("torchvision"):
+        pytest.skip("torchvision is installed here (the missing-library case is .venv's)")
+    proc = train(tmp_path, *TINY, *overrides, ok=False)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
