@@ -10,7 +10,7 @@ spawned ranks inherit that path). What lives here is the part they share to the 
 - the load that other processes put on the machine meanwhile, from /proc (``OtherLoad``);
 - the description of a run: ``environment``, ``library_state`` and ``command_line``;
 - ``save``: the markdown report and the JSON record next to it, and the record's PNG plots
-  (plots.py; skipped with a note where matplotlib, the ``bench`` extra, is not installed).
+  (plots.py; skipped with a note where matplotlib, the ``plot`` extra, is not installed).
 
 What each script measures, and its tables, stay in the script.
 """

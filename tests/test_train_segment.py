@@ -86,12 +86,6 @@ def test_negative_control_other_seed_differs(tmp_path, reference):
     assert abs(curve(tmp_path)[-1] - curve(reference[0])[-1]) > 1e-3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="since e514dac (spatial gradients as shares summed by DataParallel) two micro-batches "
-    "on spatial ranks no longer give the 1-process curve, for classification too, with or "
-    "without no_sync; at af300d7 they did",
-)
 @pytest.mark.parametrize("task", ["segment", "classify"])
 def test_accumulation_on_spatial_ranks(tmp_path, task):
     run = TINY if task == "segment" else CLASSIFY
