@@ -10,11 +10,11 @@ strategy does per step follows ``pk.parallelize`` (``parallelkit/parallel/parall
                                                                                  (25 MiB buckets)
                                                                                  overlapped with
                                                                                  backward
-    spatial r x c   region layers on the rank's block  per conv/pool: halo rows  parameter grads of
-                    (output rows / H), the rest whole  forward and back          region layers:
-                                                       (geometry.Window.plan);   one all-reduce
-                                                       a sizes all-gather;       each over r x c
-                                                       gather at region end
+    spatial r x c   region layers on the rank's block  per conv/pool: halo rows  parameter grads:
+                    (output rows / H), the rest whole  forward and back          shares summed by
+                                                       (geometry.Window.plan);   DataParallel over
+                                                       gather at region end      data x r x c in
+                                                                                 overlapped buckets
     channel k       convolutions by k (their output    per conv: all-gather of   -
                     or input channels), the rest whole y (fwd), all-reduce of
                                                        dx (bwd)
@@ -26,7 +26,8 @@ Ranks that outnumber the cores share them: compute (and a local network's messag
 parameters + gradients + momentum (+ DataParallel's flat bucket buffers), the activations
 autograd keeps (each leaf's output,
 the rank's share of it under spatial parallelism plus the fetched halo block each
-convolution saves), and the largest activation gradient twice (backward's working set).
+convolution off the edge path saves), and the largest activation gradient twice (backward's
+working set).
 
 Legend: ``b`` images per rank, ``s`` spatial ranks (rows x cols), ``k`` channel ranks, ``d``
 data ranks; bytes are fp32.
@@ -247,7 +248,6 @@ def exchange_seconds(net: Net, opt: Option, batch: int, link: Network) -> float:
             nbytes = halo_bytes(layer, opt, b)
             # forward fetch and backward return; each from up to two neighbours per dim
             total += 2 * (2 * link.latency_s + nbytes / link.bandwidth_Bps)
-            total += link.all_gather(8 * s, s)  # the blocks' sizes
         if s > 1 and in_region and not layer.spatial:  # the region ends: gather or global pool
             total += link.all_gather(b * layer.in_numel * F32, s)
         in_region = layer.spatial
@@ -266,21 +266,18 @@ def exchange_seconds(net: Net, opt: Option, batch: int, link: Network) -> float:
 def reduction_seconds(
     net: Net, prof: Profile, opt: Option, batch: int, link: Network, backward_s: float
 ) -> float:
-    """BatchNorm statistics, spatial parameter-gradient sums and DataParallel's all-reduce."""
-    s, group = opt.spatial, opt.data * opt.spatial
-    per_pass, per_grad_pass = 0.0, 0.0
+    """BatchNorm statistics and DataParallel's all-reduce (over data x spatial: under spatial
+    parallelism it sums the parameters' gradient shares)."""
+    group = opt.data * opt.spatial
+    per_pass = 0.0
     for layer in net.layers:
         if layer.kind == "norm" and group > 1:
             c = layer.out_shape[0]
             per_pass += link.all_gather(3 * c * F32 * group, group) + link.all_reduce(
                 2 * c * F32, group
             )
-        if s > 1 and layer.spatial and layer.params:  # copy_to_group's backward, per tensor
-            ring = 2 * (s - 1)
-            per_grad_pass += layer.tensors * ring * link.latency_s
-            per_grad_pass += ring * layer.params * F32 / s / link.bandwidth_Bps
-    total = net.passes * per_pass + net.grad_passes * per_grad_pass
-    if opt.data > 1:
+    total = net.passes * per_pass
+    if opt.data > 1 or opt.spatial > 1:
         total += data_parallel_exposed(net, prof, opt, link, backward_s)
     return total
 
@@ -288,9 +285,10 @@ def reduction_seconds(
 def data_parallel_exposed(
     net: Net, prof: Profile, opt: Option, link: Network, backward_s: float
 ) -> float:
-    """Seconds of DataParallel's all-reduce not hidden behind backward: buckets of 25 MiB
-    fill in reverse layer order as backward reaches them (spread over ``backward_s`` like the
-    layers' compute) and go out one after another."""
+    """Seconds of DataParallel's all-reduce (over data x spatial) not hidden behind backward:
+    buckets of 25 MiB fill in reverse layer order as backward reaches them (spread over
+    ``backward_s`` like the layers' compute) and go out one after another."""
+    group = opt.data * opt.spatial
     layers = [(layer, t) for layer, t in zip(net.layers, prof.layer_s, strict=True) if layer.params]
     total_t = sum(t for _, t in layers) or 1.0
     clock, fill, free = 0.0, 0.0, 0.0
@@ -299,10 +297,10 @@ def data_parallel_exposed(
         clock += backward_s * t / total_t
         fill += layer.params * scale * F32
         if fill >= BUCKET_BYTES:
-            free = max(free, clock) + link.all_reduce(fill, opt.data)
+            free = max(free, clock) + link.all_reduce(fill, group)
             fill = 0.0
     if fill:
-        free = max(free, backward_s) + link.all_reduce(fill, opt.data)
+        free = max(free, backward_s) + link.all_reduce(fill, group)
     return max(0.0, free - backward_s)
 
 
@@ -315,17 +313,26 @@ def activation_bytes(net: Net, opt: Option, batch: int) -> float:
         share = spatial_share(layer, opt)
         if not layer.inplace:
             total += b * layer.out_numel * F32 * share
-        if opt.spatial > 1 and layer.spatial and layer.window:
+        if opt.spatial > 1 and layer.spatial and layer.window and not _edge_path(layer, opt):
             _, h = halo_rows(layer, 0, opt.rows)
             _, w = halo_rows(layer, 1, opt.cols)
             total += b * layer.in_shape[0] * h * w * F32
     return total
 
 
+def _edge_path(layer: Layer, opt: Option) -> bool:
+    """A convolution that saves no fetched block (``parallelkit.nn.spatial_edges``): stride 1
+    and "same" padding along the one split dimension."""
+    if layer.kind != "conv" or (opt.rows > 1) == (opt.cols > 1):
+        return False
+    k, s, lo, hi, d = layer.window[0 if opt.rows > 1 else 1]
+    return s == 1 and lo == hi >= 1 and d * (k - 1) == 2 * lo
+
+
 def memory(nets: Sequence[Net], opt: Option, batch: int, machine: Machine) -> dict[str, float]:
     """Peak memory per rank, MiB, by part."""
     params = sum(params_per_rank(net, opt) for net in nets)
-    state = params * F32 * (3 + (1 if opt.data > 1 else 0))
+    state = params * F32 * (3 + (1 if opt.data > 1 or opt.spatial > 1 else 0))
     live = sum(min(net.passes, 2) * activation_bytes(net, opt, batch) for net in nets)
     largest = max(
         layer.out_numel * spatial_share(layer, opt) for net in nets for layer in net.layers
