@@ -489,7 +489,7 @@ class SpatialGuard(TorchFunctionMode):
         size = tuple(int(v) for v in _pair(size))
         has_block = any(
             (t := ref()) is not None and tuple(t.shape[-2:]) == size and hw == (-2, -1)
-            for ref, hw in self._blocks.values()
+            for ref, hw, _ in self._blocks.values()
         )
         whole_size = self._whole_size(size, ok=has_block)
         if whole_size is None:
