@@ -148,6 +148,8 @@ class ForwardCodeNet(nn.Module):
             self.gn, self.inorm = nn.GroupNorm(2, 6), nn.InstanceNorm2d(6, affine=True)
         if kind == "unet up":
             self.down = nn.Conv2d(6, 6, 3, stride=2, padding=1)
+        if kind == "same padding":  # timm's Conv2dSame: F.pad, then a convolution without
+            self.strided = nn.Conv2d(6, 6, 3, stride=2)
         if kind == "convnext block":
             self.dw = nn.Conv2d(6, 6, 7, padding=3, groups=6)
             self.ln = nn.LayerNorm(6)
@@ -194,6 +196,9 @@ class ForwardCodeNet(nn.Module):
             return F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=True)
         if k == "dropout":
             return F.dropout(x, 0.2, self.training)
+        if k == "same padding":  # "same" for stride 2 pads one more row and column after
+            y = self.strided(F.pad(x, (0, 1, 0, 1)))
+            return F.interpolate(y, scale_factor=2) + x  # 12 x 10 -> 13 x 11 -> 6 x 5 -> 12 x 10
         return x  # flatten: the head does it
 
     def forward(self, x: torch.Tensor):
@@ -232,6 +237,7 @@ FORWARD_CODE = {
         "inception pools",
         "interpolate align_corners",  # on the gathered whole images (warns)
         "group norm",
+        "same padding",
     )
 }
 # Exact under model parallelism without a data dimension: dropout's masks are drawn for the

@@ -38,6 +38,8 @@ BLOCKS = {
     "stack, then a sum over the new dimension": lambda x: torch.stack([x, x * 2]).sum(0),
     "chunk along channels": lambda x: x.chunk(2, dim=1)[1],
     "view of the leading dims": lambda x: x.view(2, 2, 2, 5, 6),
+    "F.pad of H and W by a constant": lambda x: F.pad(x, (1, 2, 3, 0), value=0.5),
+    "F.pad cropping W, padding C": lambda x: F.pad(x, (-1, 0, 0, 1, 1, 0)),
     "transpose of the leading dims": lambda x: x.transpose(0, 1),
     "flatten of the leading dims": lambda x: x.flatten(0, 1),
     "mean over channels": lambda x: x.mean(1, keepdim=True),
@@ -84,6 +86,7 @@ REFUSED = {
     "3x3 F.conv2d": (lambda x: F.conv2d(x, torch.ones(3, 4, 3, 3)), "only 1x1 convolutions"),
     "training alpha dropout": (lambda x: F.alpha_dropout(x, 0.5, True), "draw masks exactly"),
     "F.layer_norm over W": (lambda x: F.layer_norm(x, (6,)), "acts over H or W"),
+    "F.pad, reflect": (lambda x: F.pad(x, (1, 1, 1, 1), mode="reflect"), "mirrored rows"),
     "split along W": (lambda x: x.split(3, dim=3), "cuts along H or W"),
     "F.linear over W": (lambda x: F.linear(x, torch.ones(2, 6)), "acts over H or W"),
     "channels-last block into max pooling": (

@@ -52,7 +52,9 @@ from torch.nn.modules.module import (
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+import parallelkit.functional as pkf
 from parallelkit.comm import Communicator, tensor_split_sizes
+from parallelkit.geometry import starts
 from parallelkit.nn import spatial_parallel as sp
 from parallelkit.nn import spatial_pooling as spool
 from parallelkit.nn.batchnorm_subclass import _SyncSubclass
@@ -295,6 +297,8 @@ class SpatialGuard(TorchFunctionMode):
             weight, bias = _arg(args, kwargs, 3, "weight"), _arg(args, kwargs, 4, "bias")
             eps = kwargs.get("eps", args[7] if len(args) > 7 else 1e-5)
             return self._group_norm(x, x.shape[1], weight, bias, eps)
+        if func is F.pad:
+            return self._pad(args, kwargs)
         if func in (F.adaptive_avg_pool2d, F.adaptive_max_pool2d):
             return self._adaptive_pool(func, args, kwargs)
         if getattr(func, "__name__", "") == "__get__":
@@ -442,6 +446,32 @@ class SpatialGuard(TorchFunctionMode):
             self._layers[key] = cls(**call, comm=self.comm, grid=self.grid)
         layer = self._layers[key]
         return self._marked(layer(x), size=_out_size(layer, self._size_now))
+
+    def _pad(self, args, kwargs) -> Any:
+        """``F.pad`` with a constant over H and W (and any leading dimensions): the padded
+        images' blocks in tensor_split layout, each rank fetching the rows of its new block
+        (``gather_rows``, the constant where they fall outside the image; negative pads crop).
+        Other modes (reflect, replicate, circular) read mirrored rows: refused."""
+        names = ("input", "pad", "mode", "value")
+        call = {**dict(zip(names, args, strict=False)), **kwargs}
+        x, pad = call["input"], list(call["pad"])
+        mode, value = call.get("mode", "constant"), call.get("value") or 0.0
+        self._nchw(F.pad, x)
+        if mode != "constant":
+            raise self._refuse("F.pad", f"mode={mode!r} reads mirrored rows; only 'constant'")
+        h_w = self._size_now or self.grid.global_size(x, "F.pad")
+        lo_w, hi_w, lo_h, hi_h = [*pad, 0, 0, 0, 0][:4]
+        y = x
+        for dim, (n, lo, hi) in ((2, (h_w[0], lo_h, hi_h)), (3, (h_w[1], lo_w, hi_w))):
+            comm, parts, _ = self.grid.axis(dim - 2)
+            new = tensor_split_sizes(n + lo + hi, parts)
+            want = [(a - lo, a - lo + m) for a, m in zip(starts(new), new, strict=True)]
+            y = pkf.gather_rows(y, comm, dim, tensor_split_sizes(n, parts), want, value)
+        rest = pad[4:]
+        if rest:  # leading dimensions: local
+            y = F.pad(y, [0, 0, 0, 0, *rest], value=value)
+        size = (h_w[0] + lo_h + hi_h, h_w[1] + lo_w + hi_w)
+        return self._marked(y, size=size)
 
     def _gathered(self, func, args, kwargs) -> Any:
         """An operation the blocks cannot do alone, run on the gathered whole images and cut
