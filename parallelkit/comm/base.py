@@ -49,6 +49,11 @@ DEFAULT_TIMEOUT_S = 1800.0
 Message = tuple[int, torch.Tensor]
 
 
+PEER_FAILED_EXIT = 4
+"""Exit status of a rank that leaves because a collective failed (usually: a peer died), so
+that a launcher can name the rank that failed first rather than one it took along."""
+
+
 class CommError(RuntimeError):
     """A collective failed or timed out, usually because another rank failed."""
 

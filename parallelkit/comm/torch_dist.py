@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from parallelkit.comm.base import (
+    PEER_FAILED_EXIT,
     CommError,
     Communicator,
     Op,
@@ -291,7 +292,7 @@ def _exit_on_exception(previous):  # type: ignore[no-untyped-def]
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(1)
+            os._exit(PEER_FAILED_EXIT if issubclass(exc_type, CommError) else 1)
 
     return hook
 

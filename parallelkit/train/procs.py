@@ -25,10 +25,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from parallelkit.comm.base import PEER_FAILED_EXIT
+
 GRACE_S = 30.0  # after a signal: time to finish the step, save a checkpoint and exit
 FAIL_GRACE_S = 5.0  # after a rank failed: the others have nothing left to save
 LAUNCHER_PID = "PARALLELKIT_LAUNCHER_PID"  # set for ranks started by this module
 _POLL_S = 0.05
+_BLAME_S = 1.0  # how long a peer's failure may take to show after the ranks it took along
 
 
 @dataclass
@@ -45,6 +48,7 @@ class _State:
     signum: int | None = None
     deadline: float | None = None
     failed: tuple[str, int] | None = None
+    first_exit: float | None = None
     signals: list[int] = field(default_factory=list)
 
 
@@ -89,14 +93,19 @@ def _wait(children: list[Child], procs: list[subprocess.Popen], state: _State, g
                 _kill(procs, signal.SIGKILL)
         codes = [p.poll() for p in procs]
         if state.failed is None and state.signum is None:
-            for child, code in zip(children, codes, strict=True):
-                if code:
-                    state.failed = (child.name, code)
-                    state.deadline = time.monotonic() + FAIL_GRACE_S
-                    what = "stopping the others" if len(procs) > 1 else "stopping"
-                    _say(f"{child.name} failed first (exit status {_status(code)}); {what}")
-                    _kill(procs, signal.SIGTERM)
-                    break
+            failed = [(c.name, code) for c, code in zip(children, codes, strict=True) if code]
+            if failed and state.first_exit is None:
+                state.first_exit = time.monotonic()
+            # A rank that left because a peer's connection closed (PEER_FAILED_EXIT) is not
+            # the cause: wait a moment for the rank that failed to be seen too.
+            cause = [f for f in failed if f[1] != PEER_FAILED_EXIT]
+            if cause or (failed and time.monotonic() - state.first_exit > _BLAME_S):
+                name, code = (cause or failed)[0]
+                state.failed = (name, code)
+                state.deadline = time.monotonic() + FAIL_GRACE_S
+                what = "stopping the others" if len(procs) > 1 else "stopping"
+                _say(f"{name} failed first (exit status {_status(code)}); {what}")
+                _kill(procs, signal.SIGTERM)
         if all(c is not None for c in codes):
             break
         if state.deadline is not None and time.monotonic() > state.deadline:
