@@ -3,7 +3,7 @@
 #   make test   ruff + the whole suite: pure and gloo tiers, the mpiexec tier on 1-4 ranks, the XLA
 #               tier, the GPU tier (skipped without CUDA), and the model-zoo tier (pk.parallelize
 #               on torchvision, timm and smp networks, in .venv-zoo)
-# and: make bench (every script under benchmarks/, ~35 min; results under benchmarks/results/)
+# and: make bench (every script under benchmarks/, ~42 min; results under benchmarks/results/)
 #      make bench-peers (ChainerMN and torch's DDP/SyncBatchNorm/DTensor next to parallelkit)
 
 VENV ?= .venv
@@ -110,6 +110,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/sync_batchnorm.py
 	$(PY) benchmarks/data_parallel.py
 	$(PY) benchmarks/model_parallel.py
+	$(PY) benchmarks/spatial_resnet.py
 
 # The peers side by side (~3 min, plus ~2 min to create .venv-chainer the first time):
 # ChainerMN in $(CHAINER_VENV) under its mpiexec, torch's DDP, SyncBatchNorm and DTensor in
