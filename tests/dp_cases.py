@@ -217,3 +217,22 @@ def reduce_over(comm: Communicator) -> list[tuple[str, torch.Tensor, torch.Tenso
         want = {"head": g, "body": pairs.all_reduce(g) / pairs.size}.get(name.split(".")[0])
         triples.append((name, q.grad, want if want is not None else comm.all_reduce(g) / comm.size))
     return triples
+
+
+def dropped_wrapper_is_freed(comm) -> bool:
+    """A DataParallel that nobody holds any more is garbage (its parameters' gradient hooks
+    hold it weakly): otherwise every dropped model stays in memory for good."""
+    import gc
+    import weakref
+
+    from torch import nn
+
+    from parallelkit.parallel import DataParallel
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    wrapper = DataParallel(model, comm)
+    wrapper(torch.randn(2, 3)).sum().backward()
+    ref = weakref.ref(wrapper)
+    del wrapper
+    gc.collect()
+    return ref() is None

@@ -14,6 +14,7 @@ from dp_cases import (
     BATCHES,
     bucket_counts,
     bucket_order,
+    dropped_wrapper_is_freed,
     globally_unused_keeps_none,
     launch_progress,
     reduce_over,
@@ -114,3 +115,7 @@ def test_assign_buckets_caps_orders_and_separates_keys():
     assert [b.params for b in assign_buckets(numels, keys, [4] * 5, range(5), 0)] == [
         [i] for i in range(5)
     ]
+
+
+def test_a_dropped_wrapper_is_freed(ranks):
+    assert all(ranks(2).run(dropped_wrapper_is_freed))

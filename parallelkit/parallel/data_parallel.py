@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
@@ -106,11 +107,15 @@ class DataParallel(nn.Module):
                 self._names.append(name)
                 self._params.append(p)
                 self._comms.append(c)
+                # Hooks hold the wrapper weakly: a parameter holding it strongly would keep it
+                # (buffers, the model) alive through autograd, out of the garbage collector's
+                # sight, after the wrapper is dropped.
+                me = weakref.ref(self)
                 p.register_post_accumulate_grad_hook(
-                    functools.partial(self._on_grad_ready, len(self._params) - 1)
+                    functools.partial(_call, me, "_on_grad_ready", len(self._params) - 1)
                 )
                 if self.replicas < self.comm.size and c is self.comm:
-                    p.register_hook(self._grads_to_shares)
+                    p.register_hook(functools.partial(_call, me, "_grads_to_shares"))
         self._require_sync = True
         self._whole_grads = False  # replicas span several ranks and .grad holds whole sums
         self._rebuild_pending = True
@@ -272,6 +277,14 @@ class DataParallel(nn.Module):
         order = self.comm.all_gather_ints(arrival)[0]  # host metadata: rank 0's order
         if order != list(reversed(range(len(self._params)))):
             self._build_buckets(order)
+
+
+def _call(ref: weakref.ref, method: str, *args):  # type: ignore[no-untyped-def]
+    """``ref().method(*args)`` while the wrapper lives; a tensor hook's return value."""
+    obj = ref()
+    if obj is not None:
+        return getattr(obj, method)(*args)
+    return None
 
 
 def _broadcast_coalesced(tensors: list[torch.Tensor], comm: Communicator) -> None:
