@@ -3,7 +3,8 @@
 #   make test   ruff + the whole suite: pure and gloo tiers, the mpiexec tier on 1-4 ranks, the XLA
 #               tier, the GPU tier (skipped without CUDA), and the model-zoo tier (pk.parallelize
 #               on torchvision, timm and smp networks, in .venv-zoo)
-# and: make bench (every script under benchmarks/, ~42 min; results under benchmarks/results/)
+# and: make bench (every script under benchmarks/ but the peers, ~50 min; results under
+#                  benchmarks/results/)
 #      make bench-peers (ChainerMN and torch's DDP/SyncBatchNorm/DTensor next to parallelkit)
 
 VENV ?= .venv
@@ -82,7 +83,7 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check parallelkit tests benchmarks examples
 
 test-py: $(VENV)/.installed
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 test-mpi: $(VENV)/.installed
 	for n in 1 2 3 4; do \
@@ -103,7 +104,7 @@ test-gpu: $(VENV)/.installed
 
 # pk.parallelize on ~30 real networks x 5 strategies against the dense model (docs/zoo.md).
 test-zoo: $(ZOO_VENV)/.installed
-	$(ZOO_TEST_ENV) $(ZOO_PY) -m pytest -q -p no:cacheprovider tests/zoo
+	$(ZOO_TEST_ENV) $(ZOO_PY) -m pytest -q --durations=10 -p no:cacheprovider tests/zoo
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/collectives.py
@@ -111,6 +112,8 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/data_parallel.py
 	$(PY) benchmarks/model_parallel.py
 	$(PY) benchmarks/spatial_resnet.py
+	$(PY) benchmarks/train.py
+	$(PY) benchmarks/plan_vs_measured.py
 
 # The peers side by side (~3 min, plus ~2 min to create .venv-chainer the first time):
 # ChainerMN in $(CHAINER_VENV) under its mpiexec, torch's DDP, SyncBatchNorm and DTensor in

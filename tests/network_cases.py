@@ -148,6 +148,13 @@ class ForwardCodeNet(nn.Module):
             self.gn, self.inorm = nn.GroupNorm(2, 6), nn.InstanceNorm2d(6, affine=True)
         if kind == "unet up":
             self.down = nn.Conv2d(6, 6, 3, stride=2, padding=1)
+        if kind == "padding modes":  # nn.Conv2d's padding_mode: F.pad, then F.conv2d
+            self.modes = nn.ModuleList(
+                nn.Conv2d(6, 6, 3, padding=p, dilation=p, padding_mode=mode, groups=g)
+                for mode, p, g in (("reflect", 2, 1), ("replicate", 1, 3), ("circular", 3, 6))
+            )
+        if kind == "functional conv":  # weight standardization (timm's StdConv2d, BiT)
+            self.w, self.b = nn.Parameter(torch.randn(6, 6, 3, 3) / 6), nn.Parameter(torch.zeros(6))
         if kind == "same padding":  # timm's Conv2dSame: F.pad, then a convolution without
             self.strided = nn.Conv2d(6, 6, 3, stride=2)
         if kind == "convnext block":
@@ -188,8 +195,17 @@ class ForwardCodeNet(nn.Module):
             return self.inorm(F.relu(self.gn(x)))
         if k == "upsample x2":  # smp's decoders: nearest, by a scale factor
             return F.interpolate(x, scale_factor=2)
-        if k == "global max":  # max over H and W: no exact rule yet
-            return x * x.amax((2, 3), keepdim=True)
+        if k == "global max":  # max over H and W (CBAM's channel and spatial attention)
+            spatial = x.amax(1, keepdim=True)  # over channels: local
+            return x * x.amax((2, 3), keepdim=True) + F.adaptive_max_pool2d(x, 1) * spatial
+        if k == "padding modes":
+            return sum(conv(x) for conv in self.modes)
+        if k == "functional conv":
+            w = F.batch_norm(self.w.reshape(1, 6, -1), None, None, training=True).view(6, 6, 3, 3)
+            down = F.conv2d(x, w, self.b, stride=2, padding=1)  # 12 x 10 -> 6 x 5
+            return F.interpolate(down, scale_factor=2) + F.conv2d(x, w, None, 1, (2, 1), (2, 1))
+        if k == "dynamic pad":  # padding to a multiple of 4, computed from the block's size
+            return F.pad(x, (0, -x.shape[-1] % 4, 0, -x.shape[-2] % 4))
         if k == "interpolate":  # a segmentation head resizing to a size of its own
             return F.interpolate(x, size=(x.shape[-2] + 1, x.shape[-1]), mode="bilinear")
         if k == "interpolate align_corners":
@@ -238,6 +254,9 @@ FORWARD_CODE = {
         "interpolate align_corners",  # on the gathered whole images (warns)
         "group norm",
         "same padding",
+        "global max",
+        "padding modes",
+        "functional conv",
     )
 }
 # Exact under model parallelism without a data dimension: dropout's masks are drawn for the
@@ -252,7 +271,7 @@ DROPOUT = {
 }
 # Refused under spatial parallelism (kind -> what the message names).
 REFUSED = {
-    "global max": "Tensor.amax",
+    "dynamic pad": "F.pad",
     "interpolate": "F.interpolate",
     "flatten": "Tensor.flatten",
 }

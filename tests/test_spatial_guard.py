@@ -45,6 +45,17 @@ BLOCKS = {
     "mean over channels": lambda x: x.mean(1, keepdim=True),
     "softmax over channels": lambda x: x.softmax(1),
     "1x1 F.conv2d": lambda x: F.conv2d(x, torch.ones(3, 4, 1, 1)),
+    "3x3 F.conv2d, stride 2": lambda x: F.conv2d(x, torch.ones(3, 4, 3, 3), stride=2, padding=1),
+    "F.conv2d, 'same', dilated, grouped": lambda x: F.conv2d(
+        x, torch.linspace(-1, 1, 2 * 2 * 4 * 3).view(2, 2, 4, 3), padding="same", dilation=2,
+        groups=2,
+    ),
+    "F.pad, reflect": lambda x: F.pad(x, (1, 2, 3, 0), mode="reflect"),
+    "F.pad, replicate": lambda x: F.pad(x, (2, 1, 0, 3), mode="replicate"),
+    "F.pad, circular": lambda x: F.pad(x, (1, 1, 2, 2), mode="circular"),
+    "a Conv2d with padding_mode='reflect'": nn.Conv2d(4, 2, 3, padding=1, padding_mode="reflect"),
+    "torch.max of two blocks": lambda x: torch.max(x, x * 2),
+    "max over channels, with indices": lambda x: x.max(1).values,
     "F.interpolate x2, nearest": lambda x: F.interpolate(x, scale_factor=2),
     "F.max_pool2d": lambda x: F.max_pool2d(x, 3, 2, 1),
     "F.avg_pool2d": lambda x: F.avg_pool2d(x, 3, 1, 1, count_include_pad=False),
@@ -65,6 +76,11 @@ WHOLE = {
     "F.adaptive_avg_pool2d(1)": (lambda x: F.adaptive_avg_pool2d(x, 1), None),
     "F.adaptive_avg_pool2d((2, 3))": (lambda x: F.adaptive_avg_pool2d(x, (2, 3)), None),
     "F.adaptive_max_pool2d(2)": (lambda x: F.adaptive_max_pool2d(x, 2), None),
+    "F.adaptive_max_pool2d(1)": (lambda x: F.adaptive_max_pool2d(x, 1), None),
+    "amax over H and W": (lambda x: x.amax((2, 3)), None),
+    "amin over N, H and W, kept": (lambda x: x.amin((0, 2, 3), keepdim=True), None),
+    "max of everything": (lambda x: x.max(), None),
+    "amax with ties (ReLU's zeros)": (lambda x: (-x.abs()).relu().amax((2, 3)), None),
     "F.group_norm, then a sum": (
         lambda x: F.group_norm(x, 2, torch.linspace(1, 2, 4), torch.ones(4)).sum((2, 3)),
         None,
@@ -75,7 +91,11 @@ REFUSED = {
     "flatten(1)": (lambda x: x.flatten(1), "merges H or W"),
     "view(N, -1)": (lambda x: x.view(2, -1), "merges H or W"),
     "index along W": (lambda x: x[..., 0], "reaches H or W"),
-    "amax over H and W": (lambda x: x.amax((2, 3)), "reduces over H or W"),
+    "max over W, with indices": (lambda x: x.max(3), "reduces over H or W"),
+    "F.pad after reading the block's size": (
+        lambda x: F.pad(x, (0, -x.shape[-1] % 4, 0, -x.shape[-2] % 4)),
+        "read this block's height or width before padding it",
+    ),
     "a whole tensor varying over W": (lambda x: x + torch.ones(6), "varies over H or W"),
     "cat along H": (lambda x: torch.cat([x, x], 2), "along H or W"),
     "stack after W": (lambda x: torch.stack([x, x], -1), "along H or W"),
@@ -83,10 +103,9 @@ REFUSED = {
         lambda x: F.interpolate(x, size=(10, 12), mode="bilinear", align_corners=True),
         "to a size= has no exact rule",
     ),
-    "3x3 F.conv2d": (lambda x: F.conv2d(x, torch.ones(3, 4, 3, 3)), "only 1x1 convolutions"),
+    "F.conv2d with a split weight": (lambda x: F.conv2d(x, x[:, :, :2, :2]), "reaches H or W"),
     "training alpha dropout": (lambda x: F.alpha_dropout(x, 0.5, True), "draw masks exactly"),
     "F.layer_norm over W": (lambda x: F.layer_norm(x, (6,)), "acts over H or W"),
-    "F.pad, reflect": (lambda x: F.pad(x, (1, 1, 1, 1), mode="reflect"), "mirrored rows"),
     "split along W": (lambda x: x.split(3, dim=3), "cuts along H or W"),
     "F.linear over W": (lambda x: F.linear(x, torch.ones(2, 6)), "acts over H or W"),
     "channels-last block into max pooling": (
@@ -161,6 +180,12 @@ def test_operations_without_an_exact_rule_are_refused(name):
         op(x)
     assert why in str(info.value)
     assert "keep_dense=[" in str(info.value)
+
+
+def test_reflecting_more_rows_than_the_image_is_a_value_error():
+    guard, x = guarded()
+    with guard, pytest.raises(ValueError, match="needs more rows than the image's 5"):
+        F.pad(x, (0, 0, 5, 0), mode="reflect")
 
 
 def test_whole_tensors_alone_are_not_followed():

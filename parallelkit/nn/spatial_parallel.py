@@ -127,6 +127,44 @@ def _pair(v: int | Sequence[int]) -> tuple[int, int]:
     return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
 
 
+def conv_windows(
+    kernel: Sequence[int],
+    stride: int | Sequence[int],
+    padding: int | str | Sequence[int],
+    dilation: int | Sequence[int],
+) -> tuple[Window, Window]:
+    """The (H, W) windows of a convolution with ``F.conv2d``'s arguments."""
+    kernel, stride, dilation = _pair(kernel), _pair(stride), _pair(dilation)
+    pads = conv_padding(padding, kernel, dilation)
+    return tuple(  # type: ignore[return-value]
+        Window(k, s, lo, hi, d)
+        for k, s, (lo, hi), d in zip(kernel, stride, pads, dilation, strict=True)
+    )
+
+
+def conv2d_blocks(
+    x_blk: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    windows: tuple[Window, Window],
+    groups: int,
+    grid: SpatialGrid,
+    size: tuple[int, int],
+    overlap: bool = False,
+) -> torch.Tensor:
+    """This rank's block of ``F.conv2d`` of the whole images of ``size``, whose blocks over
+    ``grid`` ``x_blk`` is one of: the edge path where it applies, else the halo fetch.
+    ``weight`` and ``bias`` are used as given (the caller picks their gradient convention)."""
+    if (edges := spatial_edges.plan(grid, windows, size)) is not None:
+        return spatial_edges.conv2d(x_blk, weight, bias, windows, groups, grid, edges, overlap)
+    x_halo, out_hw, pad = _fetch(x_blk, grid, windows, size, native=True)
+    if min(out_hw) == 0:
+        return _empty_output(x_halo, weight.shape[0], out_hw, x_halo, weight, bias)
+    stride = tuple(w.stride for w in windows)
+    dilation = tuple(w.dilation for w in windows)
+    return F.conv2d(x_halo, weight, bias, stride, pad, dilation, groups)
+
+
 class SpatialParallelConv2d(nn.Conv2d):
     """``nn.Conv2d`` on images split over a ``rows x cols`` grid of ranks (default: rows).
 
@@ -172,13 +210,7 @@ class SpatialParallelConv2d(nn.Conv2d):
         )  # fmt: skip
         self.comm, self.grid = comm, grid_of(comm, grid)
         _same_on_every_rank(self, comm)
-        pads = conv_padding(padding, self.kernel_size, self.dilation)
-        self.windows = tuple(
-            Window(k, s, lo, hi, d)
-            for k, s, (lo, hi), d in zip(
-                self.kernel_size, self.stride, pads, self.dilation, strict=True
-            )
-        )
+        self.windows = conv_windows(self.kernel_size, self.stride, padding, self.dilation)
 
     def forward(self, x_blk: torch.Tensor, size: tuple[int, int] | None = None) -> torch.Tensor:
         if not layout.is_split(x_blk):  # a whole tensor inside a spatial region
@@ -191,14 +223,9 @@ class SpatialParallelConv2d(nn.Conv2d):
             )
         weight = layout.replicated(self.weight, self.comm)
         bias = None if self.bias is None else layout.replicated(self.bias, self.comm)
-        if (edges := spatial_edges.plan(self.grid, self.windows, size)) is not None:
-            return spatial_edges.conv2d(
-                x_blk, weight, bias, self.windows, self.groups, self.grid, edges, self.overlap
-            )
-        x_halo, out_hw, pad = _fetch(x_blk, self.grid, self.windows, size, native=True)
-        if min(out_hw) == 0:
-            return _empty_output(x_halo, self.out_channels, out_hw, x_halo, weight, bias)
-        return F.conv2d(x_halo, weight, bias, self.stride, pad, self.dilation, self.groups)
+        return conv2d_blocks(
+            x_blk, weight, bias, self.windows, self.groups, self.grid, size, self.overlap
+        )
 
     def out_size(self, size: tuple[int, int]) -> tuple[int, int]:
         """The whole output's (H, W) for whole inputs of ``size``: geometry only."""

@@ -141,7 +141,9 @@ def to_dense(model: nn.Module) -> nn.Module:
 def _spatial_layer(m: nn.Module, grid: Grid) -> nn.Module | None:
     comm, shape = grid.spatial_comm, grid.spatial
     kind = type(m)
-    if kind is nn.Conv2d:
+    # A padding_mode other than zeros stays dense: its forward's F.pad and F.conv2d meet the
+    # spatial guard, whose rules fetch the mirrored rows and convolve the blocks.
+    if kind is nn.Conv2d and m.padding_mode == "zeros":
         return sp.SpatialParallelConv2d.from_dense(m, comm, shape)
     if kind is nn.ConvTranspose2d:
         return sp.SpatialConvTranspose2d.from_dense(m, comm, shape)

@@ -17,12 +17,15 @@ each call that touches one applies a rule:
   ``pk.parallelize``, left as a share (:mod:`parallelkit.spatial.layout`);
 - ``cat``/``split``/``chunk``/indexing along channels, reshapes that keep the last two
   dimensions, type and memory-format changes: local, exact;
-- a 1x1 convolution with stride 1 and no padding called directly: pointwise, as above;
-- anything else (reductions over H or W, reshapes that merge them, functional pooling and
-  interpolation, layer/group/instance norms, random masks on blocks, ...): a ``ValueError``
-  naming the operation, the module and the way out (``keep_dense=[...]``). Every rank runs the
-  same code on the same shapes of blocks, so every rank raises at the same operation, and
-  none waits in a collective.
+- operations with a fetch geometry or a reduction of their own: functional convolution,
+  pooling, interpolation and padding (the spatial layers' halo fetch), sums, means, maxima
+  and minima over H and W, group and instance norms, dropout masks (each rule's docstring);
+- anything else (other reductions over H or W, reshapes that merge them, padding computed
+  from a block's own size, ...): a ``ValueError`` naming the operation, the module and the
+  way out (``keep_dense=[...]``). Every rank runs the same code on the same shapes of blocks,
+  so every rank raises at the same operation, and none waits in a collective.
+
+docs/parallelism.md has the table of every rule.
 
 The region's output, any nesting of tuples, lists and dicts, is gathered where it is split
 and returned as is where it is whole.
@@ -37,6 +40,7 @@ channels (weights' gradients summed); swapped layers and BatchNorm want (N, C, H
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 import weakref
 from collections.abc import Callable
@@ -173,6 +177,7 @@ class SpatialGuard(TorchFunctionMode):
         # id -> (the block, where its H and W are, the whole images' (H, W) if known)
         self._blocks: dict[int, tuple[weakref.ref, tuple[int, int], Size | None]] = {}
         self._size_now: Size | None = None  # the whole size of the call being ruled on
+        self._sized: dict[int, weakref.ref] = {}  # blocks whose H or W forward code read
         self._stack: list[tuple[nn.Module, bool, bool, Size | None] | None] = []
         self._trusted = 0
         self._hooks: list[Any] = []
@@ -266,6 +271,8 @@ class SpatialGuard(TorchFunctionMode):
         if not blocks and func is F.interpolate:
             resized = self._whole_to_block(args, kwargs)
             return resized if resized is not None else func(*args, **kwargs)
+        if func is Tensor.size and blocks:
+            self._note_sized(func, args, kwargs)
         if not blocks or func in _METADATA:
             return func(*args, **kwargs)
         before, self._size_now = self._size_now, self.size_of(blocks[0])
@@ -308,7 +315,7 @@ class SpatialGuard(TorchFunctionMode):
         if func is Tensor.__getitem__:
             return self._getitem(func, args, kwargs)
         if func in (F.conv2d, torch.conv2d):
-            return self._pointwise_conv(func, args, kwargs)
+            return self._conv(func, args, kwargs)
         if func in (F.prelu, torch.prelu):  # the weight broadcasts over channels
             x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             self._nchw(func, x)
@@ -448,30 +455,105 @@ class SpatialGuard(TorchFunctionMode):
         return self._marked(layer(x), size=_out_size(layer, self._size_now))
 
     def _pad(self, args, kwargs) -> Any:
-        """``F.pad`` with a constant over H and W (and any leading dimensions): the padded
-        images' blocks in tensor_split layout, each rank fetching the rows of its new block
-        (``gather_rows``, the constant where they fall outside the image; negative pads crop).
-        Other modes (reflect, replicate, circular) read mirrored rows: refused."""
+        """``F.pad`` over H and W (and any leading dimensions): the padded images' blocks in
+        tensor_split layout, each rank fetching the rows of its new block with ``gather_rows``.
+        With a constant (negative pads crop), one fetch per dimension; reflect, replicate and
+        circular read mirrored or wrapped rows: the low pad, the image and the high pad are
+        three fetches of contiguous rows, each put in order locally.
+
+        Padding must not come from a block's own size: forward code that read a block's H or W
+        (``x.shape``, ``x.size()``) and then pads it (padding to a multiple of a patch size,
+        a U-Net padding to its skip connection's size) would pad for the block, not for the
+        whole image, so that is refused; timm's "same" modules are the exception, whose
+        padding the guard computes from the whole size (:meth:`_same_pads`)."""
         names = ("input", "pad", "mode", "value")
         call = {**dict(zip(names, args, strict=False)), **kwargs}
         x, pad = call["input"], list(call["pad"])
         mode, value = call.get("mode", "constant"), call.get("value") or 0.0
         self._nchw(F.pad, x)
-        if mode != "constant":
-            raise self._refuse("F.pad", f"mode={mode!r} reads mirrored rows; only 'constant'")
+        if mode not in ("constant", "reflect", "replicate", "circular"):
+            raise self._refuse("F.pad", f"mode={mode!r} has no rule")
         h_w = self._size_now or self.grid.global_size(x, "F.pad")
         lo_w, hi_w, lo_h, hi_h = [*pad, 0, 0, 0, 0][:4]
+        if any(pad[:4]) and self._was_sized(x):
+            lo_w, hi_w, lo_h, hi_h = self._same_pads(x, h_w, pad[:4])
+        rest = pad[4:]
+        if mode != "constant" and (rest or min(pad[:4]) < 0):
+            raise self._refuse("F.pad", f"mode={mode!r} with pads {pad} (only H and W, >= 0)")
         y = x
         for dim, (n, lo, hi) in ((2, (h_w[0], lo_h, hi_h)), (3, (h_w[1], lo_w, hi_w))):
-            comm, parts, _ = self.grid.axis(dim - 2)
-            new = tensor_split_sizes(n + lo + hi, parts)
-            want = [(a - lo, a - lo + m) for a, m in zip(starts(new), new, strict=True)]
-            y = pkf.gather_rows(y, comm, dim, tensor_split_sizes(n, parts), want, value)
-        rest = pad[4:]
+            if mode == "constant":
+                comm, parts, _ = self.grid.axis(dim - 2)
+                new = tensor_split_sizes(n + lo + hi, parts)
+                want = [(a - lo, a - lo + m) for a, m in zip(starts(new), new, strict=True)]
+                y = pkf.gather_rows(y, comm, dim, tensor_split_sizes(n, parts), want, value)
+            elif lo or hi:
+                y = self._wrap_pad(y, dim, n, lo, hi, mode)
         if rest:  # leading dimensions: local
             y = F.pad(y, [0, 0, 0, 0, *rest], value=value)
         size = (h_w[0] + lo_h + hi_h, h_w[1] + lo_w + hi_w)
         return self._marked(y, size=size)
+
+    def _wrap_pad(self, x: Tensor, dim: int, n: int, lo: int, hi: int, mode: str) -> Tensor:
+        """This rank's block of the whole images padded along ``dim`` by ``lo`` and ``hi``
+        rows in a non-constant ``mode``. Every rank takes part in all three fetches (an empty
+        range where its block has no such rows), and keeps each in its graph, so that the
+        backward's exchanges meet on every rank."""
+        if (mode == "reflect" and max(lo, hi) >= n) or max(lo, hi) > n:
+            raise ValueError(
+                f"spatial parallelism: F.pad mode={mode!r} of {max(lo, hi)} rows needs more "
+                f"rows than the image's {n}"
+            )
+        comm, parts, rank = self.grid.axis(dim - 2)
+        new = tensor_split_sizes(n + lo + hi, parts)
+        pieces = []
+        for part in range(3):  # the low pad, the image, the high pad
+            want, mine = [], []
+            for r, (a, m) in enumerate(zip(starts(new), new, strict=True)):
+                first, stop = ((a, min(a + m, lo)), (max(a, lo), min(a + m, lo + n)),
+                               (max(a, lo + n), a + m))[part]  # fmt: skip
+                rows = [_source_row(i - lo, n, mode) for i in range(first, stop)]
+                want.append((min(rows), max(rows) + 1) if rows else (0, 0))
+                mine = rows if r == rank else mine
+            got = pkf.gather_rows(x, comm, dim, tensor_split_sizes(n, parts), want)
+            if mine != list(range(want[rank][0], want[rank][1])):  # mirrored or repeated
+                order = torch.tensor([i - want[rank][0] for i in mine], device=x.device)
+                got = got.index_select(dim, order.long())
+            pieces.append(got)
+        return torch.cat(pieces, dim)
+
+    def _was_sized(self, t: Tensor) -> bool:
+        ref = self._sized.get(id(t))
+        return ref is not None and ref() is t
+
+    def _note_sized(self, func, args: tuple, kwargs: dict) -> None:
+        """Remember the blocks whose H or W forward code read (``x.shape``, ``x.size()``,
+        ``x.size(2)``): padding computed from them would be the block's (see :meth:`_pad`)."""
+        x = args[0]
+        if not self.is_split(x):
+            return
+        dim = _arg(args, kwargs, 1, "dim") if func is Tensor.size and (
+            len(args) > 1 or "dim" in kwargs) else None  # fmt: skip
+        if dim is None or dim % x.dim() - x.dim() in self.hw(x):
+            self._sized[id(x)] = weakref.ref(x)
+
+    def _same_pads(self, x: Tensor, size: Size, pads: list[int]) -> list[int]:
+        """The padding of TensorFlow's "same" for the whole images, where ``x`` is the input
+        of one of timm's "same" modules (``Conv2dSame``, ``MaxPool2dSame``, ...) whose
+        ``pad_same`` just padded it for the block's size; any other padding computed after
+        reading a block's size is refused."""
+        module = next((e[0] for e in reversed(self._stack) if e is not None), None)
+        geometry = _tf_same_geometry(module)
+        if geometry is not None:
+            block = [_same_pad(n, *g) for n, g in zip(x.shape[-2:], geometry, strict=True)]
+            if pads == [*block[1], *block[0]]:
+                whole = [_same_pad(n, *g) for n, g in zip(size, geometry, strict=True)]
+                return [*whole[1], *whole[0]]
+        raise self._refuse(
+            "F.pad", "the forward code read this block's height or width before padding it, so "
+            "its padding may be computed for the block instead of the whole image (padding to "
+            "a multiple of a patch size, to a skip connection's size)",
+        )  # fmt: skip
 
     def _gathered(self, func, args, kwargs) -> Any:
         """An operation the blocks cannot do alone, run on the gathered whole images and cut
@@ -492,10 +574,14 @@ class SpatialGuard(TorchFunctionMode):
         return self._marked(scatter(y, self.comm, self.grid), size=(y.shape[-2], y.shape[-1]))
 
     def _adaptive_pool(self, func, args, kwargs) -> Any:
-        """Global average pooling is a mean over H and W; other sizes pool the whole images."""
+        """Global average (max) pooling is a mean (maximum) over H and W; other sizes pool the
+        whole images."""
         self._nchw(func, args[0])
-        if func is F.adaptive_avg_pool2d and _all(_arg(args, kwargs, 1, "output_size"), 1):
-            return self._mean_hw(args[0], keepdim=True)
+        if _all(_arg(args, kwargs, 1, "output_size"), 1):
+            if func is F.adaptive_avg_pool2d:
+                return self._mean_hw(args[0], keepdim=True)
+            if not kwargs.get("return_indices", args[2] if len(args) > 2 else False):
+                return self._extreme(args[0], [2, 3], largest=True)
         return self._on_whole_images(func, args, kwargs)
 
     def _on_whole_images(self, func, args, kwargs) -> Any:
@@ -608,6 +694,8 @@ class SpatialGuard(TorchFunctionMode):
         name = getattr(getattr(func, "__self__", None), "__name__", "")
         if name in ("T", "mT", "H", "mH"):
             raise self._refuse(f"Tensor.{name}", "it moves H and W")
+        if name == "shape":
+            self._note_sized(func, args, kwargs)
         out = func(*args, **kwargs)
         return self._marked(out, self.hw(args[0])) if name == "data" else out
 
@@ -638,24 +726,33 @@ class SpatialGuard(TorchFunctionMode):
             return self._marked(func(*args, **kwargs), hw)
         raise self._refuse("indexing", f"the index {index!r} reaches H or W")
 
-    def _pointwise_conv(self, func, args, kwargs) -> Any:
+    def _conv(self, func, args, kwargs) -> Any:
+        """``F.conv2d`` in forward code (a Conv2d subclass, timm's "same" and weight-
+        standardized convolutions, ``padding_mode`` other than zeros after its ``F.pad``):
+        the spatial convolution's halo fetch or edge path with the call's weight, which is
+        whole (a parameter, or computed from one). A 1x1 convolution with stride 1 and no
+        padding is pointwise."""
         names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
         call = {**dict(zip(names, args, strict=False)), **kwargs}
-        weight = call["weight"]
-        self._nchw(func, call["input"])
+        x, weight = call["input"], call["weight"]
+        self._nchw(func, x)
+        if self.is_split(weight) or self.is_split(call.get("bias")):
+            raise self._refuse(_name(func), "its weight is a block of split images")
         stride, padding = call.get("stride", 1), call.get("padding", 0)
+        dilation, groups = call.get("dilation", 1), call.get("groups", 1)
+        weight, bias = self._summed(weight), self._summed(call.get("bias"))
         if (
             tuple(weight.shape[-2:]) == (1, 1)
             and _all(stride, 1)
             and (padding == "valid" or _all(padding, 0))
-            and not self.is_split(weight)
         ):
-            call["weight"], call["bias"] = self._summed(weight), self._summed(call.get("bias"))
-            return self._marked(func(**call))
-        raise self._refuse(
-            _name(func), "only 1x1 convolutions with stride 1 and no padding are pointwise; "
-            "a Conv2d subclass or F.conv2d with a larger window is not swapped for a spatial layer",
-        )  # fmt: skip
+            return self._marked(func(x, weight, bias, 1, 0, dilation, groups))
+        if padding == "same" and not _all(stride, 1):  # as torch says it
+            raise ValueError("padding='same' is not supported for strided convolutions")
+        windows = sp.conv_windows(weight.shape[-2:], stride, padding, dilation)
+        size = self._size_now or self.grid.global_size(x, _name(func))
+        out = sp.conv2d_blocks(x, weight, bias, windows, groups, self.grid, size)
+        return self._marked(out, size=(windows[0].out_size(size[0]), windows[1].out_size(size[1])))
 
     def _reshape(self, func, args, kwargs) -> Any:
         x, out = args[0], func(*args, **kwargs)
@@ -689,6 +786,9 @@ class SpatialGuard(TorchFunctionMode):
     def _reduce(self, func, args, kwargs) -> Any:
         x = args[0]
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        name = getattr(func, "__name__", "")
+        if name in ("max", "min") and (isinstance(dim, Tensor) or "other" in kwargs):
+            return self._pointwise(func, args, kwargs, self._blocks_in(args, kwargs))
         dims = (
             {d % x.dim() for d in (dim if isinstance(dim, tuple | list) else (dim,))}
             if dim is not None
@@ -703,18 +803,45 @@ class SpatialGuard(TorchFunctionMode):
             shift = 0 if keepdim else sum(d > min(hw) for d in dims)
             out = func(*args, **kwargs)
             return self._marked(out, tuple(d + shift for d in self.hw(x)))  # type: ignore[arg-type]
-        name = getattr(func, "__name__", "")
         nchw = self.hw(x) == (-2, -1)
+        keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
         if name in ("sum", "mean") and nchw and hw <= dims and not self._extra(args, kwargs, 2):
-            keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
             other = sorted(dims - hw)
             y = self._mean_hw(x, keepdim=True) if name == "mean" else self._sum_hw(x)
             if other:
                 y = getattr(y, name)(other, keepdim=True)
             return y if keepdim else y.squeeze(sorted(dims))
+        extreme = name in ("amax", "amin") or (name in ("max", "min") and dim is None)
+        if extreme and nchw and hw <= dims and not self._extra(args, kwargs, 2):
+            y = self._extreme(x, sorted(dims), largest=name.endswith("max"))
+            return y if keepdim else y.squeeze(sorted(dims))
         raise self._refuse(
-            _name(func), "it reduces over H or W (only sum and mean over both are exact here)"
+            _name(func), "it reduces over H or W (only sum, mean, amax and amin over both are "
+            "exact here)",
+        )  # fmt: skip
+
+    def _extreme(self, x: Tensor, dims: list[int], largest: bool) -> Tensor:
+        """The whole images' maximum (minimum) over ``dims`` (H, W and maybe more), kept as
+        size-1 dimensions, the same on every rank. Its value is the all-reduced extreme; its
+        gradient goes, as torch's does, in equal parts to every place that holds it, on
+        whichever rank: the sum of those places over their all-reduced count, which has that
+        gradient and the same value, is added as a zero."""
+        op = "max" if largest else "min"
+        with torch.no_grad():
+            if x.numel():
+                local = x.amax(dims, keepdim=True) if largest else x.amin(dims, keepdim=True)
+            else:  # an empty block holds no extreme
+                shape = [1 if d in dims else n for d, n in enumerate(x.shape)]
+                local = x.new_full(shape, -math.inf if largest else math.inf)
+            whole = self.comm.all_reduce(local.contiguous(), op)
+        at = x == whole
+        total = layout.summed(
+            torch.cat([torch.where(at, x, 0).sum(dims).flatten(), at.sum(dims).flatten().to(x)]),
+            self.comm,
         )
+        half = total.numel() // 2
+        spread = (total[:half] / total[half:]).view(whole.shape)
+        return whole + (spread - spread.detach())
 
     def _extra(self, args: tuple, kwargs: dict, named: int) -> bool:
         """Arguments beyond (input, dim, keepdim): dtype=, out=, ..."""
@@ -793,3 +920,34 @@ def _all(value: Any, want: int) -> bool:
 
 def _shape(t: Any) -> Any:
     return tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+
+
+def _source_row(i: int, n: int, mode: str) -> int:
+    """The image row that padded row ``i`` (of ``n`` rows, counted from the first image row)
+    repeats in F.pad's ``mode``."""
+    if mode == "reflect":
+        return -i if i < 0 else 2 * (n - 1) - i if i >= n else i
+    if mode == "replicate":
+        return min(max(i, 0), n - 1)
+    return i % n  # circular
+
+
+def _same_pad(n: int, kernel: int, stride: int, dilation: int) -> tuple[int, int]:
+    """TensorFlow's "same" padding of ``n`` rows (timm's ``pad_same``): (before, after)."""
+    total = max((math.ceil(n / stride) - 1) * stride + (kernel - 1) * dilation + 1 - n, 0)
+    return total // 2, total - total // 2
+
+
+_TF_SAME = ("Conv2dSame", "StdConv2dSame", "ScaledStdConv2dSame", "MaxPool2dSame", "AvgPool2dSame")
+
+
+def _tf_same_geometry(module: nn.Module | None) -> list[tuple[int, int, int]] | None:
+    """(kernel, stride, dilation) along H and W of one of timm's "same" modules, whose
+    forward pads its input with ``pad_same`` for the input's size, else None."""
+    kind = type(module)
+    if module is None or kind.__name__ not in _TF_SAME or not kind.__module__.startswith("timm"):
+        return None
+    weight = getattr(module, "weight", None)
+    kernel = tuple(weight.shape[-2:]) if isinstance(weight, Tensor) else module.kernel_size
+    return list(zip(_pair(kernel), _pair(module.stride),
+                    _pair(getattr(module, "dilation", 1)), strict=True))  # fmt: skip

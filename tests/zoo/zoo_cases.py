@@ -185,6 +185,15 @@ ARCHS: dict[str, Arch] = {
         "timm", _timm("convnext_atto"), what="LayerNorm2d, gamma parameter used directly"
     ),
     "timm regnety_002": Arch("timm", _timm("regnety_002"), what="grouped convs + SE"),
+    "timm tf_efficientnet_lite0": Arch(
+        "timm", _timm("tf_efficientnet_lite0"), (3, 72, 72),
+        # 72: its stride-2 layers see 18 x 18 maps, whose 9-row blocks pad differently
+        what="Conv2dSame: TensorFlow 'same' padding computed from the input's size",
+    ),
+    "timm resnetblur18": Arch(
+        "timm", _timm("resnetblur18"),
+        what="BlurPool2d: F.pad in reflect mode, a depthwise F.conv2d with stride 2",
+    ),
     "timm inception_v3": Arch(
         "timm",
         _timm("inception_v3"),
@@ -356,6 +365,14 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
+    ('timm tf_efficientnet_lite0', 'data'): (
+        'exact',
+        '',
+    ),
+    ('timm resnetblur18', 'data'): (
+        'exact',
+        '',
+    ),
     ('timm inception_v3', 'data'): (
         'exact',
         '',
@@ -480,6 +497,14 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
+    ('timm tf_efficientnet_lite0', 'rows'): (
+        'exact',
+        '',
+    ),
+    ('timm resnetblur18', 'rows'): (
+        'exact',
+        '',
+    ),
     ('timm inception_v3', 'rows'): (
         'exact',
         '',
@@ -600,6 +625,14 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
+    ('timm tf_efficientnet_lite0', 'cols'): (
+        'exact',
+        '',
+    ),
+    ('timm resnetblur18', 'cols'): (
+        'exact',
+        '',
+    ),
     ('timm inception_v3', 'cols'): (
         'exact',
         '',
@@ -717,6 +750,14 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('timm regnety_002', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('timm tf_efficientnet_lite0', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('timm resnetblur18', 'channel'): (
         'exact',
         '',
     ),
