@@ -80,6 +80,7 @@ WHOLE = {
     "amax over H and W": (lambda x: x.amax((2, 3)), None),
     "amin over N, H and W, kept": (lambda x: x.amin((0, 2, 3), keepdim=True), None),
     "max of everything": (lambda x: x.max(), None),
+    "amax of integers": (lambda x: (x * 10).long().amax((2, 3)) + x.mean((2, 3)), None),
     "amax with ties (ReLU's zeros)": (lambda x: (-x.abs()).relu().amax((2, 3)), None),
     "F.group_norm, then a sum": (
         lambda x: F.group_norm(x, 2, torch.linspace(1, 2, 4), torch.ones(4)).sum((2, 3)),
@@ -104,6 +105,10 @@ REFUSED = {
         "to a size= has no exact rule",
     ),
     "F.conv2d with a split weight": (lambda x: F.conv2d(x, x[:, :, :2, :2]), "reaches H or W"),
+    "F.conv2d of a whole tensor by a block": (
+        lambda x: F.conv2d(torch.ones(1, 4, 7, 8), x),
+        "its weight is a block",
+    ),
     "training alpha dropout": (lambda x: F.alpha_dropout(x, 0.5, True), "draw masks exactly"),
     "F.layer_norm over W": (lambda x: F.layer_norm(x, (6,)), "acts over H or W"),
     "split along W": (lambda x: x.split(3, dim=3), "cuts along H or W"),

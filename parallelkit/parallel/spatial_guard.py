@@ -102,8 +102,8 @@ ipow neg pos abs floordiv rfloordiv mod and or xor invert eq ne lt le gt ge
 )
 _LOCAL_NAMES = _words(
     """
-contiguous clone detach detach_ float double half bfloat16 to type type_as requires_grad_
-cpu cuda retain_grad zero_ fill_ copy_ sigmoid_ tanh_ relu_ clamp_ __deepcopy__
+contiguous clone detach detach_ float double half bfloat16 long int bool to type type_as
+requires_grad_ cpu cuda retain_grad zero_ fill_ copy_ sigmoid_ tanh_ relu_ clamp_ __deepcopy__
 """
 )
 _METADATA_NAMES = _words(
@@ -735,9 +735,9 @@ class SpatialGuard(TorchFunctionMode):
         names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
         call = {**dict(zip(names, args, strict=False)), **kwargs}
         x, weight = call["input"], call["weight"]
-        self._nchw(func, x)
-        if self.is_split(weight) or self.is_split(call.get("bias")):
+        if not self.is_split(x) or self.is_split(weight) or self.is_split(call.get("bias")):
             raise self._refuse(_name(func), "its weight is a block of split images")
+        self._nchw(func, x)
         stride, padding = call.get("stride", 1), call.get("padding", 0)
         dilation, groups = call.get("dilation", 1), call.get("groups", 1)
         weight, bias = self._summed(weight), self._summed(call.get("bias"))
@@ -834,6 +834,8 @@ class SpatialGuard(TorchFunctionMode):
                 shape = [1 if d in dims else n for d, n in enumerate(x.shape)]
                 local = x.new_full(shape, -math.inf if largest else math.inf)
             whole = self.comm.all_reduce(local.contiguous(), op)
+        if not x.is_floating_point():  # no gradient to route
+            return whole
         at = x == whole
         total = layout.summed(
             torch.cat([torch.where(at, x, 0).sum(dims).flatten(), at.sum(dims).flatten().to(x)]),
