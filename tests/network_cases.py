@@ -200,6 +200,10 @@ class ForwardCodeNet(nn.Module):
             return x * x.amax((2, 3), keepdim=True) + F.adaptive_max_pool2d(x, 1) * spatial
         if k == "padding modes":
             return sum(conv(x) for conv in self.modes)
+        if k == "instance statistics":  # AdaIN-style: var and std over H and W
+            centred = x - x.mean((2, 3), keepdim=True)
+            spread = x.std((1, 2, 3), correction=0).view(-1, 1, 1, 1)
+            return centred / (x.var((2, 3), keepdim=True) + 1e-5).sqrt() + spread
         if k == "functional conv":
             w = F.batch_norm(self.w.reshape(1, 6, -1), None, None, training=True).view(6, 6, 3, 3)
             down = F.conv2d(x, w, self.b, stride=2, padding=1)  # 12 x 10 -> 6 x 5
@@ -257,6 +261,7 @@ FORWARD_CODE = {
         "global max",
         "padding modes",
         "functional conv",
+        "instance statistics",
     )
 }
 # Exact under model parallelism without a data dimension: dropout's masks are drawn for the

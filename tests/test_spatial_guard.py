@@ -80,6 +80,10 @@ WHOLE = {
     "amax over H and W": (lambda x: x.amax((2, 3)), None),
     "amin over N, H and W, kept": (lambda x: x.amin((0, 2, 3), keepdim=True), None),
     "max of everything": (lambda x: x.max(), None),
+    "var over H and W": (lambda x: x.var((2, 3)), None),
+    "std over N, H and W, biased, kept": (
+        lambda x: x.std((0, 2, 3), correction=0, keepdim=True), None
+    ),
     "amax of integers": (lambda x: (x * 10).long().amax((2, 3)) + x.mean((2, 3)), None),
     "amax with ties (ReLU's zeros)": (lambda x: (-x.abs()).relu().amax((2, 3)), None),
     "F.group_norm, then a sum": (

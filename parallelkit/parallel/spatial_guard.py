@@ -811,13 +811,15 @@ class SpatialGuard(TorchFunctionMode):
             if other:
                 y = getattr(y, name)(other, keepdim=True)
             return y if keepdim else y.squeeze(sorted(dims))
+        if name in ("var", "std") and nchw and hw <= dims:
+            return self._variance(x, sorted(dims), name == "std", args, kwargs)
         extreme = name in ("amax", "amin") or (name in ("max", "min") and dim is None)
         if extreme and nchw and hw <= dims and not self._extra(args, kwargs, 2):
             y = self._extreme(x, sorted(dims), largest=name.endswith("max"))
             return y if keepdim else y.squeeze(sorted(dims))
         raise self._refuse(
-            _name(func), "it reduces over H or W (only sum, mean, amax and amin over both are "
-            "exact here)",
+            _name(func), "it reduces over H or W (only sum, mean, var, std, amax and amin over "
+            "both are exact here)",
         )  # fmt: skip
 
     def _extreme(self, x: Tensor, dims: list[int], largest: bool) -> Tensor:
@@ -844,6 +846,21 @@ class SpatialGuard(TorchFunctionMode):
         half = total.numel() // 2
         spread = (total[:half] / total[half:]).view(whole.shape)
         return whole + (spread - spread.detach())
+
+    def _variance(self, x: Tensor, dims: list[int], std: bool, args, kwargs) -> Tensor:
+        """``var``/``std`` over H, W (and maybe more) of the whole images, written out as
+        means with rules here (AdaIN-style normalization in forward code); whole."""
+        unbiased = kwargs.get("unbiased", args[2] if len(args) > 2 else True)
+        correction = kwargs.get("correction", 1 if unbiased else 0)
+        keepdim = kwargs.get("keepdim", args[3] if len(args) > 3 else False)
+        h, w = self._size_now or self.grid.global_size(x, "var")
+        n = h * w * math.prod(x.shape[d] for d in dims if d < x.dim() - 2)
+        with self._rules():
+            mean = x.mean(dims, keepdim=True)
+            var = (x - mean).square().mean(dims, keepdim=True)
+        var = var * (n / (n - correction) if n != correction else math.inf)
+        y = var.sqrt() if std else var
+        return y if keepdim else y.squeeze(dims)
 
     def _extra(self, args: tuple, kwargs: dict, named: int) -> bool:
         """Arguments beyond (input, dim, keepdim): dtype=, out=, ..."""
