@@ -153,6 +153,10 @@ class ForwardCodeNet(nn.Module):
                 nn.Conv2d(6, 6, 3, padding=p, dilation=p, padding_mode=mode, groups=g)
                 for mode, p, g in (("reflect", 2, 1), ("replicate", 1, 3), ("circular", 3, 6))
             )
+        if kind == "layer norm chw":  # a WGAN-GP critic's LayerNorm over C, H and W
+            self.ln = nn.LayerNorm([6, 12, 10])
+            with torch.no_grad():  # not the default ones and zeros: each place its own
+                self.ln.weight.uniform_(0.5, 1.5), self.ln.bias.uniform_(-0.5, 0.5)
         if kind == "functional conv":  # weight standardization (timm's StdConv2d, BiT)
             self.w, self.b = nn.Parameter(torch.randn(6, 6, 3, 3) / 6), nn.Parameter(torch.zeros(6))
         if kind == "same padding":  # timm's Conv2dSame: F.pad, then a convolution without
@@ -200,6 +204,8 @@ class ForwardCodeNet(nn.Module):
             return x * x.amax((2, 3), keepdim=True) + F.adaptive_max_pool2d(x, 1) * spatial
         if k == "padding modes":
             return sum(conv(x) for conv in self.modes)
+        if k == "layer norm chw":
+            return self.ln(x)
         if k == "instance statistics":  # AdaIN-style: var and std over H and W
             centred = x - x.mean((2, 3), keepdim=True)
             spread = x.std((1, 2, 3), correction=0).view(-1, 1, 1, 1)
@@ -262,6 +268,7 @@ FORWARD_CODE = {
         "padding modes",
         "functional conv",
         "instance statistics",
+        "layer norm chw",
     )
 }
 # Exact under model parallelism without a data dimension: dropout's masks are drawn for the

@@ -80,6 +80,11 @@ WHOLE = {
     "amax over H and W": (lambda x: x.amax((2, 3)), None),
     "amin over N, H and W, kept": (lambda x: x.amin((0, 2, 3), keepdim=True), None),
     "max of everything": (lambda x: x.max(), None),
+    "F.layer_norm over C, H and W, then a sum": (
+        lambda x: F.layer_norm(x, (4, 5, 6), torch.linspace(0, 1, 120).view(4, 5, 6),
+                               torch.ones(4, 5, 6)).sum((2, 3)),
+        None,
+    ),
     "var over H and W": (lambda x: x.var((2, 3)), None),
     "std over N, H and W, biased, kept": (
         lambda x: x.std((0, 2, 3), correction=0, keepdim=True), None
@@ -114,7 +119,7 @@ REFUSED = {
         "its weight is a block",
     ),
     "training alpha dropout": (lambda x: F.alpha_dropout(x, 0.5, True), "draw masks exactly"),
-    "F.layer_norm over W": (lambda x: F.layer_norm(x, (6,)), "acts over H or W"),
+    "F.layer_norm over W only": (lambda x: F.layer_norm(x, (6,)), "does not end in the whole"),
     "split along W": (lambda x: x.split(3, dim=3), "cuts along H or W"),
     "F.linear over W": (lambda x: F.linear(x, torch.ones(2, 6)), "acts over H or W"),
     "channels-last block into max pooling": (

@@ -381,7 +381,33 @@ class SpatialGuard(TorchFunctionMode):
         if -reach > max(hw):
             call = {k: self._summed(v) if k in ("weight", "bias") else v for k, v in call.items()}
             return self._marked(func(**call), hw)
+        if func is F.layer_norm and hw == (-2, -1):
+            return self._layer_norm_hw(call, reach)
         raise self._refuse(_name(func), "it acts over H or W (permute the channels last first)")
+
+    def _layer_norm_hw(self, call: dict, reach: int) -> Tensor:
+        """LayerNorm over (C,) H and W (a WGAN-GP critic's ``nn.LayerNorm([C, H, W])``): the
+        statistics written out as means of the whole images, and the affine parameters,
+        shaped for the whole images, cut to this rank's block (each rank's gradient of them
+        is zero outside its block, so the shares add up to the dense gradient)."""
+        x, shape = call["input"], tuple(call["normalized_shape"])
+        h, w = self._size_now or self.grid.global_size(x, "F.layer_norm")
+        if shape[-2:] != (h, w):
+            raise self._refuse(
+                "F.layer_norm", f"its normalized_shape {shape} does not end in the whole "
+                f"images' {(h, w)}",
+            )  # fmt: skip
+        dims = list(range(x.dim() - reach, x.dim()))
+        with self._rules():
+            centred = x - x.mean(dims, keepdim=True)
+            var = centred.square().mean(dims, keepdim=True)
+        y = centred / torch.sqrt(var + call.get("eps", 1e-5))
+        rows, cols = self.grid.block(h, w)
+        if (weight := call.get("weight")) is not None:
+            y = y * self._summed(weight)[..., rows, cols]
+        if (bias := call.get("bias")) is not None:
+            y = y + self._summed(bias)[..., rows, cols]
+        return self._marked(y)
 
     def _dropout(self, func, args, kwargs) -> Any:
         """Dropout's mask drawn for the whole images from this rank's generator, then cut to
