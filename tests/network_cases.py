@@ -216,10 +216,15 @@ class ForwardCodeNet(nn.Module):
             return F.interpolate(down, scale_factor=2) + F.conv2d(x, w, None, 1, (2, 1), (2, 1))
         if k == "dynamic pad":  # padding to a multiple of 4, computed from the block's size
             return F.pad(x, (0, -x.shape[-1] % 4, 0, -x.shape[-2] % 4))
+        if k == "interpolate to a literal size":  # the whole size, written in the code
+            return F.interpolate(x, size=(24, 20))
         if k == "interpolate":  # a segmentation head resizing to a size of its own
             return F.interpolate(x, size=(x.shape[-2] + 1, x.shape[-1]), mode="bilinear")
         if k == "interpolate align_corners":
             return F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=True)
+        if k == "interpolate to a size, align_corners":  # smp's FPN-style merge, gathered
+            small = F.avg_pool2d(x, 2)
+            return x + F.interpolate(small, size=x.shape[-2:], mode="bilinear", align_corners=True)
         if k == "dropout":
             return F.dropout(x, 0.2, self.training)
         if k == "same padding":  # "same" for stride 2 pads one more row and column after
@@ -262,6 +267,7 @@ FORWARD_CODE = {
         "pyramid pooling",
         "inception pools",
         "interpolate align_corners",  # on the gathered whole images (warns)
+        "interpolate to a size, align_corners",  # the same
         "group norm",
         "same padding",
         "global max",
@@ -285,6 +291,7 @@ DROPOUT = {
 REFUSED = {
     "dynamic pad": "F.pad",
     "interpolate": "F.interpolate",
+    "interpolate to a literal size": "F.interpolate",
     "flatten": "Tensor.flatten",
 }
 

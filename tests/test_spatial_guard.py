@@ -23,7 +23,7 @@ X = torch.randn(2, 4, 5, 6)
 def guarded():
     guard = SpatialGuard(nn.Identity(), LocalCommunicator())
     x = X.clone().requires_grad_()
-    guard.mark(x)
+    guard.mark(x, size=(5, 6))  # the whole size, as a region records it
     return guard, x
 
 
@@ -59,8 +59,8 @@ BLOCKS = {
     "F.interpolate x2, nearest": lambda x: F.interpolate(x, scale_factor=2),
     "F.max_pool2d": lambda x: F.max_pool2d(x, 3, 2, 1),
     "F.avg_pool2d": lambda x: F.avg_pool2d(x, 3, 1, 1, count_include_pad=False),
-    "F.interpolate to twice the size, bilinear": lambda x: F.interpolate(
-        x, size=(10, 12), mode="bilinear"
+    "F.interpolate to a block's size, twice its own, bilinear": lambda x: F.interpolate(
+        x, size=F.interpolate(x, scale_factor=2).shape[-2:], mode="bilinear"
     ),
     "eval dropout": lambda x: F.dropout(x, 0.5, training=False),
     "dtype and memory format": lambda x: x.double().contiguous(memory_format=torch.channels_last),
@@ -109,9 +109,12 @@ REFUSED = {
     "a whole tensor varying over W": (lambda x: x + torch.ones(6), "varies over H or W"),
     "cat along H": (lambda x: torch.cat([x, x], 2), "along H or W"),
     "stack after W": (lambda x: torch.stack([x, x], -1), "along H or W"),
-    "F.interpolate to a size, align_corners": (
-        lambda x: F.interpolate(x, size=(10, 12), mode="bilinear", align_corners=True),
-        "to a size= has no exact rule",
+    "F.interpolate to a size computed from a block's": (
+        lambda x: F.interpolate(x, size=(x.shape[-2] + 1, 7), mode="bicubic"),
+        "is not the shape of one block",
+    ),
+    "F.interpolate to a literal size": (
+        lambda x: F.interpolate(x, size=(10, 12)), "is not the shape of one block"
     ),
     "F.conv2d with a split weight": (lambda x: F.conv2d(x, x[:, :, :2, :2]), "reaches H or W"),
     "F.conv2d of a whole tensor by a block": (
@@ -148,6 +151,12 @@ GATHERED = {
         x, scale_factor=2, mode="bilinear", align_corners=True
     ),
     "F.interpolate by 1.5": lambda x: F.interpolate(x, scale_factor=1.5),
+    "F.interpolate to a block's size, align_corners": lambda x: F.interpolate(
+        F.avg_pool2d(x, 2), size=x.shape[-2:], mode="bilinear", align_corners=True
+    ),
+    "F.interpolate to a block's size, bicubic": lambda x: F.interpolate(
+        x, size=F.avg_pool2d(x, 2).shape[-2:], mode="bicubic"
+    ),
     "F.max_pool2d, ceil_mode": lambda x: F.max_pool2d(x, 2, ceil_mode=True),
 }
 

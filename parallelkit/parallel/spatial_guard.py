@@ -178,6 +178,7 @@ class SpatialGuard(TorchFunctionMode):
         self._blocks: dict[int, tuple[weakref.ref, tuple[int, int], Size | None]] = {}
         self._size_now: Size | None = None  # the whole size of the call being ruled on
         self._sized: dict[int, weakref.ref] = {}  # blocks whose H or W forward code read
+        self._read_sizes: set[tuple[Size, Size | None]] = set()  # their (h, w), whole (H, W)
         self._stack: list[tuple[nn.Module, bool, bool, Size | None] | None] = []
         self._trusted = 0
         self._hooks: list[Any] = []
@@ -562,6 +563,8 @@ class SpatialGuard(TorchFunctionMode):
             len(args) > 1 or "dim" in kwargs) else None  # fmt: skip
         if dim is None or dim % x.dim() - x.dim() in self.hw(x):
             self._sized[id(x)] = weakref.ref(x)
+            h, w = self.hw(x)
+            self._read_sizes.add(((x.shape[h], x.shape[w]), self.size_of(x)))
 
     def _same_pads(self, x: Tensor, size: Size, pads: list[int]) -> list[int]:
         """The padding of TensorFlow's "same" for the whole images, where ``x`` is the input
@@ -672,49 +675,55 @@ class SpatialGuard(TorchFunctionMode):
         )
 
     def _interpolate(self, args, kwargs) -> Any:
-        """Upsampling by an integer factor, nearest or bilinear without align_corners, by
-        ``scale_factor=`` or by a ``size=`` that is an integer multiple of the whole images'
-        (decided from every rank's block and size, so the same way on every rank)."""
+        """Upsampling by an integer factor, nearest or bilinear without align_corners: the
+        spatial upsampling layer's fetch. Given as ``scale_factor=`` or as a ``size=`` that is
+        every rank's block of one whole size (a U-Net's skip connection's; decided from every
+        rank's block and size, so the same way on every rank). Other modes, align_corners and
+        other factors run on the gathered whole images, to the whole size asked."""
         names = ("input", "size", "scale_factor", "mode", "align_corners")
         call = {**dict(zip(names, args, strict=False)), **kwargs}
         x, mode = call["input"], call.get("mode", "nearest")
         self._nchw(F.interpolate, x)
-        covered = mode in ("nearest", "bilinear") and not call.get("align_corners")
-        if not covered or call.get("antialias"):
-            if call.get("size") is not None:
-                raise self._refuse(
-                    "F.interpolate",
-                    f"mode={mode!r}, align_corners={call.get('align_corners')} to a size= "
-                    "has no exact rule (give scale_factor=)",
-                )
-            return self._gathered(F.interpolate, args, kwargs)
-        if call.get("scale_factor") is not None:
-            factors = _pair(call["scale_factor"])
+        whole_out = None
+        if call.get("size") is not None:
+            out_h, out_w, h, w = self._whole_sizes_of(x, _pair(call["size"]))
+            whole_out, factors = (out_h, out_w), (out_h / max(h, 1), out_w / max(w, 1))
         else:
-            factors = self._scale_of_size(x, _pair(call["size"]))
-        if len(set(factors)) != 1 or int(factors[0]) != factors[0] or factors[0] < 1:
-            if call.get("size") is not None:
-                raise self._refuse(
-                    "F.interpolate", f"it scales by {factors}, not by one integer factor"
-                )
-            return self._gathered(F.interpolate, args, kwargs)
+            factors = _pair(call["scale_factor"])
+        covered = mode in ("nearest", "bilinear") and not call.get("align_corners")
+        integer = len(set(factors)) == 1 and int(factors[0]) == factors[0] and factors[0] >= 1
+        if not covered or call.get("antialias") or not integer:
+            if whole_out is None:
+                return self._gathered(F.interpolate, args, kwargs)
+            rest = {k: v for k, v in call.items() if k != "input"}
+            return self._gathered(F.interpolate, (x,), {**rest, "size": whole_out})
         key = (int(factors[0]), mode)
         if key not in self._layers:
             self._layers[key] = spool.SpatialUpsample(*key, comm=self.comm, grid=self.grid)
         layer = self._layers[key]
         return self._marked(layer(x), size=_out_size(layer, self._size_now))
 
-    def _scale_of_size(self, x: Tensor, size: tuple) -> tuple[float, float]:
-        """The whole images' scale factors that ``size`` (this rank's) stands for, if every
-        rank's requested size is its block of one whole size in tensor_split layout."""
-        sizes = self._whole_size(tuple(map(int, size)), beside=(x.shape[-2], x.shape[-1]))
-        if sizes is None:
+    def _whole_sizes_of(self, x: Tensor, size: tuple) -> tuple[int, int, int, int]:
+        """(whole out H, W, whole in H, W) for ``F.interpolate(x, size=size)`` on blocks.
+
+        A size asked on blocks is this rank's, read from a block's shape (a U-Net's skip
+        connection, ``size=skip.shape[-2:]``); which whole size it stands for, the record
+        knows: that block's. It must be the shape of blocks read in this forward on every
+        rank, with one whole size, the same everywhere (one host all-gather, so every rank
+        decides alike); a size computed otherwise (``x.shape[-2] + 1``, a literal) has no
+        whole size to stand for and is refused."""
+        asked = tuple(int(v) for v in size)
+        wholes = {whole for hw, whole in self._read_sizes if hw == asked}
+        known = next(iter(wholes)) if len(wholes) == 1 and None not in wholes else None
+        mine = [int(known is not None), *(known or (0, 0))]
+        table = self.comm.all_gather_ints(mine)
+        if any(row != table[0] for row in table) or not table[0][0]:
             raise self._refuse(
-                "F.interpolate", f"the size {tuple(size)} asked on each rank is not a block of "
-                "one whole size (give scale_factor= instead)",
+                "F.interpolate", f"the size {asked} asked on each rank is not the shape of "
+                "one block of split images beside it (give scale_factor= instead)",
             )  # fmt: skip
-        out_h, out_w, h, w = sizes
-        return out_h / max(h, 1), out_w / max(w, 1)
+        h, w = self._size_now or self.grid.global_size(x, "F.interpolate")
+        return table[0][1], table[0][2], h, w
 
     def _property(self, func, args, kwargs) -> Any:
         name = getattr(getattr(func, "__self__", None), "__name__", "")
