@@ -622,20 +622,17 @@ class SpatialGuard(TorchFunctionMode):
         return func(gather(x, self.comm, self.grid), *args[1:], **kwargs)
 
     def _whole_to_block(self, args, kwargs) -> Any | None:
-        """``F.interpolate`` of a whole tensor to a ``size=`` that is this rank's block of a
-        feature map beside it (DeepLab's and PSPNet's pooled branches, resized to be
-        concatenated with the blocks): interpolated to the whole images' size, then cut to
-        this rank's block. None when the sizes asked are not such blocks on every rank."""
+        """``F.interpolate`` of a whole tensor to a ``size=`` read from a block's shape
+        (DeepLab's and PSPNet's pooled branches, resized to the feature map beside them to be
+        concatenated with it): interpolated to the whole images' size, then cut to this
+        rank's block. None when the sizes asked are not such blocks on every rank."""
         names = ("input", "size", "scale_factor", "mode", "align_corners")
         call = {**dict(zip(names, args, strict=False)), **kwargs}
         x, size = call["input"], call.get("size")
         if size is None or not isinstance(x, Tensor) or x.dim() != 4:
             return None
         size = tuple(int(v) for v in _pair(size))
-        has_block = any(
-            (t := ref()) is not None and tuple(t.shape[-2:]) == size and hw == (-2, -1)
-            for ref, hw, _ in self._blocks.values()
-        )
+        has_block = any(hw == size for hw, _ in self._read_sizes)  # read from a block
         whole_size = self._whole_size(size, ok=has_block)
         if whole_size is None:
             return None
