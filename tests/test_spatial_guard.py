@@ -111,10 +111,10 @@ REFUSED = {
     "stack after W": (lambda x: torch.stack([x, x], -1), "along H or W"),
     "F.interpolate to a size computed from a block's": (
         lambda x: F.interpolate(x, size=(x.shape[-2] + 1, 7), mode="bicubic"),
-        "is not the shape of one block",
+        "is not the shape of a block read",
     ),
     "F.interpolate to a literal size": (
-        lambda x: F.interpolate(x, size=(10, 12)), "is not the shape of one block"
+        lambda x: F.interpolate(x, size=(10, 12)), "is not the shape of a block read"
     ),
     "F.conv2d with a split weight": (lambda x: F.conv2d(x, x[:, :, :2, :2]), "reaches H or W"),
     "F.conv2d of a whole tensor by a block": (

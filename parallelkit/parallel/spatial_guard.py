@@ -631,9 +631,7 @@ class SpatialGuard(TorchFunctionMode):
         x, size = call["input"], call.get("size")
         if size is None or not isinstance(x, Tensor) or x.dim() != 4:
             return None
-        size = tuple(int(v) for v in _pair(size))
-        has_block = any(hw == size for hw, _ in self._read_sizes)  # read from a block
-        whole_size = self._whole_size(size, ok=has_block)
+        whole_size = self._whole_of_read(tuple(int(v) for v in _pair(size)))
         if whole_size is None:
             return None
         whole = F.interpolate(**{**call, "size": whole_size})
@@ -643,48 +641,45 @@ class SpatialGuard(TorchFunctionMode):
             scatter(whole, self.comm, self.grid), size=(whole.shape[-2], whole.shape[-1])
         )
 
-    def _whole_size(
-        self, size: tuple[int, int], beside: tuple[int, int] | None = None, ok: bool = True
-    ) -> tuple[int, ...] | None:
-        """The whole images' (H, W) of which every rank's ``size`` is its block in
-        tensor_split layout, and then also those of every rank's ``beside``: from one host
-        all-gather, so the same answer on every rank. None unless every rank's sizes fit its
-        place in the grid and ``ok`` is true everywhere."""
-        g = self.grid
-        pairs = [size] if beside is None else [size, beside]
-        table = self.comm.all_gather_ints([int(ok), *(int(v) for hw in pairs for v in hw)])
-        # Rank i * cols + j holds row block i and column block j.
-        heights = [[table[i * g.cols][1 + 2 * k] for i in range(g.rows)] for k in range(len(pairs))]
-        widths = [[table[j][2 + 2 * k] for j in range(g.cols)] for k in range(len(pairs))]
-        expected = [
-            [1, *(v for hs, ws in zip(heights, widths, strict=True)
-                  for v in (hs[r // g.cols], ws[r % g.cols]))]
-            for r in range(len(table))
-        ]  # fmt: skip
-        if table != expected:
+    def _whole_of_read(self, asked: Size) -> Size | None:
+        """The whole images' (H, W) that a size asked on blocks stands for: that of the blocks
+        whose shape the forward code read and found to be ``asked`` (a U-Net's
+        ``size=skip.shape[-2:]``). Every rank must find one, and the same; None where no rank
+        found any (a size of the code's own); refused otherwise. One host all-gather, so every
+        rank decides alike."""
+        wholes = {whole for hw, whole in self._read_sizes if hw == asked}
+        found = 0 if not wholes else 1 if len(wholes) == 1 and None not in wholes else 2
+        table = self.comm.all_gather_ints([found, *(next(iter(wholes)) if found == 1 else (0, 0))])
+        if not any(row[0] for row in table):
             return None
-        if heights[0] != tensor_split_sizes(sum(heights[0]), g.rows):
-            return None
-        if widths[0] != tensor_split_sizes(sum(widths[0]), g.cols):
-            return None
-        return tuple(
-            sum(sizes) for hs, ws in zip(heights, widths, strict=True) for sizes in (hs, ws)
-        )
+        if any(row != table[0] for row in table) or table[0][0] != 1:
+            raise self._refuse(
+                "F.interpolate", f"the size {asked} asked is not the shape of blocks of one "
+                "whole size read beside it on every rank (give scale_factor= instead)",
+            )  # fmt: skip
+        return table[0][1], table[0][2]
 
     def _interpolate(self, args, kwargs) -> Any:
         """Upsampling by an integer factor, nearest or bilinear without align_corners: the
-        spatial upsampling layer's fetch. Given as ``scale_factor=`` or as a ``size=`` that is
-        every rank's block of one whole size (a U-Net's skip connection's; decided from every
-        rank's block and size, so the same way on every rank). Other modes, align_corners and
-        other factors run on the gathered whole images, to the whole size asked."""
+        spatial upsampling layer's fetch. Given as ``scale_factor=`` or as a ``size=`` read
+        from a block's shape (a U-Net's skip connection's), which stands for that block's
+        whole size (:meth:`_whole_of_read`). Other modes, align_corners and other factors run
+        on the gathered whole images, to the whole size asked."""
         names = ("input", "size", "scale_factor", "mode", "align_corners")
         call = {**dict(zip(names, args, strict=False)), **kwargs}
         x, mode = call["input"], call.get("mode", "nearest")
         self._nchw(F.interpolate, x)
         whole_out = None
         if call.get("size") is not None:
-            out_h, out_w, h, w = self._whole_sizes_of(x, _pair(call["size"]))
-            whole_out, factors = (out_h, out_w), (out_h / max(h, 1), out_w / max(w, 1))
+            asked = tuple(int(v) for v in _pair(call["size"]))
+            if (whole_out := self._whole_of_read(asked)) is None:
+                raise self._refuse(
+                    "F.interpolate", f"the size {asked} asked is not the shape of a block read "
+                    "beside it: a size the forward code wrote or computed may be the whole "
+                    "image's or the block's (give scale_factor= instead)",
+                )  # fmt: skip
+            h, w = self._size_now or self.grid.global_size(x, "F.interpolate")
+            factors = (whole_out[0] / max(h, 1), whole_out[1] / max(w, 1))
         else:
             factors = _pair(call["scale_factor"])
         covered = mode in ("nearest", "bilinear") and not call.get("align_corners")
@@ -699,28 +694,6 @@ class SpatialGuard(TorchFunctionMode):
             self._layers[key] = spool.SpatialUpsample(*key, comm=self.comm, grid=self.grid)
         layer = self._layers[key]
         return self._marked(layer(x), size=_out_size(layer, self._size_now))
-
-    def _whole_sizes_of(self, x: Tensor, size: tuple) -> tuple[int, int, int, int]:
-        """(whole out H, W, whole in H, W) for ``F.interpolate(x, size=size)`` on blocks.
-
-        A size asked on blocks is this rank's, read from a block's shape (a U-Net's skip
-        connection, ``size=skip.shape[-2:]``); which whole size it stands for, the record
-        knows: that block's. It must be the shape of blocks read in this forward on every
-        rank, with one whole size, the same everywhere (one host all-gather, so every rank
-        decides alike); a size computed otherwise (``x.shape[-2] + 1``, a literal) has no
-        whole size to stand for and is refused."""
-        asked = tuple(int(v) for v in size)
-        wholes = {whole for hw, whole in self._read_sizes if hw == asked}
-        known = next(iter(wholes)) if len(wholes) == 1 and None not in wholes else None
-        mine = [int(known is not None), *(known or (0, 0))]
-        table = self.comm.all_gather_ints(mine)
-        if any(row != table[0] for row in table) or not table[0][0]:
-            raise self._refuse(
-                "F.interpolate", f"the size {asked} asked on each rank is not the shape of "
-                "one block of split images beside it (give scale_factor= instead)",
-            )  # fmt: skip
-        h, w = self._size_now or self.grid.global_size(x, "F.interpolate")
-        return table[0][1], table[0][2], h, w
 
     def _property(self, func, args, kwargs) -> Any:
         name = getattr(getattr(func, "__self__", None), "__name__", "")
