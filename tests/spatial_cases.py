@@ -233,14 +233,15 @@ def edges_left_out(comm: Communicator, size: tuple[int, int], grid=None) -> list
     return bad
 
 
-def saved_bytes(comm: Communicator, hw: tuple[int, int], grid=None) -> dict[str, int]:
+def saved_bytes(comm: Communicator, hw: tuple[int, int], grid=None, stride: int = 1):
     """What a spatial 3x3 convolution keeps for backward beyond its parameters and its input
     block (which the previous layer saves anyway), measured with saved_tensors_hooks: the
-    edge path keeps only thin slabs, where assembling the halo-extended block kept a copy."""
+    edge path keeps only thin slabs, where assembling the halo-extended block (the general
+    path, taken by a stride of 2) keeps a copy."""
     from parallelkit.nn import SpatialParallelConv2d
 
     torch.manual_seed(0)
-    dense = nn.Conv2d(8, 8, 3, padding=1).double()
+    dense = nn.Conv2d(8, 8, 3, stride, padding=1).double()
     layer = SpatialParallelConv2d.from_dense(dense, comm, grid)
     x = torch.randn(2, 8, *hw, dtype=torch.float64)
     x_blk = pk.spatial.scatter(x, comm, grid).requires_grad_()
@@ -255,5 +256,5 @@ def saved_bytes(comm: Communicator, hw: tuple[int, int], grid=None) -> dict[str,
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         layer(x_blk)
     block = x_blk.numel() * x_blk.element_size()
-    rows = x_blk.shape[2] if grid is None or grid[0] > 1 else x_blk.shape[3]
-    return {"extra": sum(extra), "block": block, "row": block // rows}
+    h, w = x_blk.shape[2:]
+    return {"extra": sum(extra), "block": block, "row": block // h, "column": block // w, "w": w}

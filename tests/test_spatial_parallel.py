@@ -114,7 +114,7 @@ def test_parameters_start_as_rank_0s(ranks):
         assert_triples(triples)
 
 
-@pytest.mark.parametrize(("size", "grid"), [(2, None), (3, None), (3, (1, 3))])
+@pytest.mark.parametrize(("size", "grid"), [(2, None), (3, None), (3, (1, 3)), (4, (2, 2))])
 def test_conv_with_the_halo_fetched_during_the_block(ranks, size, grid):
     """overlap=True: the halo rows arrive on a helper thread while the block is convolved."""
     configs = [c for c in CONVS if c["stride"] == 1][::2]
@@ -122,20 +122,28 @@ def test_conv_with_the_halo_fetched_during_the_block(ranks, size, grid):
 
 
 @pytest.mark.parametrize(
-    ("size", "hw", "grid"), [(2, (8, 5), None), (3, (11, 6), None), (2, (5, 8), (1, 2))]
+    ("size", "hw", "grid"),
+    [(2, (8, 5), None), (3, (11, 6), None), (2, (5, 8), (1, 2)), (4, (7, 6), (2, 2))],
 )
 def test_edge_path_without_the_halo_terms_does_not_match(ranks, size, hw, grid):
     for bad in ranks(size).run(edges_left_out, hw, grid):
         assert any("output" in b for b in bad) and any("input grad" in b for b in bad), bad
 
 
-@pytest.mark.parametrize(("size", "grid"), [(2, None), (2, (1, 2)), (4, (2, 2))])
-def test_spatial_conv_saves_little_beyond_its_block(ranks, size, grid):
-    """Saved for backward beyond the input block and the weight: the edge path (one split
-    dimension) keeps at most two slabs of 3 rows; a 2x2 grid still assembles the
-    halo-extended block (a control that the measurement sees a copy)."""
-    for saved in ranks(size).run(saved_bytes, (24, 20), grid):
-        if grid == (2, 2):
+@pytest.mark.parametrize(
+    ("size", "grid", "stride"), [(2, None, 1), (2, (1, 2), 1), (4, (2, 2), 1), (2, None, 2)]
+)
+def test_spatial_conv_saves_little_beyond_its_block(ranks, size, grid, stride):
+    """Saved for backward beyond the input block and the weight: the edge path keeps at most
+    two slabs of 3 rows per split dimension (a 2-D grid's row slabs with their corner
+    columns); a stride-2 convolution assembles the halo-extended block (a control that the
+    measurement sees a copy)."""
+    for saved in ranks(size).run(saved_bytes, (24, 20), grid, stride):
+        if stride == 2:
             assert saved["extra"] > saved["block"], saved
-        else:
-            assert 0 < saved["extra"] <= 2 * 3 * saved["row"], saved
+        elif grid == (2, 2):
+            rows = 2 * 3 * saved["row"] * (saved["w"] + 2) / saved["w"]
+            assert 0 < saved["extra"] <= rows + 2 * 3 * saved["column"], saved
+        else:  # rows of the split dimension
+            line = saved["column"] if grid == (1, 2) else saved["row"]
+            assert 0 < saved["extra"] <= 2 * 3 * line, saved

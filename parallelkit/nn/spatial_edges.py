@@ -20,9 +20,14 @@ size of the block is copied or saved beyond the block itself. With ``overlap``, 
 a helper thread while step 2 computes (the exchange waits in the communicator, not in Python);
 whether that pays is measured in ``benchmarks/spatial_resnet.py``.
 
-Conditions (:func:`plan`): exactly one dimension split, stride 1 and equal padding ``p``
-(``span = 2p + 1``) along it, every block at least ``p`` rows, and equal padding along the
-other dimension (torch pads it natively).
+On a 2-D grid the same holds per dimension: the columns' ``p`` halo columns come first, then
+the rows' halo rows of the block with those columns beside it (the corners ride along), and
+each adds its terms; the row slabs carry their corner columns, so torch pads them in neither
+dimension.
+
+Conditions (:func:`plan`): along every split dimension stride 1 and equal padding ``p``
+(``span = 2p + 1``) with ``p >= 1`` and every block at least ``p`` rows; equal padding along
+a dimension that is not split (torch pads it natively).
 
 Legend: ``p`` halo rows per side, ``h`` this rank's rows along the split dimension.
 """
@@ -56,23 +61,23 @@ class EdgePlan:
 
 def plan(
     grid: SpatialGrid, windows: tuple[Window, Window], size: tuple[int, int]
-) -> EdgePlan | None:
-    """The edge plan for these windows and whole size, or None where the conditions fail."""
+) -> tuple[EdgePlan, ...] | None:
+    """The edge plan of each split dimension for these windows and whole size, or None where
+    the conditions fail."""
     split = [d for d in range(2) if grid.axis(d)[1] > 1]
-    if len(split) != 1:
+    if not split or any(w.pad_lo != w.pad_hi for w in windows):
         return None
-    d = split[0]
-    win, other = windows[d], windows[1 - d]
-    p = win.pad_lo
-    if win.stride != 1 or win.pad_hi != p or win.span != 2 * p + 1 or p < 1:
-        return None
-    if other.pad_lo != other.pad_hi:
-        return None
-    _, parts, rank = grid.axis(d)
-    sizes = tensor_split_sizes(size[d], parts)
-    if min(sizes) < p:
-        return None
-    return EdgePlan(2 + d, p, tuple(sizes), rank, parts)
+    plans = []
+    for d in split:
+        win, p = windows[d], windows[d].pad_lo
+        if win.stride != 1 or win.span != 2 * p + 1 or p < 1:
+            return None
+        _, parts, rank = grid.axis(d)
+        sizes = tensor_split_sizes(size[d], parts)
+        if min(sizes) < p:
+            return None
+        plans.append(EdgePlan(2 + d, p, tuple(sizes), rank, parts))
+    return tuple(plans)
 
 
 def conv2d(
@@ -82,19 +87,26 @@ def conv2d(
     windows: tuple[Window, Window],
     groups: int,
     grid: SpatialGrid,
-    edges: EdgePlan,
+    edges: tuple[EdgePlan, ...],
     overlap: bool = False,
 ) -> torch.Tensor:
     """This rank's output block: the block convolved with torch's padding, edges fixed."""
-    comm = grid.axis(edges.dim - 2)[0]
-    p, dim, h = edges.p, edges.dim, x_blk.shape[edges.dim]
 
-    def fetch() -> tuple[torch.Tensor, torch.Tensor]:
-        # One exchange, forward and backward, on every rank alike: the block's p first and
-        # p last rows go out, the neighbours' come in (zeros at the image's edges).
-        edge = torch.cat([x_blk.narrow(dim, 0, p), x_blk.narrow(dim, h - p, p)], dim)
-        out = pkf.halo_exchange(edge, comm, dim, p, p)
-        return out.narrow(dim, 0, p), out.narrow(dim, 3 * p, p)
+    def fetch() -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        # One exchange per split dimension, forward and backward, on every rank alike: the
+        # block's p first and p last rows go out, the neighbours' come in (zeros at the
+        # image's edges). On a 2-D grid the columns come first, and the rows exchanged are
+        # then the edge rows of the block with those columns beside it: the corners.
+        halos = {}
+        for e in sorted(edges, key=lambda e: -e.dim):
+            src = [x_blk]
+            if e.dim == 2 and 3 in halos:
+                left, right = halos[3]
+                src = [left, x_blk, right]
+            edge = torch.cat([_edges(t, e.dim, e.p) for t in src], 3)
+            out = pkf.halo_exchange(edge, grid.axis(e.dim - 2)[0], e.dim, e.p, e.p)
+            halos[e.dim] = (out.narrow(e.dim, 0, e.p), out.narrow(e.dim, 3 * e.p, e.p))
+        return halos
 
     padding = (windows[0].pad_lo, windows[1].pad_lo)
     dilation = (windows[0].dilation, windows[1].dilation)
@@ -102,35 +114,47 @@ def conv2d(
         grad_mode = torch.is_grad_enabled()
         pending = _exchanges.submit(_with_grad_mode, grad_mode, fetch)
         y = F.conv2d(x_blk, weight, bias, 1, padding, dilation, groups)
-        top, bottom = pending.result()
+        halos = pending.result()
     else:
-        top, bottom = fetch()
+        halos = fetch()
         y = F.conv2d(x_blk, weight, bias, 1, padding, dilation, groups)
-    return add_halo_terms(y, top, bottom, weight, edges, padding, dilation, groups)
+    return add_halo_terms(y, halos, weight, edges, padding, dilation, groups)
 
 
 def add_halo_terms(
     y: torch.Tensor,
-    top: torch.Tensor,
-    bottom: torch.Tensor,
+    halos: dict[int, tuple[torch.Tensor, torch.Tensor]],
     weight: torch.Tensor,
-    edges: EdgePlan,
+    edges: tuple[EdgePlan, ...],
     padding: tuple[int, int],
     dilation: tuple[int, int],
     groups: int,
 ) -> torch.Tensor:
-    """Add the ``p`` rows above's and below's terms to ``y``'s first and last ``p`` rows: the
-    convolution of each with ``2p`` zero rows standing in for the block's own rows."""
-    p, dim = edges.p, edges.dim
-    h = y.shape[dim]
-    slab_pad = (0, padding[1]) if dim == 2 else (padding[0], 0)  # torch pads the other dim
-    if edges.rank > 0:  # rank 0's rows above are padding: nothing to add
-        slab = F.pad(top, _pad_after(dim, 2 * p))
-        y.narrow(dim, 0, p).add_(F.conv2d(slab, weight, None, 1, slab_pad, dilation, groups))
-    if edges.rank < edges.parts - 1:
-        slab = F.pad(bottom, _pad_before(dim, 2 * p))
-        y.narrow(dim, h - p, p).add_(F.conv2d(slab, weight, None, 1, slab_pad, dilation, groups))
+    """Add the ``p`` rows above's and below's terms to ``y``'s first and last ``p`` rows, per
+    split dimension: the convolution of each with ``2p`` zero rows standing in for the block's
+    own rows. Along the other dimension torch pads the slab, except for the rows of a 2-D
+    grid, which carry their corner columns."""
+    corners = len(edges) == 2
+    for e in edges:
+        p, dim = e.p, e.dim
+        h = y.shape[dim]
+        other = 0 if corners and dim == 2 else padding[3 - dim]  # padding[0] is H's
+        slab_pad = (0, other) if dim == 2 else (other, 0)
+        top, bottom = halos[dim]
+        if e.rank > 0:  # rank 0's rows above are padding: nothing to add
+            slab = F.pad(top, _pad_after(dim, 2 * p))
+            y.narrow(dim, 0, p).add_(F.conv2d(slab, weight, None, 1, slab_pad, dilation, groups))
+        if e.rank < e.parts - 1:
+            slab = F.pad(bottom, _pad_before(dim, 2 * p))
+            term = F.conv2d(slab, weight, None, 1, slab_pad, dilation, groups)
+            y.narrow(dim, h - p, p).add_(term)
     return y
+
+
+def _edges(t: torch.Tensor, dim: int, p: int) -> torch.Tensor:
+    """The first and the last ``p`` rows of ``t`` along ``dim``, one after the other."""
+    n = t.shape[dim]
+    return torch.cat([t.narrow(dim, 0, p), t.narrow(dim, n - p, p)], dim)
 
 
 def _pad_after(dim: int, n: int) -> list[int]:

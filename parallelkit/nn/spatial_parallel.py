@@ -174,7 +174,7 @@ class SpatialParallelConv2d(nn.Conv2d):
     sum the parameter gradients over the grid. Constructed directly, every rank must construct
     it: the parameters start as rank 0's.
 
-    A stride-1 "same" convolution along the one split dimension skips the fetch: it convolves
+    A stride-1 "same" convolution along every split dimension skips the fetch: it convolves
     the block as it is and adds the halo rows' terms to its edge rows
     (:mod:`parallelkit.nn.spatial_edges`), copying nothing; ``overlap = True`` fetches those
     rows on a helper thread while the block is convolved.

@@ -322,11 +322,14 @@ def activation_bytes(net: Net, opt: Option, batch: int) -> float:
 
 def _edge_path(layer: Layer, opt: Option) -> bool:
     """A convolution that saves no fetched block (``parallelkit.nn.spatial_edges``): stride 1
-    and "same" padding along the one split dimension."""
-    if layer.kind != "conv" or (opt.rows > 1) == (opt.cols > 1):
+    and "same" padding along every split dimension."""
+    split = [d for d, parts in enumerate((opt.rows, opt.cols)) if parts > 1]
+    if layer.kind != "conv" or not split:
         return False
-    k, s, lo, hi, d = layer.window[0 if opt.rows > 1 else 1]
-    return s == 1 and lo == hi >= 1 and d * (k - 1) == 2 * lo
+    return all(
+        s == 1 and lo == hi >= 1 and d * (k - 1) == 2 * lo
+        for k, s, lo, hi, d in (layer.window[i] for i in split)
+    )
 
 
 def memory(nets: Sequence[Net], opt: Option, batch: int, machine: Machine) -> dict[str, float]:
