@@ -102,7 +102,7 @@ test-xla: $(XLA_VENV)/.installed
 test-gpu: $(VENV)/.installed
 	$(PY) -m pytest -q -p no:cacheprovider tests/gpu
 
-# pk.parallelize on ~30 real networks x 5 strategies against the dense model (docs/zoo.md).
+# pk.parallelize on 32 real networks x 5 strategies against the dense model (docs/zoo.md).
 test-zoo: $(ZOO_VENV)/.installed
 	$(ZOO_TEST_ENV) $(ZOO_PY) -m pytest -q --durations=10 -p no:cacheprovider tests/zoo
 

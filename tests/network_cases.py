@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 
 import torch
 import torch.nn.functional as F
@@ -108,6 +109,22 @@ STRATEGY_GRIDS = [
 # ----------------------------------------------------------------------------- forward code
 # Networks whose forward code, not their leaf layers, decides correctness under spatial
 # parallelism: the patterns of torchvision's, timm's and smp's models, written small.
+class MaxPool2dSame(nn.MaxPool2d):
+    """timm's ``MaxPool2dSame`` as timm 1.0 writes it: TensorFlow's "same" padding computed
+    from the input's size (``pad_same``), then pooling without padding. The spatial guard
+    knows timm's "same" modules by class and module, which this stand-in takes."""
+
+    __module__ = "timm.layers.pool2d_same"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pads = []
+        for n in reversed(x.size()[-2:]):  # W first, as F.pad wants
+            total = max((math.ceil(n / self.stride) - 1) * self.stride + self.kernel_size - n, 0)
+            pads += [total // 2, total - total // 2]
+        x = F.pad(x, pads, value=-float("inf"))
+        return F.max_pool2d(x, self.kernel_size, self.stride, 0, self.dilation, self.ceil_mode)
+
+
 class SqueezeExcite(nn.Module):
     """torchvision's SqueezeExcitation (pool module) or timm's (``x.mean((2, 3))``)."""
 
@@ -157,6 +174,8 @@ class ForwardCodeNet(nn.Module):
             self.ln = nn.LayerNorm([6, 12, 10])
             with torch.no_grad():  # not the default ones and zeros: each place its own
                 self.ln.weight.uniform_(0.5, 1.5), self.ln.bias.uniform_(-0.5, 0.5)
+        if kind == "tf same pool":  # 11 x 10 maps: rows split 6 + 5, and only 5 rows pad
+            self.valid, self.same_pool = nn.Conv2d(6, 6, (2, 1)), MaxPool2dSame(2, 2)
         if kind == "functional conv":  # weight standardization (timm's StdConv2d, BiT)
             self.w, self.b = nn.Parameter(torch.randn(6, 6, 3, 3) / 6), nn.Parameter(torch.zeros(6))
         if kind == "same padding":  # timm's Conv2dSame: F.pad, then a convolution without
@@ -204,6 +223,8 @@ class ForwardCodeNet(nn.Module):
             return x * x.amax((2, 3), keepdim=True) + F.adaptive_max_pool2d(x, 1) * spatial
         if k == "padding modes":
             return sum(conv(x) for conv in self.modes)
+        if k == "tf same pool":  # 12 x 10 -> 11 x 10 -> 6 x 5 -> 12 x 10
+            return x + F.interpolate(self.same_pool(self.valid(x)), scale_factor=2)
         if k == "layer norm chw":
             return self.ln(x)
         if k == "instance statistics":  # AdaIN-style: var and std over H and W
@@ -275,6 +296,7 @@ FORWARD_CODE = {
         "functional conv",
         "instance statistics",
         "layer norm chw",
+        "tf same pool",
     )
 }
 # Exact under model parallelism without a data dimension: dropout's masks are drawn for the

@@ -502,8 +502,8 @@ class SpatialGuard(TorchFunctionMode):
             raise self._refuse("F.pad", f"mode={mode!r} has no rule")
         h_w = self._size_now or self.grid.global_size(x, "F.pad")
         lo_w, hi_w, lo_h, hi_h = [*pad, 0, 0, 0, 0][:4]
-        if any(pad[:4]) and self._was_sized(x):
-            lo_w, hi_w, lo_h, hi_h = self._same_pads(x, h_w, pad[:4])
+        if self._was_sized(x):  # even with zero pads here: other ranks' may not be
+            lo_w, hi_w, lo_h, hi_h = self._same_pads(x, h_w, [lo_w, hi_w, lo_h, hi_h])
         rest = pad[4:]
         if mode != "constant" and (rest or min(pad[:4]) < 0):
             raise self._refuse("F.pad", f"mode={mode!r} with pads {pad} (only H and W, >= 0)")
