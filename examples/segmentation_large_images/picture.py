@@ -54,13 +54,14 @@ def main() -> None:
     with torch.no_grad():
         out = model.eval()(image[None])
     pred = (out["out"] if isinstance(out, dict) else out)[0].argmax(0)
-    miou = scores(pixel_counts(pred, mask, k))["miou"]
+    score = scores(pixel_counts(pred, mask, k))
+    summary = f"pixel accuracy {score['pixel_accuracy']:.1%}, mIoU {score['miou']:.1%}"
 
     rgb = (denormalize(image).clamp(0, 1).permute(1, 2, 0) * 255).round().to(torch.uint8)
     panels = [
         (panel(rgb, args.panel, nearest=False), f"input {image.shape[-1]}x{image.shape[-2]}"),
         (panel(colours(mask, k), args.panel, nearest=True), "mask"),
-        (panel(colours(pred, k), args.panel, nearest=True), f"prediction (mIoU {miou:.1%})"),
+        (panel(colours(pred, k), args.panel, nearest=True), f"prediction ({summary})"),
     ]
     side = args.panel
     sheet = Image.new("RGB", (3 * side + 2 * GAP, side + 20), "white")
@@ -71,7 +72,7 @@ def main() -> None:
     out_path = args.out or args.run_dir / "prediction.png"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     sheet.save(out_path)
-    print(f"wrote {out_path} (test image {args.index}: mIoU {miou:.1%})")
+    print(f"wrote {out_path} (test image {args.index}: {summary})")
 
 
 if __name__ == "__main__":
