@@ -173,5 +173,5 @@ def test_segmentation_budget_is_enforced(tmp_path):
                      "1024")  # fmt: skip
     small, large = record["trials"]
     assert small["fits"] and small["side"] == 64
-    assert not large["fits"] and re.search("memory|bad_alloc", large["how"], re.I), large
+    assert not large["fits"], large  # measure.py raises on any error but a failed allocation
     assert record["largest_side"] == {"2": 64}

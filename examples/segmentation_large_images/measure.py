@@ -22,12 +22,13 @@ set size is that of one step. What is measured on each rank:
     peak RSS    ``ru_maxrss`` after the step: the torch runtime and gloo, the weights, the data,
                 the activations, the gradients in flight, what the allocator keeps
 
-The budget: ``resource.setrlimit(RLIMIT_DATA, budget)`` in every rank before it draws its data
-and builds its model (the runtime, already loaded, counts against it too). RLIMIT_DATA caps the
-private writable memory a process maps (heap and anonymous mappings); an allocation beyond it
-fails (torch: "not enough memory", Python: MemoryError), that rank raises, and the others,
-waiting in a collective, are killed. The largest side that trains is found by bisection over
-multiples of 64.
+The budget: every rank sets its soft RLIMIT_DATA (``resource.setrlimit``) before it draws its
+data and builds its model (the runtime, already loaded, counts against it too), and lifts it
+after the step, so that a rank that ran out can still report. RLIMIT_DATA caps the private
+writable memory a process maps (heap and anonymous mappings, thread stacks); an allocation
+beyond it fails (torch: "can't allocate memory" or std::bad_alloc, Python: MemoryError), that
+rank raises, and the others, waiting in a collective, are killed. The largest side that trains
+is found by bisection over multiples of 64.
 
 Results: ``memory.md``/``.json`` and ``budget.md``/``.json`` in ``--out-dir`` (this folder).
 """
@@ -59,7 +60,12 @@ from _common import command_line, environment, library_state  # noqa: E402
 MIB = 2**20
 CLASSES = 4
 LAYERS_SHOWN = 10
-OUT_OF_MEMORY = ("not enough memory", "MemoryError", "Cannot allocate memory", "bad_alloc")
+# How a failed allocation shows in a rank's traceback (torch's CPU allocator, C++, Python, and
+# oneDNN when it cannot allocate a convolution's workspace); any other failure is raised.
+OUT_OF_MEMORY = (
+    "can't allocate memory", "not enough memory", "Cannot allocate memory", "bad_alloc",
+    "MemoryError", "could not create a primitive",
+)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- on every rank
@@ -84,11 +90,19 @@ def draw(side: int, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def step(comm: pk.Communicator, side: int, width: int, budget_mib: float | None = None) -> dict:
-    """One training step on this rank (see the module docstring); what it measured."""
-    data_kib = status_kib("VmData")
+    """One training step on this rank within ``budget_mib`` (the soft RLIMIT_DATA, lifted
+    again afterwards, so that a rank that ran out can still report it); what it measured."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
     if budget_mib is not None:
-        limit = int(budget_mib * MIB)
-        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+        resource.setrlimit(resource.RLIMIT_DATA, (int(budget_mib * MIB), hard))
+    try:
+        return measured_step(comm, side, width)
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+
+
+def measured_step(comm: pk.Communicator, side: int, width: int) -> dict:
+    data_kib = status_kib("VmData")
     runtime_kib = status_kib("VmRSS")
     p = comm.size
     sizes = tensor_split_sizes(side, p)
@@ -157,10 +171,11 @@ def fits(ranks: int, side: int, width: int, budget_mib: float, timeout: float) -
     try:
         rows = run_step(ranks, side, width, budget_mib, timeout)
     except RankError as e:
-        message = str(e)
-        if any(s in message for s in OUT_OF_MEMORY) or "died" in message:
-            last = [ln.strip() for ln in message.splitlines() if ln.strip()]
-            return False, next((ln for ln in last if any(s in ln for s in OUT_OF_MEMORY)), last[0])
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        if oom := [ln for ln in lines if any(s in ln for s in OUT_OF_MEMORY)]:
+            return False, oom[0]
+        if "died" in lines[0]:  # killed without a word (by the kernel's OOM killer?)
+            return False, lines[0]
         raise
     return True, f"trains, peak RSS {max(r['peak_rss_mib'] for r in rows):.0f} MiB"
 
