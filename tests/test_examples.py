@@ -120,3 +120,58 @@ def test_lightning_trains_with_parallelkit_sync_batchnorm():
     row = re.search(r"\| 2 \| parallelkit \| 3 \| ([\d.]+) \| ([\d.]+)% \|", proc.stdout)
     assert row, proc.stdout
     assert float(row.group(2)) > 80.0  # 98% measured; chance is 10%
+
+
+def test_segmentation_large_images(tmp_path):
+    # 64x64 instead of 1024x1024: 8 rows per rank at the last stage.
+    table = train_example(
+        "segmentation_large_images", tmp_path, "model.width=4", "data.image_size=64",
+        "data.train_samples=4", "data.test_samples=2",
+    )  # fmt: skip
+    assert table["grid (data x rows x cols x channel)"] == "1 x 2 x 1 x 1"
+    assert table["test mIoU"].split("%")[0].replace(".", "").isdigit()
+    png = tmp_path / "picture.png"
+    cmd = [sys.executable, str(EXAMPLES / "segmentation_large_images/picture.py"), str(tmp_path),
+           "--panel", "64", "--out", str(png)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=ENV, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with Image.open(png) as sheet:
+        assert sheet.size == (3 * 64 + 2 * 8, 64 + 20)  # input, mask, prediction
+    folder = EXAMPLES / "segmentation_large_images"
+    shown = re.findall(r"\]\((\S+\.png)\)", (folder / "README.md").read_text())
+    assert shown and all((folder / p).is_file() for p in shown)
+
+
+def measure(tmp_path: Path, *args: str) -> dict:
+    """examples/segmentation_large_images/measure.py ``args``, its JSON record."""
+    cmd = [sys.executable, str(EXAMPLES / "segmentation_large_images/measure.py"), *args,
+           "--width", "4", "--timeout", "200", "--out-dir", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env=ENV, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads((tmp_path / f"{args[0]}.json").read_text())
+
+
+def test_segmentation_memory_divides_over_ranks(tmp_path):
+    record = measure(tmp_path, "memory", "--sides", "128", "--ranks", "1", "2")
+    one, two = (row["per_rank"] for row in record["rows"])
+    assert len(one) == 1 and len(two) == 2
+    # 128x128 on 2 ranks: 64 rows each, 8 at the last stage, where the halo rows that the
+    # convolutions save beside their block weigh most; 2048x2048: the example's README.
+    ratio = max(r["saved_mib"] for r in two) / (one[0]["saved_mib"] / 2)
+    assert 1.0 <= ratio < 1.1  # 1.03 measured
+    assert record["rows"][1]["ratio"] == pytest.approx(ratio)
+    for r in one + two:
+        assert sum(r["layers_mib"].values()) == pytest.approx(r["saved_mib"])
+        assert r["peak_rss_mib"] > r["runtime_rss_mib"]
+    assert (tmp_path / "memory.md").read_text().count("| 128 |") == 2
+
+
+def test_segmentation_budget_is_enforced(tmp_path):
+    # 2 ranks within 400 MiB of RLIMIT_DATA each: at 1024x1024 (about 600 MiB a rank) an
+    # allocation fails on some rank and the others are stopped; 64x64 trains.
+    record = measure(tmp_path, "budget", "--ranks", "2", "--budget-mib", "400", "--sides", "64",
+                     "1024")  # fmt: skip
+    small, large = record["trials"]
+    assert small["fits"] and small["side"] == 64
+    assert not large["fits"], large  # measure.py raises on any error but a failed allocation
+    assert record["largest_side"] == {"2": 64}
