@@ -69,6 +69,26 @@ BLOCKS = {
         torch.ones(4) * F.linear(F.layer_norm(x.permute(0, 2, 3, 1), (4,)), torch.ones(4, 4))
     ).permute(0, 3, 1, 2),
     "mean over channels, channels last": lambda x: x.permute(0, 2, 3, 1).mean(-1).unsqueeze(1),
+    # Spellings of channel slicing that leave H and W whole (GhostNet's x[:, :n, :, :]).
+    "channel slice with full H and W slices": lambda x: x[:, :2, :, :],
+    "channel slice after an ellipsis, channels last": lambda x: (
+        x.permute(0, 2, 3, 1)[..., 1:3].permute(0, 3, 1, 2)
+    ),
+    "channel index tensor": lambda x: x[:, torch.tensor([3, 0, 2])],
+    "boolean channel mask": lambda x: x[:, torch.tensor([True, False, True, True])],
+    "new dimension before H": lambda x: x[:, :, None].squeeze(2),
+    "narrow on C": lambda x: x.narrow(1, 1, 2),
+    "index_select on C": lambda x: torch.index_select(x, 1, torch.tensor([1, 1, 0])),
+    "split on C by sizes": lambda x: torch.split(x, [1, 3], dim=1)[1],
+    "chunk on C, keyword dim": lambda x: torch.chunk(x, 2, dim=1)[0],
+    "select a channel": lambda x: x.select(1, 2).unsqueeze(1),
+    "flip of the channels": lambda x: x.flip(1),
+    "stack after W": lambda x: torch.stack([x, 2 * x], -1).sum(-1),
+    "max over channels, keepdim, values": lambda x: torch.max(x, dim=1, keepdim=True)[0],
+    "min over channels, channels last": lambda x: x.permute(0, 2, 3, 1).min(-1).values.unsqueeze(1),
+    "argmax over channels": lambda x: x + x.argmax(1, keepdim=True),
+    "F.normalize over channels": lambda x: F.normalize(x, dim=1),
+    "norm over channels": lambda x: x / x.norm(dim=1, keepdim=True),
 }
 WHOLE = {
     "mean over H and W": (lambda x: x.mean((2, 3)), lambda x: x.mean((2, 3))),
@@ -96,19 +116,42 @@ WHOLE = {
         None,
     ),
     "F.instance_norm, then a mean": (lambda x: F.instance_norm(x).mean((2, 3)), None),
+    # ConvNeXt-V2's global response normalization: a norm over H and W, channels last.
+    "GRN: torch.norm p=2 over H and W, channels last": (
+        lambda x: (lambda y: (y * torch.norm(y, p=2, dim=(1, 2), keepdim=True)).sum((1, 2)))(
+            x.permute(0, 2, 3, 1)
+        ),
+        None,
+    ),
+    "Tensor.norm p=1 over H and W": (lambda x: x.norm(1, dim=(2, 3)), None),
+    "vector_norm inf over N, H and W, kept": (
+        lambda x: torch.linalg.vector_norm(x, float("inf"), dim=(0, 2, 3), keepdim=True), None
+    ),
+    "vector_norm of everything": (lambda x: torch.linalg.vector_norm(x), None),
+    "norm over H and W of zeros has a zero gradient": (
+        lambda x: (x * 0).norm(dim=(2, 3)) + x.mean((2, 3)), None
+    ),
+    "sum over H and W with a dtype": (lambda x: x.sum((2, 3), dtype=torch.float64), None),
 }
 REFUSED = {
     "flatten(1)": (lambda x: x.flatten(1), "merges H or W"),
     "view(N, -1)": (lambda x: x.view(2, -1), "merges H or W"),
     "index along W": (lambda x: x[..., 0], "reaches H or W"),
     "max over W, with indices": (lambda x: x.max(3), "reduces over H or W"),
+    "argmax over H": (lambda x: x.argmax(2), "reduces over H or W"),
+    "norm over W only": (lambda x: x.norm(dim=3), "one of H and W"),
+    "norm p=3 over H and W": (lambda x: x.norm(3, dim=(2, 3)), "p=3"),
+    "narrow along H": (lambda x: x.narrow(2, 0, 2), "cuts along H or W"),
+    "a slice of H spelled out": (lambda x: x[:, :, 1:, :], "reaches H or W"),
+    "a step over W": (lambda x: x[..., ::2], "reaches H or W"),
+    "F.normalize over W": (lambda x: F.normalize(x, dim=-1), "normalizes over H or W"),
     "F.pad after reading the block's size": (
         lambda x: F.pad(x, (0, -x.shape[-1] % 4, 0, -x.shape[-2] % 4)),
         "read this block's height or width before padding it",
     ),
     "a whole tensor varying over W": (lambda x: x + torch.ones(6), "varies over H or W"),
     "cat along H": (lambda x: torch.cat([x, x], 2), "along H or W"),
-    "stack after W": (lambda x: torch.stack([x, x], -1), "along H or W"),
+    "stack before C": (lambda x: torch.stack([x, x], 1).flatten(1), "merges H or W"),
     "F.interpolate to a size computed from a block's": (
         lambda x: F.interpolate(x, size=(x.shape[-2] + 1, 7), mode="bicubic"),
         "is not the shape of a block read",

@@ -1,0 +1,40 @@
+"""The spatial rules: how each torch operation runs on blocks of split images, exactly.
+
+One module per family of operations, each rule a plain function registered for the torch
+functions it serves (:mod:`.registry`); the spatial guard (``parallelkit.parallel.
+spatial_guard``) looks a call up here and refuses what has no rule.
+
+- :mod:`.pointwise`: activations, arithmetic, type changes; whole tensors meeting blocks;
+- :mod:`.shape`: views, permutes, cat, split, indexing, and reads of a block's shape;
+- :mod:`.reductions`: sums, means, extremes, norms and variances over H and W, or over others;
+- :mod:`.windows`: functional convolution, pooling and padding (halo fetches);
+- :mod:`.norms`: group, instance and layer norm, and linear layers over channels;
+- :mod:`.resize`: interpolation;
+- :mod:`.random`: dropout masks;
+- :mod:`.compat`: what one model library's modules need (timm's "same" padding).
+"""
+
+from parallelkit.spatial.rules import (  # noqa: F401 (each registers its rules)
+    norms,
+    pointwise,
+    random,
+    reductions,
+    resize,
+    shape,
+    windows,
+)
+from parallelkit.spatial.rules.registry import (
+    Call,
+    Guard,
+    Rule,
+    docs_rows,
+    docs_table,
+    lookup,
+    op_name,
+    rule,
+    rules,
+)
+
+__all__ = [
+    "Call", "Guard", "Rule", "docs_rows", "docs_table", "lookup", "op_name", "rule", "rules",
+]  # fmt: skip

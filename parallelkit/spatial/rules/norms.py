@@ -1,0 +1,95 @@
+"""Normalization rules: statistics over H and W written out as means of the whole images.
+
+GroupNorm, InstanceNorm and LayerNorm over (C,) H and W are rewritten in operations that have
+rules (means over H and W all-reduced, pointwise arithmetic), so their gradients, through the
+whole statistics, are the dense ones. LayerNorm and Linear over the channels of a
+channels-last block (ConvNeXt) are local; their weights' gradients are summed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from parallelkit.spatial.rules.registry import Call, Guard, nchw, rule
+
+
+def _group_norm(g: Guard, x: Tensor, groups: int, weight: Tensor | None, bias: Tensor | None,
+                eps: float) -> Tensor:  # fmt: skip
+    n, c = x.shape[:2]
+    with g.rules():
+        xg = x.reshape(n, groups, c // groups, *x.shape[2:])
+        mean = xg.mean((2, 3, 4), keepdim=True)
+        centred = xg - mean
+        var = centred.square().mean((2, 3, 4), keepdim=True)
+        y = (centred / torch.sqrt(var + eps)).reshape(x.shape)
+        if weight is not None:
+            y = y * weight.view(1, c, 1, 1)
+        if bias is not None:
+            y = y + bias.view(1, c, 1, 1)
+    return y
+
+
+@rule(F.group_norm, params="input, num_groups, weight=None, bias=None, eps=1e-5")
+def group_norm(g: Guard, call: Call) -> Tensor:
+    """Written out as means over H and W (all-reduced, whole) and pointwise operations, so
+    the statistics' gradients are summed (smp's FPN decoder)."""
+    nchw(g, call, call["input"])
+    return _group_norm(g, call["input"], call["num_groups"], call["weight"], call["bias"],
+                       call["eps"])  # fmt: skip
+
+
+@rule(F.instance_norm,
+      params="input, running_mean=None, running_var=None, weight=None, bias=None, "
+      "use_input_stats=True, momentum=0.1, eps=1e-5")  # fmt: skip
+def instance_norm(g: Guard, call: Call) -> Tensor:
+    """Without running statistics: group norm with one channel per group. With them:
+    refused."""
+    x = call["input"]
+    nchw(g, call, x)
+    if call["running_mean"] is not None or not call["use_input_stats"]:
+        raise g.refuse(call.name, "its running statistics have no rule")
+    return _group_norm(g, x, x.shape[1], call["weight"], call["bias"], call["eps"])
+
+
+@rule(F.layer_norm, params="input, normalized_shape, weight=None, bias=None, eps=1e-5")
+def layer_norm(g: Guard, call: Call) -> Tensor:
+    """Over the channels of a channels-last block (ConvNeXt): local, weights' gradients
+    summed. Over (C,) H and W (a WGAN-GP critic's ``nn.LayerNorm([C, H, W])``): statistics
+    written out as means of the whole images; the affine parameters, shaped for the whole
+    images, cut to the block."""
+    x, shape = call["input"], tuple(call["normalized_shape"])
+    hw = g.hw(x)
+    if -len(shape) > max(hw):  # trailing dimensions after H and W
+        weight, bias = g.summed(call["weight"]), g.summed(call["bias"])
+        return g.marked(F.layer_norm(x, shape, weight, bias, call["eps"]), hw)
+    if hw != (-2, -1):
+        raise g.refuse(call.name, "it acts over H or W of a channels-last block")
+    h, w = g.size_now or g.grid.global_size(x, call.name)
+    if shape[-2:] != (h, w):
+        raise g.refuse(
+            call.name, f"its normalized_shape {shape} does not end in the whole images' {(h, w)}"
+        )
+    dims = list(range(x.dim() - len(shape), x.dim()))
+    with g.rules():
+        centred = x - x.mean(dims, keepdim=True)
+        var = centred.square().mean(dims, keepdim=True)
+    y = centred / torch.sqrt(var + call["eps"])
+    rows, cols = g.grid.block(h, w)
+    if (weight := call["weight"]) is not None:
+        y = y * g.summed(weight)[..., rows, cols]
+    if (bias := call["bias"]) is not None:
+        y = y + g.summed(bias)[..., rows, cols]
+    return g.marked(y)
+
+
+@rule(F.linear, params="input, weight, bias=None")
+def linear(g: Guard, call: Call) -> Tensor:
+    """Over the channels of a channels-last block (ConvNeXt's MLP): local, weights' gradients
+    summed; over W refused (permute the channels last first)."""
+    x = call["input"]
+    hw = g.hw(x)
+    if max(hw) == -1:
+        raise g.refuse(call.name, "it acts over H or W (permute the channels last first)")
+    return g.marked(F.linear(x, g.summed(call["weight"]), g.summed(call["bias"])), hw)

@@ -1,0 +1,71 @@
+"""Pointwise rules: operations that read each pixel alone run on the block as they are.
+
+A whole tensor may meet a block here (an SE gate, a layer scale, a parameter used directly) if
+it is constant over H and W (size 1 there); its gradient is then each rank's share of the dense
+one, summed where it meets the blocks (``layout.replicated``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils._pytree import tree_map
+
+from parallelkit.spatial.rules.registry import Call, Guard, nchw, ops, rule
+
+_POINTWISE = """
+abs absolute acos add addcdiv addcmul asin atan atan2 ceil clamp clamp_max clamp_min clip cos
+cosh div divide elu erf erfc exp exp2 expm1 floor floor_divide fmod frac gelu hardshrink
+hardsigmoid hardswish hardtanh leaky_relu lerp log log10 log1p log2 logical_and logical_not
+logical_or logit masked_fill maximum minimum mish mul multiply nan_to_num neg negative pow
+reciprocal relu relu6 remainder round rrelu rsqrt selu sigmoid sign silu sin sinh
+softplus softshrink sqrt square sub subtract tan tanh tanhshrink threshold true_divide trunc
+where xlogy eq ne lt le gt ge celu logsigmoid isnan isinf isfinite signbit sgn
+"""
+_DUNDERS = """
+add radd iadd sub rsub isub mul rmul imul truediv rtruediv itruediv div rdiv idiv pow rpow
+ipow neg pos abs floordiv rfloordiv mod and or xor invert eq ne lt le gt ge
+"""
+_LOCAL = """
+contiguous clone detach detach_ float double half bfloat16 long int bool to type type_as
+requires_grad_ cpu cuda retain_grad zero_ fill_ copy_ __deepcopy__
+"""
+
+
+@rule(
+    *ops(_POINTWISE, torch, Tensor, F, torch.special, inplace=True),
+    *ops(" ".join(f"__{n}__" for n in _DUNDERS.split()), Tensor),
+)
+def pointwise(g: Guard, call: Call) -> Any:
+    """Local. Blocks must share one layout; a whole tensor must have size 1 in H and W."""
+    hw = g.hw(call.blocks[0])
+    sizes = {tuple(b.shape[d] for d in hw) for b in call.blocks}
+    if len(sizes) > 1 or any(g.hw(b) != hw for b in call.blocks):
+        raise g.refuse(call.name, f"its blocks have different layouts {sorted(sizes)}")
+
+    def replicate(t: Any) -> Any:
+        if not isinstance(t, Tensor) or g.is_split(t):
+            return t
+        if any(t.dim() >= -d and t.shape[d] != 1 for d in hw):
+            shape = tuple(t.shape)
+            raise g.refuse(call.name, f"a whole tensor of shape {shape} varies over H or W")
+        return g.summed(t)
+
+    args, kwargs = tree_map(replicate, (call.args, call.kwargs))
+    return g.marked(call.func(*args, **kwargs), hw)
+
+
+@rule(*ops(_LOCAL, Tensor))
+def local(g: Guard, call: Call) -> Any:
+    """Local: type, device and memory-format changes, copies, detaching."""
+    return g.marked(call.run(), g.hw(call.blocks[0]))
+
+
+@rule(F.prelu, torch.prelu, params="input, weight")
+def prelu(g: Guard, call: Call) -> Tensor:
+    """Local; the weight broadcasts over channels, its gradient summed."""
+    nchw(g, call, call["input"])
+    return g.marked(call.func(call["input"], g.summed(call["weight"])))

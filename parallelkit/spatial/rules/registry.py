@@ -1,0 +1,220 @@
+"""The registry of spatial rules: which function rules which torch operation on blocks.
+
+A rule is a plain function ``rule(g, call)``: ``g`` is the guard that follows the blocks (the
+:class:`Guard` protocol below: the record of split tensors and a few services on it), ``call``
+the operation with its arguments normalized once, by a signature given at registration
+(``call["dim"]``, defaults filled in). It returns the result, marking outputs that are blocks
+(``g.marked``), or raises ``g.refuse(...)``. DTensor keeps the same kind of knowledge as
+``torch/distributed/tensor/_ops/``: one module per family of operations, a rule per function.
+
+Adding a rule is one decorated function in its family's module::
+
+    @rule(torch.logsumexp, Tensor.logsumexp, params="input, dim, keepdim=False")
+    def logsumexp(g: Guard, call: Call) -> Tensor:
+        \"\"\"What it does on blocks (the docs table's second column).\"\"\"
+
+The docs table of operations (docs/parallelism.md) is generated from these registrations
+(:func:`docs_rows`), and a test holds the two to each other.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from torch import Tensor, nn
+
+from parallelkit.spatial.grid import SpatialGrid
+
+Size = tuple[int, ...]
+HW = tuple[int, int]
+
+
+class Guard(Protocol):
+    """What rules may ask of the guard (``parallelkit.parallel.spatial_guard``)."""
+
+    comm: Any  # the spatial group (a Communicator)
+    grid: SpatialGrid
+    size_now: Size | None  # the whole (H, W) of the first block of the call being ruled on
+    read_sizes: set[tuple[Size, Size | None]]  # blocks' (h, w) that forward code read, whole
+    layers: dict[tuple, nn.Module]  # spatial layers made for functional calls, by arguments
+
+    def is_split(self, t: Any) -> bool: ...
+    def hw(self, t: Tensor) -> HW: ...
+    def size_of(self, t: Tensor) -> Size | None: ...
+    def marked(self, out: Any, hw: HW = (-2, -1), size: Size | None = None) -> Any: ...
+    def summed(self, t: Any) -> Any: ...
+    def refuse(self, op: str, why: str) -> ValueError: ...
+    def rules(self) -> AbstractContextManager[None]: ...
+    def module(self) -> nn.Module | None: ...
+    def note_sized(self, x: Tensor, dim: int | None) -> None: ...
+    def was_sized(self, t: Tensor) -> bool: ...
+    def warn_once(self, key: Any, message: str) -> None: ...
+
+
+@dataclass
+class Call:
+    """One torch call on blocks: the function, its raw arguments, the blocks among them, and
+    the arguments by name where the rule gave a signature."""
+
+    func: Callable
+    args: tuple
+    kwargs: dict
+    blocks: list[Tensor]
+    named: dict[str, Any] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> Any:
+        return self.named[name]
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.named.get(name, default)
+
+    def run(self) -> Any:
+        """The operation itself, as it was called."""
+        return self.func(*self.args, **self.kwargs)
+
+    @property
+    def name(self) -> str:
+        return op_name(self.func)
+
+
+@dataclass(frozen=True)
+class Rule:
+    fn: Callable[[Guard, Call], Any]
+    params: inspect.Signature | None
+    funcs: tuple[Callable, ...]
+    exact: str  # the docs table's last column: "yes", "refused", ...
+    whole: bool  # also asked about calls without a block (a whole tensor resized to blocks)
+
+    @property
+    def family(self) -> str:
+        return self.fn.__module__.rsplit(".", 1)[-1]
+
+    def normalize(self, g: Guard, call: Call) -> Call:
+        if self.params is not None:
+            try:
+                bound = self.params.bind(*call.args, **call.kwargs)
+            except TypeError as e:
+                raise g.refuse(call.name, f"its arguments do not match {self.params} ({e})") from e
+            bound.apply_defaults()
+            call.named = dict(bound.arguments)
+        return call
+
+
+_RULES: dict[Any, Rule] = {}
+PROPERTY = object()  # the key of the rule for attribute reads without one of their own
+
+
+def rule(
+    *funcs: Any, params: str | None = None, exact: str = "yes", whole: bool = False
+) -> Callable[[Callable], Callable]:
+    """Register the decorated function as the rule of ``funcs`` (None entries are skipped:
+    functions this torch does not have). ``params``: the signature its arguments are
+    normalized by, as Python writes one (``"input, dim=None, keepdim=False"``)."""
+    signature = None
+    if params is not None:
+        signature = inspect.signature(eval(f"lambda {params}: None"))  # our own text
+
+    def register(fn: Callable) -> Callable:
+        entry = Rule(fn, signature, tuple(f for f in funcs if f is not None), exact, whole)
+        for f in entry.funcs:
+            if f in _RULES and _RULES[f].fn is not fn:
+                raise AssertionError(f"{op_name(f)} has two rules: {_RULES[f].fn} and {fn}")
+            _RULES[f] = entry
+        return fn
+
+    return register
+
+
+def lookup(func: Any) -> Rule | None:
+    """The rule of ``func``; reads of tensor attributes (``x.shape``, ``x.device``) without
+    one of their own share :data:`PROPERTY`'s."""
+    found = _RULES.get(func)
+    if found is None and getattr(func, "__name__", "") == "__get__":
+        return _RULES.get(PROPERTY)
+    return found
+
+
+def ops(names: str, *owners: Any, inplace: bool = False) -> list[Callable]:
+    """The functions called ``names`` (space separated) on each owner (torch, Tensor, F, ...),
+    with their in-place ``name_`` forms if asked; names an owner lacks are left out."""
+    found = []
+    for name in names.split():
+        for owner in owners:
+            for variant in (name, f"{name}_") if inplace else (name,):
+                fn = getattr(owner, variant, None)
+                if fn is not None and fn not in found:
+                    found.append(fn)
+    return found
+
+
+def prop(name: str) -> Any:
+    """The key under which ``tensor.<name>`` reaches a torch function mode."""
+    return getattr(Tensor, name).__get__
+
+
+def op_name(func: Any) -> str:
+    """``torch.sum``, ``Tensor.view``, ``F.pad``: how a user would write ``func``."""
+    if func is PROPERTY:
+        return "other tensor attributes"
+    if getattr(func, "__name__", "") == "__get__":
+        return f"Tensor.{func.__self__.__name__}"
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    if "<locals>" in name:  # F.max_pool2d and the like are made by boolean_dispatch
+        name = getattr(func, "__name__", name)
+    module = getattr(func, "__module__", None) or ""
+    name = name.replace("_TensorBase.", "Tensor.").replace("TensorBase.", "Tensor.")
+    name = name.replace("_VariableFunctionsClass.", "torch.")
+    if module.endswith("functional"):
+        return f"F.{name}"
+    if module == "torch.special" or name.startswith(("Tensor.", "torch.")):
+        return name
+    return f"torch.{name}" if module.startswith("torch") and "." not in name else name
+
+
+def rules() -> Iterator[Rule]:
+    """Every registered rule once, in registration order."""
+    seen: list[Rule] = []
+    for entry in _RULES.values():
+        if entry not in seen:
+            seen.append(entry)
+            yield entry
+
+
+def docs_rows() -> list[tuple[str, str, str, str]]:
+    """The operations table: (family, operations, what happens on blocks, exact?) per rule;
+    the second column is the rule's docstring, first paragraph."""
+    rows = []
+    for entry in rules():
+        names = sorted({op_name(f) for f in entry.funcs}, key=lambda n: (n.lower(), n))
+        shown = ", ".join(f"`{n}`" for n in names[:12])
+        if len(names) > 12:
+            shown += f" and {len(names) - 12} more"
+        doc = inspect.getdoc(entry.fn) or ""
+        what = " ".join(doc.split("\n\n")[0].split())
+        rows.append((entry.family, shown, what, entry.exact))
+    return rows
+
+
+def docs_table() -> str:
+    head = "| family | operations | on blocks of split images | exact? |\n|---|---|---|---|\n"
+    cells = (" | ".join(c.replace("|", "\\|") for c in row) for row in docs_rows())
+    return head + "".join(f"| {c} |\n" for c in cells)
+
+
+def all_(value: Any, want: int) -> bool:
+    """Whether an int or every entry of a tuple equals ``want``."""
+    return all(v == want for v in (value if isinstance(value, tuple | list) else (value,)))
+
+
+def pair(value: Any) -> tuple:
+    return tuple(value) if isinstance(value, tuple | list) else (value, value)
+
+
+def nchw(g: Guard, call: Call, x: Tensor) -> None:
+    """Refuse unless block ``x`` is (N, C, H, W) (not channels last)."""
+    if g.hw(x) != (-2, -1):
+        raise g.refuse(call.name, "this rule wants an (N, C, H, W) block")
