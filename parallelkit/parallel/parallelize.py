@@ -40,6 +40,7 @@ from parallelkit.nn.channel_transposed import ChannelParallelConvTranspose2d
 from parallelkit.nn.sync_batchnorm import SyncBatchNorm
 from parallelkit.parallel.data_parallel import DataParallel
 from parallelkit.parallel.grid import Grid
+from parallelkit.parallel.spatial_fallback import check_fallback
 from parallelkit.parallel.spatial_region import SpatialRegion, _OnWholeImage
 
 STRATEGIES = ("data", "spatial", "channel")
@@ -53,6 +54,7 @@ def parallelize(
     keep_dense: Sequence[str] = (),
     backend: str | None = None,
     spatial_output: str = "whole",
+    fallback: str = "refuse",
     **data_parallel_kwargs,
 ) -> nn.Module:
     """``model`` with its layers swapped for parallel ones (see the module docstring).
@@ -68,6 +70,10 @@ def parallelize(
         parallelism outputs that are still split come back as this rank's block, as
         ``pk.spatial.scatter(output, grid.spatial_comm, grid.spatial)`` would cut them, for a
         loss computed on blocks and reduced exactly (segmentation at full resolution).
+    fallback: under spatial parallelism, what an operation without an exact rule for blocks
+        does: "refuse" (a ValueError naming it, before any rank waits) or "gather" (the
+        smallest module holding it runs on the whole images, gathered on every rank, and its
+        outputs are split again: exact, at that module's memory cost, warned once per module).
     data_parallel_kwargs: passed to DataParallel (with a data dimension, and under spatial
         parallelism, where it sums the parameter gradients over the spatial group).
     """
@@ -81,6 +87,7 @@ def parallelize(
         raise ValueError(
             f"parallelize: spatial_output must be 'whole' or 'blocks', got {spatial_output!r}"
         )
+    check_fallback(fallback, "parallelize")
     grid = _grid(comm, strategy)
     if isinstance(strategy, Grid):
         strategy = (
@@ -108,7 +115,8 @@ def parallelize(
     _swap(model, lambda m: _sync_batchnorm(m, grid.batch_comm, spatial_grad))
     if strategy == "spatial":
         model = SpatialRegion(
-            model, grid.spatial_comm, grid.spatial, grid.data_comm, spatial_output, shares=True
+            model, grid.spatial_comm, grid.spatial, grid.data_comm, spatial_output, shares=True,
+            fallback=fallback,
         )
         # Its parameters' gradients are shares: summed over data x spatial, divided by the
         # data dimension. With no data dimension this is an implementation detail: parameters

@@ -42,6 +42,7 @@ from parallelkit.nn import spatial_parallel as sp
 from parallelkit.nn import spatial_pooling as spool
 from parallelkit.nn.batchnorm_subclass import _SyncSubclass
 from parallelkit.nn.sync_batchnorm import SyncBatchNorm
+from parallelkit.parallel.spatial_fallback import gather_inputs, gathered_message, scatter_outputs
 from parallelkit.spatial import layout
 from parallelkit.spatial.grid import SpatialGrid, grid_of
 from parallelkit.spatial.rules import Call, lookup, op_name
@@ -81,11 +82,13 @@ class SpatialGuard(TorchFunctionMode):
         grid: SpatialGrid | None = None,
         whole_comm: Communicator | None = None,
         shares: bool = False,
-        fallback: str = "refuse",
+        gathered: set[nn.Module] | None = None,
     ) -> None:
         super().__init__()
-        self.comm, self._grid, self.whole_comm = comm, grid, whole_comm
-        self.shares, self.fallback = shares, fallback
+        self.comm, self._grid, self.whole_comm, self.shares = comm, grid, whole_comm, shares
+        # Modules to run on gathered whole images (fallback="gather"), and how many now run.
+        self.gathered, self._gathering = gathered or set(), 0
+        self.warned: set[Any] = set()  # what warn_once warned of (a region keeps one set)
         self.layers: dict[tuple, nn.Module] = {}  # spatial layers made for functional calls
         self.names = {m: name for name, m in model.named_modules()}
         # id -> (the block, where its H and W are, the whole images' (H, W) if known)
@@ -93,9 +96,8 @@ class SpatialGuard(TorchFunctionMode):
         self.size_now: Size | None = None  # the whole size of the call being ruled on
         self._sized: dict[int, weakref.ref] = {}  # blocks whose H or W forward code read
         self.read_sizes: set[tuple[Size, Size | None]] = set()  # their (h, w), whole (H, W)
-        self._stack: list[tuple[nn.Module, bool, bool, Size | None] | None] = []
+        self._stack: list[tuple[nn.Module, bool, bool, Size | None, Any] | None] = []
         self._restore: dict[int, tuple[Any, Any]] = {}
-        self._warned: set[Any] = set()
         self._trusted = 0
         self._hooks: list[Any] = []
 
@@ -155,8 +157,8 @@ class SpatialGuard(TorchFunctionMode):
         return next((e[0] for e in reversed(self._stack) if e is not None), None)
 
     def warn_once(self, key: Any, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
+        if key not in self.warned:
+            self.warned.add(key)
             warnings.warn(message, stacklevel=3)
 
     @contextlib.contextmanager
@@ -193,10 +195,14 @@ class SpatialGuard(TorchFunctionMode):
         for hook in self._hooks:
             hook.remove()
 
-    def _enter_module(self, module: nn.Module, args: tuple) -> None:
+    def _enter_module(self, module: nn.Module, args: tuple) -> tuple | None:
         if self._trusted or module not in self.names:
             self._stack.append(None)
-            return
+            return None
+        whole = None  # a gathered module's input blocks' layout: (hw, ndim)
+        if module in self.gathered and (blocks := self._blocks_in(args, {})):
+            whole, args = (self.hw(blocks[0]), blocks[0].dim()), gather_inputs(self, args)
+            self._gathering += 1
         ends = getattr(module, "ends_spatial_region", False)
         trusted = ends or isinstance(module, (*_SPATIAL, *_NORMS))
         blocks = self._blocks_in(args, {})
@@ -206,13 +212,14 @@ class SpatialGuard(TorchFunctionMode):
             self._normalize_whole(module)
         self._trusted += trusted
         size = self.size_of(blocks[0]) if blocks else None
-        self._stack.append((module, trusted, bool(blocks) and not ends, size))
+        self._stack.append((module, trusted, bool(blocks) and not ends, size, whole))
+        return args if whole else None
 
-    def _leave_module(self, module: nn.Module, args: tuple, out: Any) -> None:
+    def _leave_module(self, module: nn.Module, args: tuple, out: Any) -> Any:
         entry = self._stack.pop()
         if entry is None:
-            return
-        _, trusted, blocks_out, size = entry
+            return None
+        _, trusted, blocks_out, size, whole = entry
         if id(module) in self._restore:
             _set_comms(module, *self._restore.pop(id(module)))
         if trusted:
@@ -220,6 +227,11 @@ class SpatialGuard(TorchFunctionMode):
             if blocks_out:  # a spatial layer's output size from its geometry; norms keep it
                 out_size = module.out_size(size) if size and hasattr(module, "out_size") else size
                 self.mark(out, size=out_size)
+        if whole is not None:
+            self._gathering -= 1
+            self.warn_once(module, gathered_message(self.names[module], module, args, out))
+            return scatter_outputs(self, out, *whole)
+        return None
 
     def _normalize_whole(self, module: nn.Module) -> None:
         """BatchNorm on a whole tensor (DeepLab's pooled branch): every rank of the spatial
@@ -240,7 +252,7 @@ class SpatialGuard(TorchFunctionMode):
             return func(*args, **kwargs)
         entry = lookup(func)
         blocks = self._blocks_in(args, kwargs)
-        if not blocks and not (entry is not None and entry.whole):
+        if not blocks and not (entry is not None and entry.whole and not self._gathering):
             return func(*args, **kwargs)
         if entry is None:
             raise self.refuse(op_name(func), "it has no exact rule for blocks of split images")

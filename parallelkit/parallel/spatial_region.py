@@ -25,7 +25,8 @@ from torch.utils._pytree import tree_map
 
 import parallelkit.functional as pkf
 from parallelkit.comm import Communicator
-from parallelkit.parallel.spatial_guard import SpatialGuard
+from parallelkit.parallel.spatial_fallback import check_fallback, forward_with_fallback
+from parallelkit.parallel.spatial_guard import SpatialGuard, SpatialRefusal
 from parallelkit.spatial import layout
 from parallelkit.spatial.grid import gather, grid_of, scatter
 
@@ -39,6 +40,8 @@ class SpatialRegion(nn.Module):
     (tensor_split layout over the grid, as ``pk.spatial.scatter`` cuts), for a consumer that
     works on blocks and reduces exactly (a per-pixel loss): the whole output is never built.
     ``shares``: leave the parameters' gradients as shares (see the module docstring).
+    ``fallback``: "refuse" (an operation without an exact rule raises a ValueError) or
+    "gather" (the module holding it runs on gathered whole images: ``spatial_fallback``).
     """
 
     def __init__(
@@ -49,13 +52,18 @@ class SpatialRegion(nn.Module):
         whole_comm: Communicator | None = None,
         output: str = "whole",
         shares: bool = False,
+        fallback: str = "refuse",
     ) -> None:
         super().__init__()
         if output not in ("whole", "blocks"):
             raise ValueError(f"SpatialRegion: output must be 'whole' or 'blocks', got {output!r}")
+        check_fallback(fallback, "SpatialRegion")
         self.module, self.comm, self.grid = module, comm, grid
         self.whole_comm, self.output, self.shares = whole_comm, output, shares
+        self.fallback = fallback
         self._blocks = grid_of(comm, grid)  # the sub-groups, made once (split is collective)
+        self._gathered: set[nn.Module] = set()  # modules found to need whole images
+        self._warned: set = set()  # what the guards warned of, once per region
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if self.comm.size == 1:  # one rank holds the whole image: nothing to follow
@@ -63,10 +71,20 @@ class SpatialRegion(nn.Module):
         x_blk = scatter(x, self.comm, self._blocks)
         if self.shares:  # whole inputs' gradient shares are summed on the way out
             args, kwargs = tree_map(self._summed_on_exit, (args, kwargs))
-        guard = SpatialGuard(self.module, self.comm, self._blocks, self.whole_comm, self.shares)
-        guard.mark(x_blk, size=(x.shape[-2], x.shape[-1]))
-        with guard:
-            y = self.module(x_blk, *args, **kwargs)
+
+        def attempt() -> tuple[SpatialGuard, Any]:
+            guard = SpatialGuard(
+                self.module, self.comm, self._blocks, self.whole_comm, self.shares, self._gathered
+            )
+            guard.warned = self._warned
+            guard.mark(x_blk, size=(x.shape[-2], x.shape[-1]))
+            with guard:
+                return guard, self.module(x_blk, *args, **kwargs)
+
+        if self.fallback == "gather":
+            guard, y = forward_with_fallback(self.module, self._gathered, attempt, SpatialRefusal)
+        else:
+            guard, y = attempt()
 
         def out(t: Any) -> Any:
             if guard.is_split(t):

@@ -1,0 +1,121 @@
+"""``fallback="gather"``: a module the spatial rules refuse runs on gathered whole images.
+
+Where an operation on blocks has no exact rule, the default refuses (the whole network stays
+unparallel until the user acts). With ``fallback="gather"`` the smallest module of the model
+whose forward holds that operation runs instead on the whole images: its block inputs are
+gathered on every rank of the spatial group, it computes what the dense model computes (its
+swapped layers and BatchNorm see whole tensors and act densely, statistics over the data
+group), and its outputs are cut back into blocks, so the layers after it are split again.
+
+Exactness: gathering and scattering are each other's adjoints in the region's gradient
+convention (:mod:`parallelkit.spatial.layout`), so the gathered module's parameters receive
+shares of their dense gradients like every other parameter, and its input blocks the dense
+input gradient. Nothing is applied twice: a refusal is found during a forward, which is then
+abandoned and run again from the start with the module gathered, after the model's buffers
+(BatchNorm running statistics) and the random generators are put back as they were. Every rank
+refuses at the same operation, so every rank starts again together; a module, once found,
+stays gathered for the region's life.
+
+Cost: one warning per module names its path and the memory per rank of its whole input and
+output (its activations inside are not split either).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves, tree_map
+
+from parallelkit.spatial.grid import gather, scatter
+
+FALLBACKS = ("refuse", "gather")
+
+
+def check_fallback(fallback: str, where: str) -> None:
+    if fallback not in FALLBACKS:
+        raise ValueError(f"{where}: fallback must be one of {FALLBACKS}, got {fallback!r}")
+
+
+def _snapshot(model: nn.Module) -> Callable[[], None]:
+    """A function that puts the model's buffers and the random generators back as they are
+    now."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    def restore() -> None:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+    return restore
+
+
+def forward_with_fallback(
+    model: nn.Module, gathered: set[nn.Module], attempt: Callable[[], Any], refusal: type
+) -> Any:
+    """``attempt()`` (one forward of ``model`` under a guard that gathers ``gathered``), again
+    with each refused operation's module added to ``gathered``, until none is refused."""
+    while True:
+        restore = _snapshot(model)
+        try:
+            return attempt()
+        except refusal as e:
+            module = e.module if e.module is not None else model
+            if module in gathered:  # its blocks did not come through its arguments
+                raise
+            gathered.add(module)
+            restore()
+
+
+def gather_inputs(guard: Any, args: tuple) -> tuple:
+    """``args`` with every block replaced by the whole images (gathered along wherever its
+    H and W are)."""
+
+    def whole(t: Any) -> Any:
+        if not guard.is_split(t):
+            return t
+        h, w = guard.hw(t)
+        x = t.movedim((t.dim() + h, t.dim() + w), (-2, -1))
+        y = gather(x, guard.comm, guard.grid, size=guard.size_of(t))
+        return y.movedim((-2, -1), (t.dim() + h, t.dim() + w))
+
+    with guard.suspended():
+        return tree_map(whole, args)
+
+
+def scatter_outputs(guard: Any, out: Any, hw: tuple[int, int], ndim: int) -> Any:
+    """``out`` with every tensor shaped like the gathered input (``ndim`` dimensions, H and W
+    at ``hw``, at least one row and column per rank) cut into this rank's blocks again."""
+    rows, cols = guard.grid.rows, guard.grid.cols
+
+    def block(t: Any) -> Any:
+        if not isinstance(t, Tensor) or t.dim() != ndim:
+            return t
+        h, w = t.dim() + hw[0], t.dim() + hw[1]
+        if t.shape[h] < rows or t.shape[w] < cols:
+            return t
+        y = scatter(t.movedim((h, w), (-2, -1)), guard.comm, guard.grid).movedim((-2, -1), (h, w))
+        return guard.marked(y, hw, size=(t.shape[h], t.shape[w]))
+
+    with guard.suspended():
+        return tree_map(block, out)
+
+
+def gathered_message(path: str, module: nn.Module, args: tuple, out: Any) -> str:
+    """The warning for a gathered module: its path and the memory of its whole input and
+    output."""
+    leaves = [t for t in tree_leaves((args, out)) if isinstance(t, Tensor)]
+    nbytes = sum(t.numel() * t.element_size() for t in leaves)
+    return (
+        f"spatial parallelism (fallback='gather'): {path or 'the model'!r} "
+        f"({type(module).__name__}) runs on the whole images, gathered on every rank: "
+        f"{nbytes / 2**20:.1f} MiB per rank for its whole input and output, and its "
+        "activations inside are not split"
+    )

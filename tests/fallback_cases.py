@@ -1,0 +1,127 @@
+"""Rank-side cases for ``fallback="gather"``: a hybrid network whose attention and
+space-to-depth modules the spatial rules refuse, trained against the dense model.
+
+``Hybrid`` has what real hybrids have: global self-attention over the H x W tokens (a flatten
+that merges H and W, a BatchNorm inside, a 1x1 convolution that was swapped for a spatial
+one), a space-to-depth step (``F.pixel_unshuffle``, which has no rule) and dropout before
+them, whose masks must not be drawn twice when a forward starts again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import parallelkit as pk
+from parallelkit.comm import Communicator
+from parallelkit.parallel import spatial_fallback
+
+from network_cases import Triple, _grads
+
+
+class TokenMixer(nn.Module):
+    """Global self-attention over the H x W tokens of a feature map, with a residual."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.norm, self.qkv, self.proj = nn.BatchNorm2d(c), nn.Conv2d(c, 3 * c, 1), nn.Linear(c, c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, c, h, w = x.shape
+        q, k, v = self.qkv(self.norm(x)).flatten(2).chunk(3, dim=1)  # (N, C, HW) each
+        attn = (q.transpose(1, 2) @ k / c**0.5).softmax(-1)  # (N, HW, HW)
+        y = self.proj(attn @ v.transpose(1, 2))  # (N, HW, C)
+        return x + y.transpose(1, 2).reshape(n, c, h, w)
+
+
+class SpaceToDepth(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.pixel_unshuffle(x, 2)
+
+
+class Hybrid(nn.Module):
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Dropout(dropout)
+        )
+        self.mixer = TokenMixer(8)
+        self.down = SpaceToDepth()
+        self.body = nn.Sequential(nn.Conv2d(32, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.body(self.down(self.mixer(self.stem(x))))
+        return self.head(x.mean((2, 3)))
+
+
+SHAPE = (3, 12, 10)  # 10 columns split unevenly over 3 or 4
+
+
+def hybrid_parity(
+    comm: Communicator, grid: dict, steps: int = 2, restore: bool = True
+) -> tuple[list[Triple], list[str]]:
+    """The hybrid under ``fallback="gather"`` against the dense model over SGD steps, and the
+    fallback warnings raised. ``restore=False`` (a negative control) leaves the buffers and
+    random generators as the abandoned first forwards left them."""
+    torch.manual_seed(0)
+    g = pk.Grid(comm, **grid)
+    dense = Hybrid(dropout=0.0 if g.data > 1 else 0.3).double()
+    model = pk.parallelize(copy.deepcopy(dense), g, g, fallback="gather")
+    rows = torch.arange(4).tensor_split(g.data)[g.coords[0]]
+    opt_dense = torch.optim.SGD(dense.parameters(), lr=0.05, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    snapshot = spatial_fallback._snapshot
+    if not restore:
+        spatial_fallback._snapshot = lambda model: lambda: None
+    triples: list[Triple] = []
+    with warnings.catch_warnings(record=True) as caught, _finally(snapshot):
+        warnings.simplefilter("always")
+        for step in range(steps):
+            gen = torch.Generator().manual_seed(step)
+            x = torch.randn(4, *SHAPE, generator=gen, dtype=torch.float64).requires_grad_()
+            rng = torch.get_rng_state()
+            out = dense(x)
+            (out.square().sum() / 4).backward()
+            torch.set_rng_state(rng)
+            x_mine = x.detach()[rows].clone().requires_grad_()
+            out_mine = model(x_mine)
+            (out_mine.square().sum() * g.data / 4).backward()
+            at = f"step {step}"
+            triples.append((f"{at} output", out_mine.detach(), out.detach()[rows]))
+            # The loss is scaled by the data dimension for DataParallel's mean; undo it here.
+            triples.append((f"{at} input grad", x_mine.grad / g.data, x.grad[rows]))
+            triples += _grads(at, model, dense)
+            opt_dense.step()
+            opt.step()
+            opt_dense.zero_grad()
+            opt.zero_grad()
+            now = pk.to_dense(model).state_dict()
+            want = dense.state_dict()
+            triples += [(f"{at} {k}", now[k].clone(), v.clone()) for k, v in want.items()]
+    return triples, [str(w.message) for w in caught if "fallback='gather'" in str(w.message)]
+
+
+@contextlib.contextmanager
+def _finally(snapshot):  # the rank process serves later cases: put the function back
+    try:
+        yield
+    finally:
+        spatial_fallback._snapshot = snapshot
+
+
+def hybrid_refused(comm: Communicator) -> str:
+    """The refusal under the default fallback, on every rank."""
+    g = pk.Grid(comm, rows=comm.size)
+    model = pk.parallelize(Hybrid().double(), g, g)
+    try:
+        model(torch.randn(2, *SHAPE, dtype=torch.float64))
+    except ValueError as e:
+        comm.barrier()  # every rank got here: nobody waits in a collective
+        return str(e)
+    return "no error"
