@@ -132,6 +132,8 @@ WHOLE = {
         lambda x: (x * 0).norm(dim=(2, 3)) + x.mean((2, 3)), None
     ),
     "sum over H and W with a dtype": (lambda x: x.sum((2, 3), dtype=torch.float64), None),
+    "logsumexp over H and W": (lambda x: torch.logsumexp(x * 3, (2, 3)), None),
+    "logsumexp over C, H and W, kept": (lambda x: x.logsumexp((1, 2, 3), keepdim=True), None),
 }
 REFUSED = {
     "flatten(1)": (lambda x: x.flatten(1), "merges H or W"),
@@ -267,3 +269,25 @@ def test_negative_control_an_unmarked_input_is_not_checked():
     with guard:
         y = X.flatten(1)  # X was never marked as a block: the guard cannot know
     assert not guard.is_split(y)
+
+
+def test_the_docs_table_is_the_registry():
+    """docs/parallelism.md holds the operations table generated from the rules' registry."""
+    from pathlib import Path
+
+    from parallelkit.spatial.rules import docs_table
+    from parallelkit.spatial.rules.__main__ import in_docs
+
+    docs = Path(__file__).parents[1] / "docs" / "parallelism.md"
+    assert in_docs(docs.read_text()) == docs_table(), (
+        "regenerate: python -m parallelkit.spatial.rules --write docs/parallelism.md"
+    )
+
+
+def test_every_rule_has_a_docstring_and_one_family():
+    from parallelkit.spatial.rules import docs_rows
+
+    families = {"pointwise", "shape", "reductions", "windows", "norms", "resize", "random"}
+    for family, ops, what, exact in docs_rows():
+        assert family in families and what and exact in ("yes", "refused"), (family, ops)
+

@@ -146,11 +146,11 @@ def max_min(g: Guard, call: Call) -> Any:
     return _local(g, call, x, dims, keepdim)
 
 
-@rule(*ops("argmax argmin prod logsumexp all any", torch, Tensor),
+@rule(*ops("argmax argmin prod all any", torch, Tensor),
       params="input, dim=None, keepdim=False, *_, **__")  # fmt: skip
 @rule(*ops("softmax log_softmax", torch, Tensor, F), params="input, dim=None, *_, **__")
 def along_others(g: Guard, call: Call) -> Any:
-    """Local over channels or the batch (``argmax(1)``, ``softmax(1)``, ``logsumexp(1)``);
+    """Local over channels or the batch (``argmax(1)``, ``softmax(1)``, ``prod(1)``);
     refused over H or W, or over everything."""
     x = call["input"]
     if call["dim"] is None:
@@ -161,6 +161,21 @@ def along_others(g: Guard, call: Call) -> Any:
                        "amax and amin over both are exact here)")  # fmt: skip
     keep = "softmax" in call.name or call.get("keepdim", False)
     return _local(g, call, x, dims, keep)
+
+
+@rule(torch.logsumexp, Tensor.logsumexp, params="input, dim, keepdim=False, *, out=None")
+def logsumexp(g: Guard, call: Call) -> Tensor:
+    """Over H and W (and maybe more): the all-reduced maximum m, then one all-reduced sum of
+    exp(x - m); whole. Over other dimensions: local."""
+    x, keepdim = call["input"], call["keepdim"]
+    dims = _dims(x, call["dim"])
+    if not _over_hw(g, call, x, dims) or call["out"] is not None:
+        return _local(g, call, x, dims, keepdim)
+    m = extreme(g, x, dims, largest=True).detach()  # a constant: the gradient is softmax's
+    m = torch.where(m.isfinite(), m, 0)
+    with g.rules():
+        total = (x - m).exp().sum(dims, keepdim=True)
+    return _whole(x, dims, total.log() + m, keepdim)
 
 
 @rule(*ops("var std", torch, Tensor),

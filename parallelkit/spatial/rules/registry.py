@@ -25,6 +25,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from parallelkit.spatial.grid import SpatialGrid
@@ -162,17 +163,17 @@ def op_name(func: Any) -> str:
         return "other tensor attributes"
     if getattr(func, "__name__", "") == "__get__":
         return f"Tensor.{func.__self__.__name__}"
-    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
-    if "<locals>" in name:  # F.max_pool2d and the like are made by boolean_dispatch
-        name = getattr(func, "__name__", name)
+    name = getattr(func, "__name__", None) or repr(func)
+    qualname = getattr(func, "__qualname__", None) or ""
     module = getattr(func, "__module__", None) or ""
-    name = name.replace("_TensorBase.", "Tensor.").replace("TensorBase.", "Tensor.")
-    name = name.replace("_VariableFunctionsClass.", "torch.")
-    if module.endswith("functional"):
+    if qualname.startswith(("Tensor.", "TensorBase.", "_TensorBase.")):
+        return f"Tensor.{name}"
+    if module in ("torch.nn.functional", "torch._C._nn") or getattr(F, name, None) is func:
         return f"F.{name}"
-    if module == "torch.special" or name.startswith(("Tensor.", "torch.")):
-        return name
-    return f"torch.{name}" if module.startswith("torch") and "." not in name else name
+    for prefix in ("linalg", "special"):  # torch.linalg.vector_norm is linalg_vector_norm
+        if module == f"torch._C._{prefix}":
+            return f"torch.{prefix}.{name.removeprefix(prefix + '_')}"
+    return f"torch.{name}" if module.startswith("torch") else name
 
 
 def rules() -> Iterator[Rule]:
@@ -184,19 +185,26 @@ def rules() -> Iterator[Rule]:
             yield entry
 
 
+_FAMILIES = ("pointwise", "shape", "reductions", "windows", "norms", "resize", "random")
+
+
 def docs_rows() -> list[tuple[str, str, str, str]]:
-    """The operations table: (family, operations, what happens on blocks, exact?) per rule;
-    the second column is the rule's docstring, first paragraph."""
-    rows = []
+    """The operations table: (family, operations, what happens on blocks, exact?) per rule
+    function (the functions of all its registrations), by family; the third column is the
+    rule's docstring, first paragraph."""
+    funcs: dict[Callable, list[Callable]] = {}
     for entry in rules():
-        names = sorted({op_name(f) for f in entry.funcs}, key=lambda n: (n.lower(), n))
+        funcs.setdefault(entry.fn, []).extend(entry.funcs)
+    rows = []
+    for fn, served in funcs.items():
+        entry = _RULES[served[0]]
+        names = sorted({op_name(f) for f in served}, key=lambda n: (n.lower(), n))
         shown = ", ".join(f"`{n}`" for n in names[:12])
         if len(names) > 12:
             shown += f" and {len(names) - 12} more"
-        doc = inspect.getdoc(entry.fn) or ""
-        what = " ".join(doc.split("\n\n")[0].split())
+        what = " ".join((inspect.getdoc(fn) or "").split("\n\n")[0].split())
         rows.append((entry.family, shown, what, entry.exact))
-    return rows
+    return sorted(rows, key=lambda r: _FAMILIES.index(r[0]) if r[0] in _FAMILIES else 99)
 
 
 def docs_table() -> str:
