@@ -60,18 +60,52 @@ class Hybrid(nn.Module):
         return self.head(x.mean((2, 3)))
 
 
-SHAPE = (3, 12, 10)  # 10 columns split unevenly over 3 or 4
+class WindowMixer(nn.Module):
+    """Attention inside 4 x 4 windows, as Swin's and MaxViT's: its forward asserts that the
+    window divides the height and width it reads, which on a block of 6 or 5 rows fails."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.qkv = nn.Conv2d(c, 3 * c, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, c, h, w = x.shape
+        assert h % 4 == 0 and w % 4 == 0, f"height ({h}) must be divisible by window (4)"
+
+        def windows(t: torch.Tensor) -> torch.Tensor:  # (N * windows, 16, C)
+            return t.view(n, c, h // 4, 4, w // 4, 4).permute(0, 2, 4, 3, 5, 1).reshape(-1, 16, c)
+
+        q, k, v = self.qkv(x).chunk(3, dim=1)
+        attn = (windows(q) @ windows(k).transpose(1, 2)).softmax(-1)
+        y = (attn @ windows(v)).view(n, h // 4, w // 4, 4, 4, c)
+        return x + y.permute(0, 5, 1, 3, 2, 4).reshape(n, c, h, w)
+
+
+class WindowNet(nn.Module):
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+        self.mixer = WindowMixer(4)
+        self.head = nn.Conv2d(4, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mixer(self.stem(x)))
+
+
+# name -> (network, input shape without the batch)
+NETS = {"hybrid": (Hybrid, (3, 12, 10)), "windows": (WindowNet, (3, 16, 12))}
 
 
 def hybrid_parity(
-    comm: Communicator, grid: dict, steps: int = 2, restore: bool = True
+    comm: Communicator, grid: dict, steps: int = 2, restore: bool = True, net: str = "hybrid"
 ) -> tuple[list[Triple], list[str]]:
-    """The hybrid under ``fallback="gather"`` against the dense model over SGD steps, and the
-    fallback warnings raised. ``restore=False`` (a negative control) leaves the buffers and
-    random generators as the abandoned first forwards left them."""
+    """The network under ``fallback="gather"`` against the dense model over SGD steps, and
+    the fallback warnings raised. ``restore=False`` (a negative control) leaves the buffers
+    and random generators as the abandoned first forwards left them."""
     torch.manual_seed(0)
     g = pk.Grid(comm, **grid)
-    dense = Hybrid(dropout=0.0 if g.data > 1 else 0.3).double()
+    build, shape = NETS[net]
+    dense = build(dropout=0.0 if g.data > 1 else 0.3).double()
     model = pk.parallelize(copy.deepcopy(dense), g, g, fallback="gather")
     rows = torch.arange(4).tensor_split(g.data)[g.coords[0]]
     opt_dense = torch.optim.SGD(dense.parameters(), lr=0.05, momentum=0.9)
@@ -84,7 +118,7 @@ def hybrid_parity(
         warnings.simplefilter("always")
         for step in range(steps):
             gen = torch.Generator().manual_seed(step)
-            x = torch.randn(4, *SHAPE, generator=gen, dtype=torch.float64).requires_grad_()
+            x = torch.randn(4, *shape, generator=gen, dtype=torch.float64).requires_grad_()
             rng = torch.get_rng_state()
             out = dense(x)
             (out.square().sum() / 4).backward()
@@ -115,12 +149,13 @@ def _finally(snapshot):  # the rank process serves later cases: put the function
         spatial_fallback._snapshot = snapshot
 
 
-def hybrid_refused(comm: Communicator) -> str:
+def hybrid_refused(comm: Communicator, net: str = "hybrid") -> str:
     """The refusal under the default fallback, on every rank."""
     g = pk.Grid(comm, rows=comm.size)
-    model = pk.parallelize(Hybrid().double(), g, g)
+    build, shape = NETS[net]
+    model = pk.parallelize(build().double(), g, g)
     try:
-        model(torch.randn(2, *SHAPE, dtype=torch.float64))
+        model(torch.randn(2, *shape, dtype=torch.float64))
     except ValueError as e:
         comm.barrier()  # every rank got here: nobody waits in a collective
         return str(e)

@@ -32,6 +32,44 @@ def test_refused_modules_run_on_whole_images_exactly(ranks, size, grid):
         assert "'down' (SpaceToDepth)" in warned[1] and "MiB per rank" in warned[1], warned
 
 
+@pytest.mark.parametrize(
+    ("size", "grid"), [(2, dict(rows=2)), (3, dict(rows=3)), (2, dict(cols=2))]
+)
+def test_a_module_that_asserts_on_its_blocks_shape_runs_on_whole_images(ranks, size, grid):
+    """Windowed attention asserting that the window divides the height it reads: on blocks of
+    8 rows the assertion holds and its view is refused; on 6 and 5 rows (or 6 columns) the
+    assertion fails on every rank, which agree, and the module is gathered all the same."""
+    for triples, warned in ranks(size).run(hybrid_parity, grid, net="windows", timeout=300):
+        assert_triples(triples)
+        assert len(warned) == 1 and "'mixer' (WindowMixer)" in warned[0], warned
+
+
+def test_a_modules_own_error_on_a_block_is_a_refusal(ranks):
+    for message in ranks(3).run(hybrid_refused, "windows"):
+        assert message.startswith("spatial parallelism: the forward in 'mixer' (WindowMixer) "
+                                  "raised AssertionError (height ("), message  # fmt: skip
+        assert "keep_dense=['mixer']" in message and 'fallback="gather"' in message, message
+
+
+def test_errors_raised_by_parallelkit_itself_are_not_dressed_as_refusals():
+    """A RuntimeError from a frame inside the package (a rule, a layer, a communicator) is a
+    defect or a fault of parallelkit's, and stays what it is; from model code it is refused."""
+    from pathlib import Path
+
+    import parallelkit
+    from parallelkit.parallel.refusal import model_failure
+
+    module = nn.Identity()
+    inside = str(Path(parallelkit.__file__).parent / "spatial" / "rules" / "windows.py")
+    for filename, refused in ((inside, False), ("/somewhere/timm/models/maxxvit.py", True)):
+        try:
+            exec(compile("raise RuntimeError('size mismatch')", filename, "exec"))
+        except RuntimeError as e:
+            got = model_failure({module: "m"}, module, e)
+        assert (got is not None) == refused, filename
+        assert got is None or "raised RuntimeError (size mismatch)" in str(got)
+
+
 def test_negative_control_a_forward_started_again_without_restoring(ranks):
     """Without putting back the running statistics and the dropout generator that the
     abandoned forwards used, the comparison fails."""

@@ -29,6 +29,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves, tree_map
 
+from parallelkit.comm import Communicator
+from parallelkit.parallel.refusal import SpatialRefusal
 from parallelkit.spatial.grid import gather, scatter
 
 FALLBACKS = ("refuse", "gather")
@@ -58,18 +60,24 @@ def _snapshot(model: nn.Module) -> Callable[[], None]:
 
 
 def forward_with_fallback(
-    model: nn.Module, gathered: set[nn.Module], attempt: Callable[[], Any], refusal: type
+    model: nn.Module, gathered: set[nn.Module], attempt: Callable[[], Any], comm: Communicator
 ) -> Any:
     """``attempt()`` (one forward of ``model`` under a guard that gathers ``gathered``), again
-    with each refused operation's module added to ``gathered``, until none is refused."""
+    with each refused operation's module added to ``gathered``, until none is refused. A
+    model's own error on blocks is acted on only where every rank of ``comm`` (the spatial
+    group) raised it in the same module: one host all-gather says so."""
     while True:
         restore = _snapshot(model)
         try:
             return attempt()
-        except refusal as e:
+        except SpatialRefusal as e:
             module = e.module if e.module is not None else model
             if module in gathered:  # its blocks did not come through its arguments
                 raise
+            if not e.same_everywhere:
+                index = list(model.modules()).index(module)
+                if any(row != [index] for row in comm.all_gather_ints([index])):
+                    raise
             gathered.add(module)
             restore()
 

@@ -42,6 +42,7 @@ from parallelkit.nn import spatial_parallel as sp
 from parallelkit.nn import spatial_pooling as spool
 from parallelkit.nn.batchnorm_subclass import _SyncSubclass
 from parallelkit.nn.sync_batchnorm import SyncBatchNorm
+from parallelkit.parallel.refusal import SpatialRefusal, model_failure, refusal
 from parallelkit.parallel.spatial_fallback import gather_inputs, gathered_message, scatter_outputs
 from parallelkit.spatial import layout
 from parallelkit.spatial.grid import SpatialGrid, grid_of
@@ -58,15 +59,6 @@ _SPATIAL = (
 )
 _NORMS = (SyncBatchNorm, _SyncSubclass)
 Size = tuple[int, ...]
-
-
-class SpatialRefusal(ValueError):
-    """An operation on blocks without an exact rule; ``module`` is the innermost module of
-    the model whose forward was running (None: the model's own forward)."""
-
-    def __init__(self, message: str, module: nn.Module | None) -> None:
-        super().__init__(message)
-        self.module = module
 
 
 class SpatialGuard(TorchFunctionMode):
@@ -152,9 +144,11 @@ class SpatialGuard(TorchFunctionMode):
             return layout.replicated(t, self.comm)
         return t
 
-    def module(self) -> nn.Module | None:
-        """The innermost module of the model whose forward is running."""
-        return next((e[0] for e in reversed(self._stack) if e is not None), None)
+    def module(self, with_blocks: bool = False) -> nn.Module | None:
+        """The innermost module of the model whose forward is running (that was given blocks
+        of split images, if asked)."""
+        entries = (e for e in reversed(self._stack) if e is not None and (e[2] or not with_blocks))
+        return next((e[0] for e in entries), None)
 
     def warn_once(self, key: Any, message: str) -> None:
         if key not in self.warned:
@@ -188,12 +182,6 @@ class SpatialGuard(TorchFunctionMode):
         ]
         layout.push(self)
         return super().__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        super().__exit__(*exc)
-        layout.pop()
-        for hook in self._hooks:
-            hook.remove()
 
     def _enter_module(self, module: nn.Module, args: tuple) -> tuple | None:
         if self._trusted or module not in self.names:
@@ -277,16 +265,17 @@ class SpatialGuard(TorchFunctionMode):
     def refuse(self, op: str, why: str, module: nn.Module | None = None) -> SpatialRefusal:
         """The refusal of ``op`` (raise it), naming the module and the ways out."""
         module = module if module is not None else self.module()
-        path = self.names.get(module, "") if module is not None else ""
-        where = f"in {path!r} ({type(module).__name__})" if path else "in the model's forward"
-        name = repr(path) if path else "..., naming the module that does it"
-        return SpatialRefusal(
-            f"spatial parallelism: {op} {where} touches a block of split images, and {why}; "
-            f"pass keep_dense=[{name}] to run that module on whole images from there on, or "
-            f'fallback="gather" to run it on gathered whole images and split again after '
-            f"it, or use the data or channel strategy",
-            module,
-        )
+        return refusal(self.names, module, op, f"touches a block of split images, and {why}")
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        super().__exit__(exc_type, exc, tb)
+        layout.pop()
+        for hook in self._hooks:
+            hook.remove()
+        if exc is not None and not isinstance(exc, SpatialRefusal):
+            refused = model_failure(self.names, self.module(with_blocks=True), exc)
+            if refused is not None:
+                raise refused from exc
 
 
 def _comms(module: nn.Module) -> tuple[Any, Any]:

@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_map
 import parallelkit.functional as pkf
 from parallelkit.comm import Communicator
 from parallelkit.parallel.spatial_fallback import check_fallback, forward_with_fallback
-from parallelkit.parallel.spatial_guard import SpatialGuard, SpatialRefusal
+from parallelkit.parallel.spatial_guard import SpatialGuard
 from parallelkit.spatial import layout
 from parallelkit.spatial.grid import gather, grid_of, scatter
 
@@ -82,7 +82,7 @@ class SpatialRegion(nn.Module):
                 return guard, self.module(x_blk, *args, **kwargs)
 
         if self.fallback == "gather":
-            guard, y = forward_with_fallback(self.module, self._gathered, attempt, SpatialRefusal)
+            guard, y = forward_with_fallback(self.module, self._gathered, attempt, self.comm)
         else:
             guard, y = attempt()
 
