@@ -183,6 +183,18 @@ class SpatialGuard(TorchFunctionMode):
         layout.push(self)
         return super().__enter__()
 
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        """Leaves the mode; a model's own error on blocks leaves as a refusal (not one raised
+        inside a gathered module, which computes on whole tensors)."""
+        super().__exit__(exc_type, exc, tb)
+        layout.pop()
+        for hook in self._hooks:
+            hook.remove()
+        if exc is not None and not isinstance(exc, SpatialRefusal) and not self._gathering:
+            refused = model_failure(self.names, self.module(with_blocks=True), exc)
+            if refused is not None:
+                raise refused from exc
+
     def _enter_module(self, module: nn.Module, args: tuple) -> tuple | None:
         if self._trusted or module not in self.names:
             self._stack.append(None)
@@ -266,16 +278,6 @@ class SpatialGuard(TorchFunctionMode):
         """The refusal of ``op`` (raise it), naming the module and the ways out."""
         module = module if module is not None else self.module()
         return refusal(self.names, module, op, f"touches a block of split images, and {why}")
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        super().__exit__(exc_type, exc, tb)
-        layout.pop()
-        for hook in self._hooks:
-            hook.remove()
-        if exc is not None and not isinstance(exc, SpatialRefusal):
-            refused = model_failure(self.names, self.module(with_blocks=True), exc)
-            if refused is not None:
-                raise refused from exc
 
 
 def _comms(module: nn.Module) -> tuple[Any, Any]:
