@@ -32,10 +32,11 @@ def _without(hw: HW, removed: list[int], ndim: int) -> HW:
     return hw[0] + sum(d > h for d in removed), hw[1] + sum(d > w for d in removed)
 
 
-@rule(*ops("view reshape flatten unflatten view_as reshape_as squeeze unsqueeze", torch, Tensor))
+@rule(*ops("view reshape flatten unflatten view_as reshape_as squeeze unsqueeze", torch, Tensor),
+      params="input, *_, **__")  # fmt: skip
 def reshape(g: Guard, call: Call) -> Any:
     """Local where the dimensions from H on come out unchanged (only leading ones regrouped)."""
-    x, out = call.args[0], call.run()
+    x, out = call["input"], call.run()
     hw = g.hw(x)
     k = -min(hw)
     if isinstance(out, Tensor) and out.dim() >= k and out.shape[-k:] == x.shape[-k:]:
@@ -44,10 +45,11 @@ def reshape(g: Guard, call: Call) -> Any:
     raise g.refuse(call.name, f"{tuple(x.shape)} -> {shape} merges H or W")
 
 
-@rule(*ops("permute transpose swapaxes swapdims movedim moveaxis", torch, Tensor))
+@rule(*ops("permute transpose swapaxes swapdims movedim moveaxis", torch, Tensor),
+      params="input, *_, **__")  # fmt: skip
 def permute(g: Guard, call: Call) -> Any:
     """Local; the record follows H and W to their new places (channels last and back)."""
-    x, out = call.args[0], call.run()
+    x, out = call["input"], call.run()
     probe = torch.empty((1,) * x.dim(), device="meta").as_strided(
         x.shape, tuple(range(1, x.dim() + 1))
     )  # strides 1..n tell which input dimension lands where
@@ -68,7 +70,7 @@ def _along(g: Guard, call: Call, dim: int) -> int:
 
 
 @rule(*ops("split chunk tensor_split split_with_sizes", torch, Tensor),
-      params="input, sections, dim=0, *_, **__")  # fmt: skip
+      params="input, sections=None, dim=0, *_, **__")  # fmt: skip
 def split(g: Guard, call: Call) -> Any:
     """Local along channels or the batch (or the channels of a channels-last block)."""
     _along(g, call, call["dim"])
