@@ -9,6 +9,8 @@ test_parallelize.py.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -248,6 +250,32 @@ def test_operations_without_an_exact_rule_are_refused(name):
         op(x)
     assert why in str(info.value)
     assert "keep_dense=[" in str(info.value)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_instance_norm_with_running_statistics(training):
+    """nn.InstanceNorm2d(track_running_stats=True): the output, the gradients and, in
+    training, the running statistics as torch updates them."""
+    guard, x = guarded()
+    norm = nn.InstanceNorm2d(4, affine=True, track_running_stats=True).double()
+    with torch.no_grad():
+        norm.running_mean.uniform_(-1, 1)
+        norm.running_var.uniform_(0.5, 2)
+        norm.weight.uniform_(0.5, 2)
+    dense = copy.deepcopy(norm).train(training)
+    x64, x_dense = x.double(), X.double().requires_grad_()
+    guard.mark(x64, size=(5, 6))
+    with guard:
+        y = norm.train(training)(x64)
+    assert guard.is_split(y)
+    want = dense(x_dense)
+    torch.testing.assert_close(y, want)
+    (y * torch.linspace(-1, 1, 6)).sum().backward()
+    (want * torch.linspace(-1, 1, 6)).sum().backward()
+    torch.testing.assert_close(x.grad, x_dense.grad.float())
+    torch.testing.assert_close(norm.weight.grad, dense.weight.grad)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(norm, name), getattr(dense, name))
 
 
 def test_reflecting_more_rows_than_the_image_is_a_value_error():

@@ -44,13 +44,27 @@ def group_norm(g: Guard, call: Call) -> Tensor:
       params="input, running_mean=None, running_var=None, weight=None, bias=None, "
       "use_input_stats=True, momentum=0.1, eps=1e-5")  # fmt: skip
 def instance_norm(g: Guard, call: Call) -> Tensor:
-    """Without running statistics: group norm with one channel per group. With them:
-    refused."""
-    x = call["input"]
+    """With each image's own statistics: group norm with one channel per group; running
+    statistics, where given, updated as torch does, from the whole images' means and unbiased
+    variances averaged over the batch. With the running statistics (eval): pointwise."""
+    x, mean, var = call["input"], call["running_mean"], call["running_var"]
     nchw(g, call, x)
-    if call["running_mean"] is not None or not call["use_input_stats"]:
-        raise g.refuse(call.name, "its running statistics have no rule")
-    return _group_norm(g, x, x.shape[1], call["weight"], call["bias"], call["eps"])
+    c, eps, momentum = x.shape[1], call["eps"], call["momentum"]
+    if not call["use_input_stats"]:
+        with g.rules():
+            y = (x - mean.view(1, c, 1, 1)) / torch.sqrt(var.view(1, c, 1, 1) + eps)
+            if call["weight"] is not None:
+                y = y * call["weight"].view(1, c, 1, 1)
+            return y + call["bias"].view(1, c, 1, 1) if call["bias"] is not None else y
+    if (mean is not None or var is not None) and momentum is None:
+        raise g.refuse(call.name, "momentum=None (a cumulative average) has no rule")
+    if mean is not None or var is not None:
+        with torch.no_grad(), g.rules():
+            stats = (x.mean((2, 3)).mean(0), x.var((2, 3)).mean(0))
+        for running, new in zip((mean, var), stats, strict=True):
+            if running is not None:
+                running.mul_(1 - momentum).add_(new.to(running.dtype), alpha=momentum)
+    return _group_norm(g, x, c, call["weight"], call["bias"], eps)
 
 
 @rule(F.layer_norm, params="input, normalized_shape, weight=None, bias=None, eps=1e-5")
