@@ -54,6 +54,7 @@ def test_round_trip_through_saved_yaml(tmp_path):
         (["optim.momentum=1.5"], "optim.momentum=1.5 must be in"),
         (["train.keep_checkpoints=0"], "train.keep_checkpoints"),
         (["train.fail_how=segfault"], "train.fail_how"),
+        (["parallel.fallback=whole"], "parallel.fallback"),
         (["model.stem=tiny"], "model.stem"),
         (["optim.betas=[0.5"], "not valid YAML"),
     ],

@@ -106,6 +106,9 @@ class ParallelConfig:
     # a model with parameters that get no gradient (smp's encoder_depth < 5 keeps the unused
     # deeper stages): DataParallel then reduces a "used" flag with every bucket
     find_unused_parameters: bool = False
+    # under spatial parallelism, an operation without an exact rule on blocks: "refuse" (a
+    # ValueError before any rank waits) or "gather" (its module runs on whole images)
+    fallback: str = "refuse"
 
 
 @dataclass
@@ -236,6 +239,7 @@ def validate(cfg: Config) -> None:
     _one_of(o.schedule, SCHEDULES, "optim.schedule")
     _one_of(t.precision, PRECISIONS, "train.precision")
     _one_of(p.device, DEVICES, "parallel.device")
+    _one_of(p.fallback, ("refuse", "gather"), "parallel.fallback")
     _one_of(t.fail_how, FAULTS, "train.fail_how")
     if cfg.model.name.startswith("resnet"):
         _one_of(cfg.model.stem, STEMS, "model.stem")

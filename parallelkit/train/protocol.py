@@ -112,6 +112,7 @@ class Task:
             self.grid,
             self.grid,
             bucket_cap_mb=self.cfg.parallel.bucket_cap_mb,
+            fallback=self.cfg.parallel.fallback,
             **parallelize_kwargs,
         )
         opt = build_optimizer(

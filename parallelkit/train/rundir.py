@@ -58,6 +58,7 @@ ALLOWED_TO_DIFFER = (
     "train.fail_how",
     "parallel.ranks",  # the data dimension may change on resume
     "parallel.backend",
+    "parallel.fallback",  # the same numbers either way: only whether a refusal stops the run
     "parallel.timeout",
     "parallel.bucket_cap_mb",
     "data.workers",
