@@ -3,6 +3,7 @@
 #   make test   ruff + the whole suite: pure and gloo tiers, the mpiexec tier on 1-4 ranks, the XLA
 #               tier, the GPU tier (skipped without CUDA), and the model-zoo tier (pk.parallelize
 #               on torchvision, timm and smp networks, in .venv-zoo)
+#   make test-fast  the inner loop (~4 min): ruff, the pure tests and the 2-rank pool tests
 # and: make bench (every script under benchmarks/ but the peers, ~50 min; results under
 #                  benchmarks/results/)
 #      make bench-peers (ChainerMN and torch's DDP/SyncBatchNorm/DTensor next to parallelkit)
@@ -36,7 +37,7 @@ CHAINER_VENV ?= .venv-chainer
 CHAINER_PY := $(CHAINER_VENV)/bin/python
 CHAINER ?= chainer==7.8.1
 
-.PHONY: run test lint test-py test-mpi test-xla test-gpu test-zoo bench bench-peers plots clean
+.PHONY: run test test-fast lint test-py test-mpi test-xla test-gpu test-zoo bench bench-peers plots clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -78,6 +79,11 @@ run: $(VENV)/.installed
 	$(VENV)/bin/parallelkit train train.overwrite=true
 
 test: lint test-py test-mpi test-xla test-gpu test-zoo
+
+# Pure tests and the pool tests on 2 ranks (tests/conftest.py: --fast); no subprocess runs of
+# parallelkit train, no 1-, 3- or 4-rank cases, no mpiexec, XLA or zoo tiers.
+test-fast: lint
+	$(PY) -m pytest -q -p no:cacheprovider --durations=5 --fast tests
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check parallelkit tests benchmarks examples

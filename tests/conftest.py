@@ -1,27 +1,63 @@
-"""Shared fixtures: pools of local gloo ranks, started once per world size and reused."""
+"""Shared fixtures: pools of local gloo ranks, started once per world size and reused.
+
+``pytest --fast tests`` (``make test-fast``) is the inner loop: the pure tests and the pool
+tests on 2 ranks. It leaves out the end-to-end modules (``parallelkit train`` and the examples
+as subprocesses, faults, the lazy-device tier) and every case on 1, 3 or 4 ranks; ``make test``
+runs them all.
+"""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 
 import pytest
 
 from parallelkit.testing import Ranks
 
+# Whole modules of subprocess runs (seconds each) or lazy-tensor tracing: not in --fast.
+SLOW_MODULES = {
+    "test_train.py", "test_train_segment.py", "test_examples.py", "test_faults.py",
+    "test_device_discipline.py",
+}  # fmt: skip
+FAST_SIZES = (2,)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--fast", action="store_true",
+        help="the inner loop: pure tests and 2-rank pool tests only (make test-fast)",
+    )  # fmt: skip
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.getoption("--fast"):
+        return
+    keep, drop = [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        slow = item.path.name in SLOW_MODULES or item.path.parent.name != "tests"
+        sizes = [params[k] for k in ("size", "ranks") if isinstance(params.get(k), int)]
+        (drop if slow or any(n not in FAST_SIZES for n in sizes) else keep).append(item)
+    config.hook.pytest_deselected(items=drop)
+    items[:] = keep
+
 
 @pytest.fixture(scope="session")
-def ranks() -> Iterator[Callable[[int], Ranks]]:
+def ranks(pytestconfig: pytest.Config) -> Iterator[Callable[[int], Ranks]]:
     """``ranks(n)`` is a pool of n gloo ranks; ``ranks(n).run(fn, ...)`` runs fn on each."""
     pools: dict[int, Ranks] = {}
+    fast = pytestconfig.getoption("--fast")
 
     def get(n: int) -> Ranks:
+        if fast and n not in FAST_SIZES:
+            pytest.skip(f"--fast runs 2-rank pools only; this case needs {n} ranks")
         if n not in pools:
             pools[n] = Ranks(n, "gloo")
         return pools[n]
 
     yield get
-    for pool in pools.values():
-        pool.close()
+    close_all(pools.values())
 
 
 @pytest.fixture(scope="session")
@@ -36,5 +72,16 @@ def device_ranks() -> Iterator[Callable[[int], Ranks]]:
         return pools[n]
 
     yield get
-    for pool in pools.values():
+    close_all(pools.values())
+
+
+def close_all(pools) -> None:
+    """Close pools together: every worker is told to stop first, so that their exits (each
+    rank's leave-together barrier and process-group teardown) overlap instead of queueing."""
+    pools = list(pools)
+    for pool in pools:
+        for inbox in getattr(pool, "_inboxes", []):
+            with contextlib.suppress(Exception):
+                inbox.put(None)
+    for pool in pools:
         pool.close()
