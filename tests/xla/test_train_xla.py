@@ -19,20 +19,31 @@ RUN = [
 ]  # fmt: skip
 
 
-def losses(run_dir: Path, *overrides: str) -> tuple[list[float], str]:
+def start(run_dir: Path, *overrides: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "parallelkit.cli", "train", f"train.run_dir={run_dir}", *RUN]
-    proc = subprocess.run(
-        [*cmd, *overrides], capture_output=True, text=True, timeout=600,
+    return subprocess.Popen(
+        [*cmd, *overrides], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, **XLA_ENV, "CPU_NUM_DEVICES": "1"},
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def losses(run_dir: Path, proc: subprocess.Popen) -> tuple[list[float], str]:
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
     records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-    return [r["loss"] for r in records if r["kind"] == "train"], proc.stdout
+    return [r["loss"] for r in records if r["kind"] == "train"], stdout
 
 
 def test_train_on_xla_equals_cpu(tmp_path):
-    cpu, _ = losses(tmp_path / "cpu", "parallel.backend=local")
-    xla, table = losses(tmp_path / "xla", "parallel.backend=xla")
+    # Both at once, one core each.
+    procs = {name: start(tmp_path / name, f"parallel.backend={backend}")
+             for name, backend in (("cpu", "local"), ("xla", "xla"))}  # fmt: skip
+    try:
+        cpu, _ = losses(tmp_path / "cpu", procs["cpu"])
+        xla, table = losses(tmp_path / "xla", procs["xla"])
+    finally:
+        for proc in procs.values():
+            proc.kill()
     assert "1 (xla)" in table  # the run really was on the XLA device
     assert len(xla) == 4 and len(set(xla)) == 4  # it trained
     torch.testing.assert_close(torch.tensor(xla), torch.tensor(cpu), rtol=1e-4, atol=1e-5)
