@@ -12,12 +12,19 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from zoo_cases import STRATEGIES
 from zoo_run import Pools
 
 
 @pytest.fixture(scope="session")
-def pools() -> Iterator[Pools]:
-    """``pools(n)``: n gloo ranks, started once and reused by every case (zoo_run.Pools)."""
-    p = Pools()
+def pools(request: pytest.FixtureRequest) -> Iterator[Pools]:
+    """``pools(n)``: one pool of gloo ranks, as many as the largest selected case needs,
+    started once and shared by every case, whatever the order (zoo_run.Pools)."""
+    sizes = [
+        STRATEGIES[item.callspec.params["strategy"]][0]
+        for item in request.session.items
+        if "strategy" in getattr(getattr(item, "callspec", None), "params", {})
+    ]
+    p = Pools(least=max(sizes, default=2))
     yield p
     p.close()

@@ -2,14 +2,20 @@
 
     .venv-zoo/bin/python tests/zoo/survey.py                    # all -> tests/zoo/survey.md
     .venv-zoo/bin/python tests/zoo/survey.py --arch "tv resnet18" --strategy rows
+    .venv-zoo/bin/python tests/zoo/survey.py --fallback gather  # only the gather cases
     .venv-zoo/bin/python tests/zoo/survey.py --write-expected   # and refresh EXPECTED
 
 Each case runs on local gloo ranks (2, or 4 for "data x rows") with one thread each, as
-``test_zoo.py`` runs it, and is classified by ``zoo_run.classify``. ``--write-expected``
-rewrites the EXPECTED table in ``zoo_cases.py`` from this run (all cases must have run), so
-that the tests' strict xfail marks follow the library. The markdown lists the reason of every
-case that is not exact below the table. Seconds per case are shown to keep the tier's budget
-in view; the tests never time anything.
+``test_zoo.py`` runs it, and is classified by ``zoo_run.classify``. Two modes, both by default:
+``--fallback refuse`` runs every case as ``pk.parallelize`` runs by default; ``--fallback
+gather`` runs the cases refused under a spatial strategy (``zoo_cases.gather_cases``: by this
+run's refuse outcomes where it has them, else by EXPECTED) again with ``fallback="gather"``.
+``--write-expected`` rewrites EXPECTED and EXPECTED_GATHER in ``zoo_cases.py`` from this run,
+keeping the recorded outcome of every case not run this time, so that the tests' strict xfail
+marks follow the library. The markdown has a column per strategy, then one per spatial
+strategy under gather, a count per column, and the reason of every case that is not exact
+below the table. Seconds per case are shown to keep the tier's budget in view; the tests never
+time anything.
 """
 
 from __future__ import annotations
@@ -29,72 +35,112 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
-from zoo_cases import ARCHS, EXPECTED, STRATEGIES, cases  # noqa: E402
+from zoo_cases import (  # noqa: E402
+    ARCHS,
+    EXPECTED,
+    EXPECTED_GATHER,
+    SPATIAL,
+    STRATEGIES,
+    cases,
+    gather_cases,
+)
+from zoo_parity import FALLBACKS  # noqa: E402
 from zoo_run import Outcome, Pools, run_case  # noqa: E402
 
 MARK = {"exact": "exact", "refused": "refused", "wrong": "**WRONG**", "crash": "**CRASH**"}
+RECORDED = {"refuse": EXPECTED, "gather": EXPECTED_GATHER}
+Case = tuple[str, str]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", action="append", help="architecture (repeatable); default all")
     parser.add_argument("--strategy", action="append", help="strategy (repeatable); default all")
+    parser.add_argument(
+        "--fallback", action="append", choices=FALLBACKS,
+        help="pk.parallelize's fallback (repeatable); default both: refuse for every case, "
+        "gather for the cases refused under a spatial strategy",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=HERE / "survey.md")
     parser.add_argument("--write-expected", action="store_true")
     args = parser.parse_args()
     archs = args.arch or list(ARCHS)
     strategies = args.strategy or list(STRATEGIES)
+    modes = args.fallback or list(FALLBACKS)
     for name in archs:
         if name not in ARCHS:
             parser.error(f"unknown architecture {name!r}; one of {list(ARCHS)}")
     for name in strategies:
         if name not in STRATEGIES:
             parser.error(f"unknown strategy {name!r}; one of {list(STRATEGIES)}")
+    chosen = [c for c in cases() if c[0] in archs and c[1] in strategies]
 
     # A plain kill still stops the ranks (the finally below), instead of orphaning them.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("survey.py: terminated"))
-    results: dict[tuple[str, str], Outcome] = {}
-    seconds: dict[tuple[str, str], float] = {}
-    pools = Pools()
+    results: dict[str, dict[Case, Outcome]] = {mode: {} for mode in FALLBACKS}
+    seconds: dict[str, dict[Case, float]] = {mode: {} for mode in FALLBACKS}
+    pools = Pools(least=max((STRATEGIES[s][0] for _, s in chosen), default=2))
     start = time.monotonic()
     try:
-        for arch, strategy in cases():  # grouped by pool size: each pool starts once
-            if arch in archs and strategy in strategies:
+        for mode in FALLBACKS:
+            if mode not in modes:
+                continue
+            todo = chosen if mode == "refuse" else [
+                c for c in gather_cases(refuse_labels(results["refuse"])) if c in chosen
+            ]  # fmt: skip
+            for arch, strategy in todo:
                 t0 = time.monotonic()
-                outcome = run_case(pools, arch, strategy)
-                seconds[arch, strategy] = time.monotonic() - t0
-                results[arch, strategy] = outcome
-                took = seconds[arch, strategy]
-                print(f"{arch:32s} {strategy:12s} {outcome.kind:8s} {took:5.1f}s "
+                outcome = run_case(pools, arch, strategy, fallback=mode)
+                seconds[mode][arch, strategy] = took = time.monotonic() - t0
+                results[mode][arch, strategy] = outcome
+                print(f"{arch:32s} {strategy:12s} {mode:6s} {outcome.kind:8s} {took:5.1f}s "
                       f"{outcome.reason[:150]}", flush=True)  # fmt: skip
     finally:
         pools.close()
     total = time.monotonic() - start
     if args.write_expected:
         # Cases not run this time keep their recorded outcome: a partial run refreshes a part.
-        merged = {case: results.get(case) or recorded(case) for case in cases()
-                  if case in results or case in EXPECTED}  # fmt: skip
-        if missing := [case for case in cases() if case not in merged]:
+        merged = {"refuse": merge(results["refuse"], cases(), EXPECTED)}
+        missing = [c for c in cases() if c not in merged["refuse"]]
+        if missing:
             sys.exit(f"--write-expected: {len(missing)} cases have no outcome yet: {missing}")
+        wanted = gather_cases(refuse_labels(merged["refuse"]))
+        merged["gather"] = merge(results["gather"], wanted, EXPECTED_GATHER)
+        if missing := [c for c in wanted if c not in merged["gather"]]:
+            print(f"--write-expected: {len(missing)} gather cases have no outcome yet (run "
+                  f"survey.py --fallback gather --write-expected): {missing}")  # fmt: skip
         write_expected(merged)
-        print(f"wrote EXPECTED in {HERE / 'zoo_cases.py'}")
+        print(f"wrote EXPECTED and EXPECTED_GATHER in {HERE / 'zoo_cases.py'}")
         results, archs, strategies = merged, list(ARCHS), list(STRATEGIES)
     args.out.write_text(markdown(results, seconds, archs, strategies, total))
     print(f"wrote {args.out} ({total:.0f} s)")
 
 
-def recorded(case: tuple[str, str]) -> Outcome:
-    """The outcome EXPECTED records for ``case`` (its label back to a kind)."""
-    label, reason = EXPECTED[case]
-    return Outcome(label.split(" ")[0], reason)
+def refuse_labels(results: dict[Case, Outcome]) -> dict[Case, str]:
+    """Labels under refuse: this run's where it has them, else EXPECTED's."""
+    labels = {case: label for case, (label, _) in EXPECTED.items()}
+    labels.update({case: o.label for case, o in results.items()})
+    return labels
+
+
+def merge(run: dict[Case, Outcome], wanted: list[Case], recorded: dict) -> dict[Case, Outcome]:
+    """``wanted``'s outcomes, from this run or else as ``recorded`` (in ``wanted``'s order)."""
+    out = {}
+    for case in wanted:
+        if case in run:
+            out[case] = run[case]
+        elif case in recorded:
+            label, reason = recorded[case]
+            out[case] = Outcome(label.split(" ")[0], reason)
+    return out
 
 
 def markdown(results, seconds, archs, strategies, total) -> str:
-    counts: dict[str, int] = {}
-    for o in results.values():
-        counts[o.label] = counts.get(o.label, 0) + 1
     import parallelkit
 
+    groups = [("refuse", s) for s in strategies]
+    groups += [("gather", s) for s in strategies if s in SPATIAL and results["gather"]]
+    counts = {mode: _counts(results[mode].values()) for mode in FALLBACKS}
     lines = [
         "# Model zoo survey",
         "",
@@ -105,50 +151,77 @@ def markdown(results, seconds, archs, strategies, total) -> str:
         "failure; ·: not run (the 4-rank strategy runs the FOUR_RANKS subset). Numbers in "
         "brackets point to the reasons below the table.",
         "",
+        'The columns marked *gather* run `fallback="gather"` on the cases refused under the '
+        'default (`fallback="refuse"`) with a spatial strategy: each must be exact. Elsewhere '
+        "nothing is refused, so nothing would be gathered (·).",
+        "",
         f"Command: `.venv-zoo/bin/python tests/zoo/survey.py`; torch {torch.__version__}, "
         f"parallelkit {parallelkit.__version__}, {platform.machine()}, "
         f"{os.cpu_count()} cores, {total:.0f} s in all. "
-        + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())),
+        + "; ".join(f"{mode}: " + _count_text(c) for mode, c in counts.items() if c),
         "",
-        "| architecture | " + " | ".join(strategies) + " |",
-        "|---|" + "---|" * len(strategies),
+        "| architecture | "
+        + " | ".join(s if mode == "refuse" else f"{s} *gather*" for mode, s in groups)
+        + " |",
+        "|---|" + "---|" * len(groups),
     ]
     notes: list[str] = []
     for arch in archs:
         cells = []
-        for s in strategies:
-            o = results.get((arch, s))
+        for mode, s in groups:
+            o = results[mode].get((arch, s))
             if o is None:
-                cells.append("·")  # not part of the tier (FOUR_RANKS) or not run this time
+                cells.append("·")  # not part of the tier (FOUR_RANKS, gather) or not run
                 continue
             cell = MARK[o.kind] + (" (no remedy)" if o.label == "refused (no remedy)" else "")
             if o.reason:
-                notes.append(f"{len(notes) + 1}. {arch}, {s}: {o.kind}: {o.reason}")
+                where = s if mode == "refuse" else f"{s}, gather"
+                notes.append(f"{len(notes) + 1}. {arch}, {where}: {o.kind}: {o.reason}")
                 cell += f" [{len(notes)}]"
-            took = seconds.get((arch, s))
+            took = seconds[mode].get((arch, s))
             cells.append(cell if took is None else f"{cell} {took:.0f}s")
         lines.append(f"| {arch} | " + " | ".join(cells) + " |")
+    per_column = [
+        _count_text(_counts(o for (a, s), o in results[mode].items() if s == strategy))
+        for mode, strategy in groups
+    ]
+    lines.append("| *all* | " + " | ".join(per_column) + " |")
     lines += ["", "## Reasons", "", *notes, ""]
     return "\n".join(lines)
 
 
-def write_expected(results: dict[tuple[str, str], Outcome]) -> None:
-    """Replace the EXPECTED block of zoo_cases.py with this run's outcomes."""
+def _counts(outcomes) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for o in outcomes:
+        counts[o.label] = counts.get(o.label, 0) + 1
+    return counts
+
+
+def _count_text(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) or "·"
+
+
+def write_expected(results: dict[str, dict[Case, Outcome]]) -> None:
+    """Replace the EXPECTED and EXPECTED_GATHER blocks of zoo_cases.py with ``results``."""
     path = HERE / "zoo_cases.py"
     text = path.read_text()
-    head, rest = text.split("# BEGIN EXPECTED\n")
-    _, tail = rest.split("# END EXPECTED\n")
-    body = ["EXPECTED: dict[tuple[str, str], tuple[str, str]] = {"]
-    for (arch, s), o in results.items():
-        reason = o.reason if len(o.reason) <= 300 else o.reason[:297] + "..."
-        pieces = [reason[i : i + 72] for i in range(0, len(reason), 72)] or [""]
-        body.append(f"    ({arch!r}, {s!r}): (")
-        body.append(f"        {o.label!r},")
-        body += [f"        {p!r}" for p in pieces[:-1]]
-        body.append(f"        {pieces[-1]!r},")
-        body.append("    ),")
-    body.append("}")
-    path.write_text(head + "# BEGIN EXPECTED\n" + "\n".join(body) + "\n# END EXPECTED\n" + tail)
+    blocks = (("refuse", "EXPECTED", "# BEGIN EXPECTED\n"),
+              ("gather", "EXPECTED_GATHER", "# BEGIN EXPECTED GATHER\n"))  # fmt: skip
+    for mode, name, begin in blocks:
+        head, rest = text.split(begin)
+        _, tail = rest.split(begin.replace("BEGIN", "END"), 1)
+        body = [f"{name}: dict[tuple[str, str], tuple[str, str]] = {{"]
+        for (arch, s), o in results[mode].items():
+            reason = o.reason if len(o.reason) <= 300 else o.reason[:297] + "..."
+            pieces = [reason[i : i + 72] for i in range(0, len(reason), 72)] or [""]
+            body.append(f"    ({arch!r}, {s!r}): (")
+            body.append(f"        {o.label!r},")
+            body += [f"        {p!r}" for p in pieces[:-1]]
+            body.append(f"        {pieces[-1]!r},")
+            body.append("    ),")
+        body.append("}")
+        text = head + begin + "\n".join(body) + "\n" + begin.replace("BEGIN", "END") + tail
+    path.write_text(text)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,11 @@ green, documents every known defect, and turns red the moment a fix lands (XPASS
 table gets refreshed. A case that keeps the promise must keep today's outcome too (an exact
 case that starts refusing is a regression).
 
+Under ``fallback="gather"`` (``test_exact_under_gather``) every case that is refused today under a
+spatial strategy must be exact: the refused operation's smallest enclosing module runs on
+gathered whole images. Its outcomes are in ``zoo_cases.EXPECTED_GATHER``, marked as above. The
+test is skipped while ``pk.parallelize`` takes no ``fallback`` keyword.
+
 The negative controls show that the classifier cannot pass vacuously: a model run on each
 rank's block without halo exchange, and a gradient perturbed by 1e-6 on one rank, must both
 come out "wrong"; and the merging of rank reports is checked without processes.
@@ -14,21 +19,27 @@ come out "wrong"; and the merging of rank reports is checked without processes.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
-from zoo_cases import ARCHS, EXPECTED, cases
+import parallelkit as pk
+
+from zoo_cases import ARCHS, EXPECTED, EXPECTED_GATHER, cases, gather_cases
 from zoo_run import PROMISED, Outcome, classify, elide, names_a_remedy, run_case
 
 REFRESH = "refresh the table: .venv-zoo/bin/python tests/zoo/survey.py --write-expected"
+HAS_FALLBACK = "fallback" in inspect.signature(pk.parallelize).parameters
 
 
-def _cases():
-    for arch, strategy in cases():  # grouped by pool size (zoo_run.Pools keeps one at a time)
-        label, reason = EXPECTED.get((arch, strategy), ("exact", ""))
+def _cases(which: list[tuple[str, str]], expected: dict, promised: tuple[str, ...]):
+    for arch, strategy in which:
+        label, reason = expected.get((arch, strategy), ("exact", ""))
         marks = []
-        if label not in PROMISED:
+        if label not in promised:
             what = {"wrong": "silently wrong", "crash": "crashes",
-                    "refused (no remedy)": "refused without saying what to do"}[label]  # fmt: skip
+                    "refused (no remedy)": "refused without saying what to do",
+                    "refused": "still refused"}[label]  # fmt: skip
             marks.append(pytest.mark.xfail(strict=True, reason=f"{what} today: {reason}"))
         yield pytest.param(arch, strategy, label, id=f"{arch}-{strategy}", marks=marks)
 
@@ -79,9 +90,11 @@ def test_classify_merges_rank_reports():
 
 
 # ----------------------------------------------------------------------------- the zoo
-# After the controls, which share the 2-rank pool with the first cases (one pool at a time).
+# One pool of ranks serves every case, whatever the order (zoo_run.Pools).
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("arch", "strategy", "expected"), list(_cases()))
+@pytest.mark.parametrize(
+    ("arch", "strategy", "expected"), list(_cases(cases(), EXPECTED, PROMISED))
+)
 def test_exact_or_refused(pools, arch, strategy, expected):
     got = run_case(pools, arch, strategy)
     assert got.kind in PROMISED, f"{got.kind}: {got.reason}"
@@ -93,7 +106,24 @@ def test_exact_or_refused(pools, arch, strategy, expected):
     )
 
 
+@pytest.mark.skipif(
+    not HAS_FALLBACK,
+    reason="pk.parallelize has no fallback= keyword yet (inspect.signature); the gather cases "
+    "run once it does",
+)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("arch", "strategy", "expected"), list(_cases(gather_cases(), EXPECTED_GATHER, ("exact",)))
+)
+def test_exact_under_gather(pools, arch, strategy, expected):
+    """Refused under ``fallback="refuse"``, so exact under ``fallback="gather"``."""
+    got = run_case(pools, arch, strategy, fallback="gather")
+    assert got.kind == "exact", f"{got.label}: {got.reason}"
+
+
 def test_every_case_has_an_expected_outcome():
     assert set(EXPECTED) == set(cases()), REFRESH
-    assert len(ARCHS) >= 25
+    if HAS_FALLBACK:
+        assert set(EXPECTED_GATHER) == set(gather_cases()), REFRESH
+    assert len(ARCHS) >= 47
     assert {a.source for a in ARCHS.values()} == {"torchvision", "timm", "smp"}
