@@ -108,7 +108,8 @@ test-xla: $(XLA_VENV)/.installed
 test-gpu: $(VENV)/.installed
 	$(PY) -m pytest -q -p no:cacheprovider tests/gpu
 
-# pk.parallelize on 32 real networks x 5 strategies against the dense model (docs/zoo.md).
+# pk.parallelize on 51 real networks x 4 strategies (4 of them also on data x rows) against
+# the dense model, and the spatially refused ones again under fallback="gather" (docs/zoo.md).
 test-zoo: $(ZOO_VENV)/.installed
 	$(ZOO_TEST_ENV) $(ZOO_PY) -m pytest -q --durations=10 -p no:cacheprovider tests/zoo
 
