@@ -8,6 +8,9 @@ output block needs; ranges may reach past the ends of the input (padding rows).
 
 Legend: ``n`` input rows, ``m`` output rows, ``[o0, o1)`` an output block, ``(start, stop)``
 a half-open range of global input rows.
+
+Nothing here imports the rest of parallelkit: communicators, layers and loaders all split
+sizes with :func:`tensor_split_sizes` and read per-dimension arguments with :func:`pair`.
 """
 
 from __future__ import annotations
@@ -16,9 +19,19 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from parallelkit.comm import tensor_split_sizes
-
 Range = tuple[int, int]
+
+
+def tensor_split_sizes(total: int, parts: int) -> list[int]:
+    """Block sizes of ``torch.tensor_split(range(total), parts)``: the first blocks one larger."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def pair(v: int | Sequence[int], dims: int = 2) -> tuple[int, ...]:
+    """A layer argument per spatial dimension: an int repeated ``dims`` times, a sequence as
+    ints (``kernel_size=3`` -> ``(3, 3)``, ``stride=(2, 1)`` -> ``(2, 1)``)."""
+    return (int(v),) * dims if isinstance(v, int) else tuple(int(x) for x in v)
 
 
 def starts(sizes: Sequence[int]) -> list[int]:
@@ -96,7 +109,7 @@ def conv_padding(
         return [(0, 0)] * dims
     if isinstance(padding, str):
         raise ValueError(f"padding must be an int, a tuple, 'same' or 'valid', got {padding!r}")
-    pads = _pair(padding, dims)
+    pads = pair(padding, dims)
     return [(p, p) for p in pads]
 
 
@@ -115,10 +128,6 @@ def transposed_needs(
     hi = (o1 - 1 + padding) // stride + 1
     lo, hi = max(lo, 0), min(hi, n)
     return (lo, hi) if hi > lo else (0, 0)
-
-
-def _pair(v: int | Sequence[int], dims: int) -> list[int]:
-    return [int(v)] * dims if isinstance(v, int) else [int(x) for x in v]
 
 
 def received_rows(sizes: Sequence[int], want: Sequence[Range]) -> list[int]:

@@ -17,8 +17,8 @@ from parallelkit.comm.base import (
     Communicator,
     Op,
     Work,
-    tensor_split_sizes,
 )
+from parallelkit.geometry import tensor_split_sizes  # pure arithmetic; imported from here too
 
 BACKENDS = ("auto", "gloo", "nccl", "mpi", "xla", "local")
 

@@ -32,16 +32,12 @@ from typing import Literal, Protocol
 
 import torch
 
+from parallelkit.comm.debug import check_call, check_exchange
+from parallelkit.comm.dtypes import DTYPES
+from parallelkit.geometry import tensor_split_sizes
+
 Op = Literal["sum", "mean", "max", "min"]
 OPS: tuple[str, ...] = ("sum", "mean", "max", "min")
-DTYPES: tuple[torch.dtype, ...] = (
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int32,
-    torch.int64,
-)
 DEFAULT_TIMEOUT_S = 1800.0
 """Collectives that have not finished after this many seconds raise (torch) or abort (MPI)."""
 
@@ -94,12 +90,6 @@ def resolve_device(device: torch.device | str | None) -> torch.device | None:
     if device.index is not None or device.type == "cpu":
         return device
     return torch.empty(0, device=device).device
-
-
-def tensor_split_sizes(total: int, parts: int) -> list[int]:
-    """Block sizes of ``torch.tensor_split(range(total), parts)``: the first blocks one larger."""
-    base, extra = divmod(total, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
 class Communicator(ABC):
@@ -264,9 +254,7 @@ class Communicator(ABC):
             self._check_device(buf, "neighbor_exchange")
         send = [(p, self._contiguous(t, "neighbor_exchange")) for p, t in send]
         if self.debug and self.size > 1:
-            from parallelkit.comm import debug
-
-            debug.check_exchange(self, send, recv)
+            check_exchange(self, send, recv)
         own = [t for p, t in send if p == self.rank]
         own_bufs = [b for p, b in recv if p == self.rank]
         if len(own) != len(own_bufs):
@@ -421,9 +409,7 @@ class Communicator(ABC):
     ) -> None:
         """In debug mode, raise on every rank unless all ranks call ``name`` alike."""
         if self.debug and self.size > 1:
-            from parallelkit.comm import debug  # imports this module: import when used
-
-            debug.check_call(self, name, t, masked_dim, extra)
+            check_call(self, name, t, masked_dim, extra)
 
     def _exchange_sizes(self, n: int) -> list[int]:
         """Every rank's ``n``, by one small host all-gather."""

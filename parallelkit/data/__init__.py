@@ -7,7 +7,10 @@
 Modules, one idea each:
 
     config       DataConfig (part of the OmegaConf training config) and its checks
+    pixels       reading image files; size, channels and range of every image
     datasets     map-style datasets: digits, synthetic, image folders, CIFAR-10 batches
+    shapes       generated segmentation data: textured shapes and their masks
+    segfolder    a folder of images and PNG masks
     sampler      RankSampler: torch's DistributedSampler + exact evaluation cover + resume
     shardio      tar shards on disk: write_shards, manifest.json, reading and decoding samples
     shardstream  which shard pieces each data rank and DataLoader worker streams
@@ -25,11 +28,10 @@ from parallelkit.data.datasets import (
     DigitsDataset,
     ImageFolderDataset,
     SyntheticDataset,
-    denormalize,
     load_dataset,
-    normalize,
 )
 from parallelkit.data.loader import Loader, build_loader
+from parallelkit.data.pixels import denormalize, normalize
 from parallelkit.data.sampler import RankSampler
 from parallelkit.data.shardio import ShardError, check_shards, load_split, write_shards
 

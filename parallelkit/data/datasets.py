@@ -1,10 +1,13 @@
 """Map-style image datasets: digits, synthetic, image folders and CIFAR-10 batches.
 
 Every dataset here returns ``(image, label)`` with ``image`` a float32 ``(C, S, S)`` tensor
-normalised by :func:`normalize` (pixel values in [0, 1] mapped to [-1, 1], the range DCGAN's
-tanh output produces too) and ``label`` an ``int``, and knows ``num_classes``, ``channels`` and
-``image_size``. Images are converted to the configured size and channel count when they are
-read (:func:`fit`), never all at once, so a 1024x1024 configuration does not fill memory.
+normalised by :func:`~parallelkit.data.pixels.normalize` (pixel values in [0, 1] mapped to
+[-1, 1], the range DCGAN's tanh output produces too) and ``label`` an ``int``, and knows
+``num_classes``, ``channels`` and ``image_size``. Images are converted to the configured size
+and channel count when they are read (:func:`~parallelkit.data.pixels.fit`), never all at once,
+so a 1024x1024 configuration does not fill memory. :func:`load_dataset` opens any of them, and
+the data sets with masks (:mod:`parallelkit.data.shapes`, :mod:`parallelkit.data.segfolder`),
+by ``data.name``.
 
 None of them downloads anything: digits ship with scikit-learn, synthetic images are
 generated, and image folders or CIFAR-10 batches are read from a directory the user has.
@@ -19,12 +22,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from parallelkit.data.config import DataConfig, check_config
+from parallelkit.data.pixels import IMAGE_EXTENSIONS, fit, normalize, read_image
+from parallelkit.data.segfolder import SegFolderDataset
+from parallelkit.data.shapes import ShapesDataset
 
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".ppm", ".webp")
 DIGITS_SPLIT_SEED = 0
 """The digits train/test split is fixed (not the run's seed): every run tests the same images."""
 SYNTHETIC_BASE = {"train": 0, "test": 1 << 31}
@@ -33,39 +37,6 @@ SYNTHETIC_BASE = {"train": 0, "test": 1 << 31}
 torch's CPU generator keeps only the low 32 bits of a seed, so each split gets 2**31 seeds.
 """
 CIFAR10_FILES = {"train": [f"data_batch_{i}" for i in range(1, 6)], "test": ["test_batch"]}
-LUMA = (0.299, 0.587, 0.114)  # ITU-R 601, what PIL's convert("L") uses
-
-
-def normalize(x01: torch.Tensor) -> torch.Tensor:
-    """Pixel values in [0, 1] -> [-1, 1]: zero-centred, and the range of a tanh generator."""
-    return (x01 - 0.5) / 0.5
-
-
-def denormalize(x: torch.Tensor) -> torch.Tensor:
-    """The inverse of :func:`normalize`."""
-    return x * 0.5 + 0.5
-
-
-def fit(x: torch.Tensor, image_size: int, channels: int) -> torch.Tensor:
-    """A ``(C, H, W)`` image resized (bilinear) to ``image_size`` square with ``channels``.
-
-    Gray becomes RGB by repeating the channel, RGB becomes gray by luma weights. Both steps are
-    affine with weights summing to one, so they commute with :func:`normalize`.
-    """
-    if x.shape[0] != channels:
-        if x.shape[0] == 1 and channels == 3:
-            x = x.expand(3, -1, -1)
-        elif x.shape[0] == 3 and channels == 1:
-            x = torch.tensordot(x.new_tensor(LUMA), x, dims=1).unsqueeze(0)
-        else:
-            raise ValueError(f"cannot convert a {x.shape[0]}-channel image to {channels} channels")
-    if tuple(x.shape[1:]) != (image_size, image_size):
-        shrink = image_size < max(x.shape[1:])  # antialias only matters when shrinking
-        x = F.interpolate(
-            x[None], (image_size, image_size), mode="bilinear", align_corners=False,
-            antialias=shrink,
-        )[0]  # fmt: skip
-    return x.contiguous()
 
 
 class DigitsDataset(Dataset):
@@ -186,25 +157,6 @@ class ImageFolderDataset(Dataset):
         return normalize(image), label
 
 
-def read_image(path: str | Path, channels: int) -> torch.Tensor:
-    """The image file at ``path`` as a float ``(channels, H, W)`` tensor in [0, 1]."""
-    from PIL import Image
-
-    try:
-        with Image.open(path) as image:
-            array = np.asarray(image.convert("L" if channels == 1 else "RGB"))
-    except (OSError, SyntaxError, ValueError) as err:  # PIL raises all three on bad files
-        raise ValueError(f"cannot read image {path}: {err}") from err
-    return from_uint8(array)
-
-
-def from_uint8(array: np.ndarray) -> torch.Tensor:
-    """An 8-bit ``(H, W)`` or ``(H, W, C)`` array as float ``(C, H, W)`` in [0, 1]."""
-    x = torch.from_numpy(np.array(array, dtype=np.uint8))  # a copy: PIL's arrays are read-only
-    x = x.unsqueeze(0) if x.dim() == 2 else x.permute(2, 0, 1)
-    return x.float() / 255.0
-
-
 class Cifar10Dataset(Dataset):
     """CIFAR-10 from its python-batch directory (``cifar-10-batches-py``), held as uint8.
 
@@ -256,9 +208,7 @@ def _cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return data, labels
 
 
-def load_dataset(
-    cfg: DataConfig, split: str, window: tuple[slice, slice] | None = None
-) -> Dataset:
+def load_dataset(cfg: DataConfig, split: str, window: tuple[slice, slice] | None = None) -> Dataset:
     """The map-style dataset ``cfg`` names, for ``split`` ("train" or "test").
 
     ``window``: for sources with masks, the (rows, cols) of every mask to return (this rank's
@@ -268,14 +218,10 @@ def load_dataset(
     check_config(cfg, split)
     size, channels = cfg.image_size, cfg.channels
     if cfg.name == "shapes":
-        from parallelkit.data.shapes import ShapesDataset
-
         length = cfg.train_samples if split == "train" else cfg.test_samples
         base = SYNTHETIC_BASE[split]
         return ShapesDataset(length, size, channels, cfg.num_classes, base, window)
     if cfg.name == "segfolder":
-        from parallelkit.data.segfolder import SegFolderDataset
-
         return SegFolderDataset(str(cfg.root), split, size, channels, cfg.num_classes, window)
     if cfg.name == "digits":
         return DigitsDataset(split, size, channels)

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from parallelkit.data.datasets import IMAGE_EXTENSIONS, fit, normalize, read_image
+from parallelkit.data.pixels import IMAGE_EXTENSIONS, fit, normalize, read_image
 
 IGNORE = 255
 """The mask value of pixels that no loss or metric counts."""

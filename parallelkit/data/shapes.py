@@ -27,7 +27,7 @@ import math
 import torch
 from torch.utils.data import Dataset
 
-from parallelkit.data.datasets import normalize
+from parallelkit.data.pixels import normalize
 
 KINDS = ("circle", "square", "triangle")
 MAX_SHAPES = 5

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from parallelkit.data.datasets import denormalize, fit, from_uint8, normalize
+from parallelkit.data.pixels import denormalize, fit, from_uint8, normalize
 from parallelkit.data.segfolder import check_labels, fit_mask
 
 MANIFEST = "manifest.json"

@@ -3,6 +3,7 @@
 Each layer gives the dense layer's result on the whole batch or image (see DESIGN.md).
 """
 
+from parallelkit.nn.batchnorm_subclass import convert_sync_batchnorm
 from parallelkit.nn.channel_parallel import ChannelParallelConv2d
 from parallelkit.nn.channel_transposed import ChannelParallelConvTranspose2d
 from parallelkit.nn.parallel_conv import ParallelConv2d
@@ -13,7 +14,7 @@ from parallelkit.nn.spatial_pooling import (
     SpatialMaxPool2d,
     SpatialUpsample,
 )
-from parallelkit.nn.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
+from parallelkit.nn.sync_batchnorm import SyncBatchNorm
 
 __all__ = [
     "ChannelParallelConv2d",

@@ -11,6 +11,10 @@ and its state_dict keys; ``to_dense`` gives back the original class.
 A subclass whose training forward never calls ``F.batch_norm`` (it normalizes some other way)
 cannot be synchronized this way: it raises a ``ValueError`` on every rank at its first
 training forward, rather than normalizing each rank's slice alone.
+
+:func:`convert_sync_batchnorm` lives here, above :mod:`parallelkit.nn.sync_batchnorm`, because
+it chooses between the two ways: a plain BatchNorm becomes a ``SyncBatchNorm``, a subclass a
+synchronous subclass of itself.
 """
 
 from __future__ import annotations
@@ -19,10 +23,11 @@ import copy
 
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
 from parallelkit.comm import Communicator, world
-from parallelkit.nn.sync_batchnorm import sync_batch_norm
+from parallelkit.nn.sync_batchnorm import SyncBatchNorm, sync_batch_norm
 
 
 class _BatchNormToSync(TorchFunctionMode):
@@ -71,7 +76,7 @@ class _SyncSubclass:
 
 
 def sync_subclass(
-    module: nn.modules.batchnorm._BatchNorm,
+    module: _BatchNorm,
     comm: Communicator | None,
     grad_comm: Communicator | None = None,
 ) -> nn.Module:
@@ -90,8 +95,24 @@ def sync_subclass(
 
 def is_plain_batchnorm(module: nn.Module) -> bool:
     """torch's BatchNorm1d/2d/3d or SyncBatchNorm, or ours: normalizing is all they do."""
-    from parallelkit.nn.sync_batchnorm import SyncBatchNorm
-
     plain = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, SyncBatchNorm)
     return type(module) in plain
 
+
+def convert_sync_batchnorm(module: nn.Module, comm: Communicator | None = None) -> nn.Module:
+    """Replace every ``BatchNorm1d/2d/3d`` (and torch's ``SyncBatchNorm``) by a SyncBatchNorm.
+
+    Parameters (the same tensors), buffers and training mode are kept. Returns ``module``
+    itself converted in place, or the new layer if ``module`` is a batch norm. Other
+    subclasses of BatchNorm (timm's ``BatchNormAct2d``) keep their class and behaviour and
+    synchronize their ``F.batch_norm`` calls (:func:`sync_subclass`).
+    """
+    if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
+        if not is_plain_batchnorm(module):
+            return sync_subclass(module, comm)
+        return SyncBatchNorm.from_dense(module, comm)
+    for name, child in module.named_children():
+        converted = convert_sync_batchnorm(child, comm)
+        if converted is not child:
+            setattr(module, name, converted)
+    return module

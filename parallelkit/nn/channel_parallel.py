@@ -78,10 +78,11 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules.utils import _pair, _reverse_repeat_tuple
+from torch.nn.modules.utils import _reverse_repeat_tuple
 
 import parallelkit.functional as pkf
-from parallelkit.comm import Communicator, tensor_split_sizes, world
+from parallelkit.comm import Communicator, world
+from parallelkit.geometry import pair, tensor_split_sizes
 
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 SPLITS = ("out", "in")
@@ -129,9 +130,9 @@ class ChannelParallelConv2d(nn.Module):
         super().__init__()
         self.comm = comm if comm is not None else world()
         self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
-        self.kernel_size, self.stride = _pair(kernel_size), _pair(stride)
-        self.dilation = _pair(dilation)
-        self.padding = padding if isinstance(padding, str) else _pair(padding)
+        self.kernel_size, self.stride = pair(kernel_size), pair(stride)
+        self.dilation = pair(dilation)
+        self.padding = padding if isinstance(padding, str) else pair(padding)
         self.padding_mode, self.split = padding_mode, split
         self.gather_output, self.input_is_split = gather_output, input_is_split
         self.scatter_output = scatter_output

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import parallelkit.functional as pkf
-from parallelkit.comm import Communicator, tensor_split_sizes
+from parallelkit.comm import Communicator
+from parallelkit.geometry import tensor_split_sizes
 
 
 class ChannelParallelConvTranspose2d(nn.Module):

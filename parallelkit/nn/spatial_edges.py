@@ -41,8 +41,7 @@ import torch
 import torch.nn.functional as F
 
 import parallelkit.functional as pkf
-from parallelkit.comm import tensor_split_sizes
-from parallelkit.geometry import Window
+from parallelkit.geometry import Window, tensor_split_sizes
 from parallelkit.spatial.grid import SpatialGrid
 
 _exchanges = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parallelkit-halo")

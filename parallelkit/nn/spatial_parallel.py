@@ -3,11 +3,11 @@
 Every layer here takes this rank's block (N, C, h, w) of images split over a
 :class:`~parallelkit.spatial.SpatialGrid` in tensor_split layout, and returns its block of the
 output in the same layout. From pure geometry (:mod:`parallelkit.geometry`) it knows which
-input rows and columns its output block reads; it fetches what it does not hold with
-:func:`parallelkit.functional.gather_rows` (usually a halo from the neighbours, from further
-ranks when blocks are thinner than the halo; padding rows are zeros, or -inf for max pooling),
-then runs the plain torch operation with no padding on the assembled block. Backward sends the
-halo gradients back to their owners, who add them in.
+input rows and columns its output block reads; it fetches what it does not hold
+(:mod:`parallelkit.nn.spatial_fetch`: usually a halo from the neighbours, from further ranks
+when blocks are thinner than the halo; padding rows are zeros, or -inf for max pooling), then
+runs the plain torch operation with no padding on the assembled block. Backward sends the halo
+gradients back to their owners, who add them in.
 
 Parameters are replicated over the grid and act on split activations, so each rank's
 gradient is its share of the dense one: they pass through ``copy_to_group``, whose backward
@@ -23,94 +23,18 @@ Legend: ``_blk`` this rank's block, ``H W`` global sizes, ``[o0, o1)`` output bl
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import parallelkit.functional as pkf
-from parallelkit.comm import Communicator, tensor_split_sizes
-from parallelkit.geometry import Window, conv_padding, starts, transposed_needs
+from parallelkit.comm import Communicator
+from parallelkit.geometry import Window, conv_padding, pair, transposed_needs
 from parallelkit.nn import spatial_edges
+from parallelkit.nn.spatial_fetch import crop, empty_output, fetch, fetch_ranges
 from parallelkit.spatial import layout
 from parallelkit.spatial.grid import SpatialGrid, grid_of
-
-
-def _fetch(
-    x_blk: torch.Tensor,
-    grid: SpatialGrid,
-    windows: tuple[Window, Window],
-    size: tuple[int, int],
-    fill: float = 0.0,
-    native: bool = False,
-) -> tuple[torch.Tensor, tuple[int, int], tuple[int, int]]:
-    """The input rows and columns this rank's output block reads (padding as ``fill``), the
-    output block's (h, w), and the padding left to the torch operation.
-
-    ``native=True``: along a dimension that is not split (one rank), with equal padding on
-    both sides, nothing is fetched and the operation pads by itself, which saves a copy of
-    the whole block.
-    """
-    out, pads = [], []
-    for dim, (win, n) in enumerate(zip(windows, size, strict=True)):
-        comm, parts, _ = grid.axis(dim)
-        in_sizes, out_sizes, want = win.plan(n, parts)
-        if native and parts == 1 and win.pad_lo == win.pad_hi:
-            pads.append(win.pad_lo)
-        else:
-            x_blk = pkf.gather_rows(x_blk, comm, 2 + dim, in_sizes, want, fill)
-            pads.append(0)
-        out.append(out_sizes[comm.rank])
-    return x_blk, (out[0], out[1]), (pads[0], pads[1])
-
-
-def _fetch_ranges(
-    x_blk: torch.Tensor,
-    grid: SpatialGrid,
-    size: tuple[int, int],
-    out_size: Callable[[int, int], int],
-    needs: Callable[[int, int, int, int], tuple[int, int]],
-) -> tuple[torch.Tensor, list[tuple[int, int]], list[int]]:
-    """For layers whose output blocks read input rows that no :class:`Window` describes
-    (transposed convolution, upsampling): along each dimension, ``out_size(dim, n)`` output
-    rows in tensor_split blocks, and ``needs(dim, o0, o1, n)`` the input rows block
-    ``[o0, o1)`` reads. Returns the fetched block, this rank's ``(o0, rows)`` output block and
-    the first fetched input row, per dimension.
-    """
-    blocks, firsts = [], []
-    for dim, n in enumerate(size):
-        comm, parts, _ = grid.axis(dim)
-        out_sizes = tensor_split_sizes(out_size(dim, n), parts)
-        want = [
-            needs(dim, o0, o0 + o, n) for o0, o in zip(starts(out_sizes), out_sizes, strict=True)
-        ]
-        x_blk = pkf.gather_rows(x_blk, comm, 2 + dim, tensor_split_sizes(n, parts), want)
-        blocks.append((starts(out_sizes)[comm.rank], out_sizes[comm.rank]))
-        firsts.append(want[comm.rank][0])
-    return x_blk, blocks, firsts
-
-
-def _crop(y: torch.Tensor, origins: Sequence[int], blocks: Sequence[tuple[int, int]]):
-    """Cut (or zero-extend) a local result whose first row along each dimension is global row
-    ``origins[dim]`` to this rank's output block ``(o0, rows)``: negative pads crop."""
-    (top, bottom), (left, right) = (
-        (origin - o0, o0 + o - origin - y.shape[2 + dim])
-        for dim, (origin, (o0, o)) in enumerate(zip(origins, blocks, strict=True))
-    )
-    return F.pad(y, (left, right, top, bottom))
-
-
-def _empty_output(
-    x: torch.Tensor, channels: int, hw: tuple[int, int], *params: torch.Tensor | None
-) -> torch.Tensor:
-    """An empty output block that still depends on the fetched input and the parameters, so
-    that this rank joins the backward exchanges and all-reduces like every other rank."""
-    y = x.new_zeros(x.shape[0], channels, *hw)
-    for p in params:
-        if p is not None:
-            y = y + (0 * p).sum()  # a full zero gradient for p, not an expanded one
-    return y
 
 
 def _same_on_every_rank(layer: nn.Module, comm: Communicator) -> None:
@@ -123,10 +47,6 @@ def _same_on_every_rank(layer: nn.Module, comm: Communicator) -> None:
                 comm.broadcast(p.data, src=0, out=p.data)
 
 
-def _pair(v: int | Sequence[int]) -> tuple[int, int]:
-    return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
-
-
 def conv_windows(
     kernel: Sequence[int],
     stride: int | Sequence[int],
@@ -134,7 +54,7 @@ def conv_windows(
     dilation: int | Sequence[int],
 ) -> tuple[Window, Window]:
     """The (H, W) windows of a convolution with ``F.conv2d``'s arguments."""
-    kernel, stride, dilation = _pair(kernel), _pair(stride), _pair(dilation)
+    kernel, stride, dilation = pair(kernel), pair(stride), pair(dilation)
     pads = conv_padding(padding, kernel, dilation)
     return tuple(  # type: ignore[return-value]
         Window(k, s, lo, hi, d)
@@ -157,9 +77,9 @@ def conv2d_blocks(
     ``weight`` and ``bias`` are used as given (the caller picks their gradient convention)."""
     if (edges := spatial_edges.plan(grid, windows, size)) is not None:
         return spatial_edges.conv2d(x_blk, weight, bias, windows, groups, grid, edges, overlap)
-    x_halo, out_hw, pad = _fetch(x_blk, grid, windows, size, native=True)
+    x_halo, out_hw, pad = fetch(x_blk, grid, windows, size, native=True)
     if min(out_hw) == 0:
-        return _empty_output(x_halo, weight.shape[0], out_hw, x_halo, weight, bias)
+        return empty_output(x_halo, weight.shape[0], out_hw, x_halo, weight, bias)
     stride = tuple(w.stride for w in windows)
     dilation = tuple(w.dilation for w in windows)
     return F.conv2d(x_halo, weight, bias, stride, pad, dilation, groups)
@@ -299,16 +219,16 @@ class SpatialConvTranspose2d(nn.ConvTranspose2d):
         def needs(dim: int, o0: int, o1: int, n: int) -> tuple[int, int]:
             return transposed_needs(o0, o1, n, k[dim], s[dim], p[dim], d[dim])
 
-        x_blk, blocks, firsts = _fetch_ranges(x_blk, self.grid, size, self._out_rows, needs)
+        x_blk, blocks, firsts = fetch_ranges(x_blk, self.grid, size, self._out_rows, needs)
         out_hw = (blocks[0][1], blocks[1][1])
         weight = layout.replicated(self.weight, self.comm)
         bias = None if self.bias is None else layout.replicated(self.bias, self.comm)
         if min(out_hw) == 0 or min(x_blk.shape[2:]) == 0:
-            y = _empty_output(x_blk, self.out_channels, out_hw, x_blk, weight)
+            y = empty_output(x_blk, self.out_channels, out_hw, x_blk, weight)
         else:
             y = F.conv_transpose2d(x_blk, weight, None, s, 0, 0, self.groups, d)
             # Local row 0 is where the first fetched input row lands: a * stride - padding.
-            y = _crop(y, [firsts[i] * s[i] - p[i] for i in range(2)], blocks)
+            y = crop(y, [firsts[i] * s[i] - p[i] for i in range(2)], blocks)
         return y if bias is None else y + bias.view(-1, 1, 1)
 
     def _out_rows(self, dim: int, n: int) -> int:

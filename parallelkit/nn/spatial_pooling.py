@@ -1,10 +1,11 @@
 """Spatially parallel pooling and upsampling: what whole networks need besides convolution.
 
 Same scheme as :mod:`parallelkit.nn.spatial_parallel`: each rank keeps its block of the output,
-fetches the input rows its windows read (max pooling pads with -inf, average pooling with
-zeros), and runs the plain torch operation on them. Global average pooling ends the spatial
-region: a local sum and one all-reduce give every rank the same (N, C, 1, 1) result, whose
-backward (for a loss that every rank computes identically) is the identity.
+fetches the input rows its windows read (:mod:`parallelkit.nn.spatial_fetch`; max pooling pads
+with -inf, average pooling with zeros), and runs the plain torch operation on them. Global
+average pooling ends the spatial region: a local sum and one all-reduce give every rank the
+same (N, C, 1, 1) result, whose backward (for a loss that every rank computes identically) is
+the identity.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallelkit.comm import Communicator
-from parallelkit.geometry import Window
-from parallelkit.nn.spatial_parallel import _crop, _empty_output, _fetch, _fetch_ranges, _pair
+from parallelkit.geometry import Window, pair
+from parallelkit.nn.spatial_fetch import crop, empty_output, fetch, fetch_ranges
 from parallelkit.spatial import layout
 from parallelkit.spatial.grid import SpatialGrid, grid_of
 
@@ -32,9 +33,9 @@ class _SpatialPool(nn.Module):
         name = type(self).__name__
         if ceil_mode:
             raise ValueError(f"{name}: ceil_mode=True is not supported; pad the input instead")
-        k, d = _pair(kernel_size), _pair(dilation)
-        s = _pair(stride) if stride is not None else k
-        p = _pair(padding)
+        k, d = pair(kernel_size), pair(dilation)
+        s = pair(stride) if stride is not None else k
+        p = pair(padding)
         if any(pi > ki // 2 for pi, ki in zip(p, k, strict=True)):
             raise ValueError(
                 f"{name}: padding {p} must be at most half the kernel {k}, as in torch"
@@ -46,7 +47,7 @@ class _SpatialPool(nn.Module):
     def _fetch(self, x_blk: torch.Tensor, size, native: bool = True):
         """(fetched block, output block (h, w), padding left to the torch operation)."""
         size = size or self.grid.global_size(x_blk, type(self).__name__)
-        return _fetch(x_blk, self.grid, self.windows, size, self.fill, native)
+        return fetch(x_blk, self.grid, self.windows, size, self.fill, native)
 
     def out_size(self, size: tuple[int, int]) -> tuple[int, int]:
         """The whole output's (H, W) for whole inputs of ``size``: geometry only."""
@@ -83,7 +84,7 @@ class SpatialMaxPool2d(_SpatialPool):
         # max_pool2d pads with -inf itself, like the fetch.
         x, out_hw, pad = self._fetch(x_blk, size)
         if min(out_hw) == 0:
-            return _empty_output(x, x.shape[1], out_hw, x)
+            return empty_output(x, x.shape[1], out_hw, x)
         return F.max_pool2d(x, self.kernel_size, self.stride, pad, self.dilation)
 
     @classmethod
@@ -129,7 +130,7 @@ class SpatialAvgPool2d(_SpatialPool):
         )
         x, out_hw, pad = self._fetch(x_blk, size, native=plain)
         if min(out_hw) == 0:
-            return _empty_output(x, x.shape[1], out_hw, x)
+            return empty_output(x, x.shape[1], out_hw, x)
         if plain:
             return F.avg_pool2d(
                 x, self.kernel_size, self.stride, pad, divisor_override=self.divisor_override
@@ -203,11 +204,11 @@ class SpatialUpsample(nn.Module):
         def needs(dim: int, o0: int, o1: int, n: int) -> tuple[int, int]:
             return (max(o0 // s - extra, 0), min(-(-o1 // s) + extra, n)) if o1 > o0 else (0, 0)
 
-        x_blk, blocks, firsts = _fetch_ranges(x_blk, self.grid, size, lambda _, n: n * s, needs)
+        x_blk, blocks, firsts = fetch_ranges(x_blk, self.grid, size, lambda _, n: n * s, needs)
         if min(o for _, o in blocks) == 0:
-            return _empty_output(x_blk, x_blk.shape[1], (blocks[0][1], blocks[1][1]), x_blk)
+            return empty_output(x_blk, x_blk.shape[1], (blocks[0][1], blocks[1][1]), x_blk)
         y = F.interpolate(x_blk, scale_factor=s, mode=self.mode)
-        return _crop(y, [a * s for a in firsts], blocks)  # local row 0 is global row a * s
+        return crop(y, [a * s for a in firsts], blocks)  # local row 0 is global row a * s
 
     def out_size(self, size: tuple[int, int]) -> tuple[int, int]:
         return size[0] * self.scale_factor, size[1] * self.scale_factor

@@ -164,30 +164,7 @@ def sync_batch_norm(
     # the biased variance (torch uses the unbiased one): there the path below does it.
     if not training or (comm.size == 1 and not _on_xla(x)):
         return F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
-    return _SyncBatchNorm.apply(
-        x, weight, bias, running_mean, running_var, momentum, eps, comm
-    )
-
-
-def convert_sync_batchnorm(module: nn.Module, comm: Communicator | None = None) -> nn.Module:
-    """Replace every ``BatchNorm1d/2d/3d`` (and torch's ``SyncBatchNorm``) by a SyncBatchNorm.
-
-    Parameters (the same tensors), buffers and training mode are kept. Returns ``module``
-    itself converted in place, or the new layer if ``module`` is a batch norm. Other
-    subclasses of BatchNorm (timm's ``BatchNormAct2d``) keep their class and behaviour and
-    synchronize their ``F.batch_norm`` calls (``parallelkit.nn.batchnorm_subclass``).
-    """
-    from parallelkit.nn.batchnorm_subclass import is_plain_batchnorm, sync_subclass
-
-    if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
-        if not is_plain_batchnorm(module):
-            return sync_subclass(module, comm)
-        return SyncBatchNorm.from_dense(module, comm)
-    for name, child in module.named_children():
-        converted = convert_sync_batchnorm(child, comm)
-        if converted is not child:
-            setattr(module, name, converted)
-    return module
+    return _SyncBatchNorm.apply(x, weight, bias, running_mean, running_var, momentum, eps, comm)
 
 
 def _copy_state(src: _BatchNorm, dst: _BatchNorm) -> _BatchNorm:

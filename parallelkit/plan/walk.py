@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from parallelkit import models
+from parallelkit.geometry import conv_padding, pair
 
 Shape = tuple[int, ...]
 NORMS = (nn.modules.batchnorm._BatchNorm,)
@@ -98,15 +99,9 @@ class Net:
 
 
 def _conv_window(m: nn.Conv2d | nn.ConvTranspose2d | nn.MaxPool2d | nn.AvgPool2d):
-    k, s = nn.modules.utils._pair(m.kernel_size), nn.modules.utils._pair(m.stride or m.kernel_size)
-    d = nn.modules.utils._pair(getattr(m, "dilation", 1))
-    pad = m.padding
-    if isinstance(pad, str):  # "same" / "valid" (stride 1)
-        from parallelkit.geometry import conv_padding
-
-        pads = conv_padding(pad, k, d)
-    else:
-        pads = [(p, p) for p in nn.modules.utils._pair(pad)]
+    k, s = pair(m.kernel_size), pair(m.stride or m.kernel_size)
+    d = pair(getattr(m, "dilation", 1))
+    pads = conv_padding(m.padding, k, d)  # ints, or "same" / "valid" (stride 1)
     return tuple((k[i], s[i], pads[i][0], pads[i][1], d[i]) for i in range(2))
 
 
@@ -127,7 +122,7 @@ def _record(name: str, m: nn.Module, x: torch.Tensor, y: torch.Tensor, spatial: 
         kind, flops = "norm", 4.0 * out_n
     elif isinstance(m, POOLS):
         kind, window = "pool", _conv_window(m)
-        flops = float(out_n * math.prod(nn.modules.utils._pair(m.kernel_size)))
+        flops = float(out_n * math.prod(pair(m.kernel_size)))
     elif isinstance(m, GLOBAL_POOLS):
         kind, flops = "global_pool", float(math.prod(ins))
     elif isinstance(m, nn.Linear):
