@@ -1,8 +1,7 @@
 """The process grid: one communicator split into data x spatial (rows x cols) x channel groups.
 
-Rank order is data-major: ``rank = ((d * rows + r) * cols + c) * channel + k``, so the ranks of
-one model replica (same d) are neighbours, and a spatial or channel group stays inside a node
-when the launcher places consecutive ranks together.
+The grid's shape and rank order (data-major) are :class:`~parallelkit.dims.GridDims`'; what
+this file adds is the communicators of each group, made once, collectively, on every rank.
 
     group          ranks that share ...                    used for
     data           (r, c, k): the same shard of the model  averaging gradients (DataParallel)
@@ -13,46 +12,27 @@ when the launcher places consecutive ranks together.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from parallelkit.comm import Communicator
 from parallelkit.comm.local import LocalCommunicator
+from parallelkit.dims import GridDims
 
 
-@dataclass
 class Grid:
     """``comm`` split as ``data x rows x cols x channel``; the product must be ``comm.size``."""
 
-    comm: Communicator
-    data: int = 1
-    rows: int = 1
-    cols: int = 1
-    channel: int = 1
-    coords: tuple[int, int, int, int] = field(init=False)
-
-    def __post_init__(self) -> None:
-        dims = {"data": self.data, "rows": self.rows, "cols": self.cols, "channel": self.channel}
-        if any(int(v) != v or v < 1 for v in dims.values()):
-            raise ValueError(f"Grid: every dimension must be a positive integer, got {dims}")
-        if self.data * self.rows * self.cols * self.channel != self.comm.size:
-            raise ValueError(
-                f"Grid: data x rows x cols x channel = {self.data} x {self.rows} x {self.cols} "
-                f"x {self.channel} = {self.data * self.rows * self.cols * self.channel}, but the "
-                f"communicator has {self.comm.size} ranks; choose dimensions whose product is "
-                f"{self.comm.size}"
-            )
-        rest, k = divmod(self.comm.rank, self.channel)
-        rest, c = divmod(rest, self.cols)
-        d, r = divmod(rest, self.rows)
-        self.coords = (d, r, c, k)
-        spatial = self.rows * self.cols
+    def __init__(
+        self, comm: Communicator, data: int = 1, rows: int = 1, cols: int = 1, channel: int = 1
+    ) -> None:
+        self.comm = comm
+        self.dims = GridDims(data, rows, cols, channel)
+        self.dims.check_size(comm.size, "Grid", f"the communicator has {comm.size} ranks")
+        self.coords = d, r, c, k = self.dims.coords(comm.rank)
+        spatial = rows * cols
         # Every rank makes the same split() calls in the same order (they are collective).
-        self.data_comm = self._group(
-            r * self.cols * self.channel + c * self.channel + k, d, self.data
-        )
-        self.spatial_comm = self._group(d * self.channel + k, r * self.cols + c, spatial)
-        self.channel_comm = self._group(self.comm.rank // self.channel, k, self.channel)
-        self.batch_comm = self._group(k, d * spatial + r * self.cols + c, self.data * spatial)
+        self.data_comm = self._group(r * cols * channel + c * channel + k, d, data)
+        self.spatial_comm = self._group(d * channel + k, r * cols + c, spatial)
+        self.channel_comm = self._group(comm.rank // channel, k, channel)
+        self.batch_comm = self._group(k, d * spatial + r * cols + c, data * spatial)
 
     def _group(self, color: int, key: int, size: int) -> Communicator:
         if size == 1:
@@ -60,6 +40,22 @@ class Grid:
         if size == self.comm.size:
             return self.comm
         return self.comm.split(color, key)
+
+    @property
+    def data(self) -> int:
+        return self.dims.data
+
+    @property
+    def rows(self) -> int:
+        return self.dims.rows
+
+    @property
+    def cols(self) -> int:
+        return self.dims.cols
+
+    @property
+    def channel(self) -> int:
+        return self.dims.channel
 
     @property
     def spatial(self) -> tuple[int, int]:

@@ -39,6 +39,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from parallelkit.dims import GridDims
 from parallelkit.geometry import Window, blocks, received_rows, starts, transposed_needs
 from parallelkit.plan.measure import Profile
 from parallelkit.plan.network import Network
@@ -50,45 +51,17 @@ BUCKET_BYTES = 25 * MIB  # DataParallel's default bucket_cap_mb
 
 
 @dataclass(frozen=True)
-class Option:
-    """A process grid: ``data x rows x cols x channel`` ranks."""
-
-    data: int = 1
-    rows: int = 1
-    cols: int = 1
-    channel: int = 1
+class Option(GridDims):
+    """A process grid the planner weighs: ``data x rows x cols x channel`` ranks."""
 
     @property
     def ranks(self) -> int:
-        return self.data * self.rows * self.cols * self.channel
+        return self.size
 
     @property
     def spatial(self) -> int:
+        """Ranks that split one image: ``rows * cols``."""
         return self.rows * self.cols
-
-    @property
-    def strategy(self) -> str:
-        """What ``parallelkit train``'s ``parallel.strategy`` calls it."""
-        model = self.spatial * self.channel
-        if model == 1:
-            return "data" if self.data > 1 else "dense"
-        if self.data > 1:
-            return "hybrid"
-        return "spatial" if self.spatial > 1 else "channel"
-
-    @property
-    def label(self) -> str:
-        parts = [
-            f"{v} {n}"
-            for n, v in (
-                ("data", self.data),
-                ("rows", self.rows),
-                ("cols", self.cols),
-                ("channel", self.channel),
-            )
-            if v > 1
-        ]
-        return " x ".join(parts) or "1 rank"
 
 
 def options(ranks: int) -> list[Option]:

@@ -25,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from parallelkit import models
 from parallelkit.data.config import WITH_MASKS, DataConfig, check_config
+from parallelkit.dims import GridDims
 from parallelkit.models import zoo
 
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -330,16 +331,13 @@ def _check_values(cfg: Config) -> None:
 
 def grid_dims(cfg: ParallelConfig, world: int) -> dict[str, int]:
     """``Grid`` dimensions (data, rows, cols, channel) for ``world`` ranks."""
-    rows, cols, channel = cfg.rows, cfg.cols, cfg.channel
-    if rows * cols * channel == 1:  # the strategy alone: every rank on it
-        if cfg.strategy == "spatial":
-            rows = world
-        elif cfg.strategy == "channel":
-            channel = world
-    model = rows * cols * channel
-    if world % model:
+    dims = GridDims(rows=cfg.rows, cols=cfg.cols, channel=cfg.channel)
+    if dims.model == 1 and cfg.strategy in ("spatial", "channel"):
+        dims = GridDims.along(cfg.strategy, world)  # the strategy alone: every rank on it
+    if world % dims.model:
         raise ValueError(
             f"config: {world} ranks do not split into groups of rows x cols x channel = "
-            f"{rows} x {cols} x {channel}; choose a grid whose product divides {world}"
+            f"{dims.rows} x {dims.cols} x {dims.channel}; choose a grid whose product divides "
+            f"{world}"
         )
-    return {"data": world // model, "rows": rows, "cols": cols, "channel": channel}
+    return dims.with_data(world // dims.model).as_dict()

@@ -8,7 +8,8 @@ gets its halo from the neighbours by a collective-permute that XLA inserts, and 
 mean over (N, H, W) of a split tensor is already the global one.
 
 The mesh is a parallelkit grid spec, ``data x rows x cols x channel`` (the axes of
-:class:`parallelkit.Grid`, in its data-major order), over all devices. Annotations:
+:class:`parallelkit.Grid`, in its data-major order: :class:`parallelkit.dims.GridDims`), over
+all devices. Annotations:
 
     tensor                     partition spec                   strategy
     input, activations (N C H W)  (data, channel, rows, cols)   data, spatial (rows/cols)
@@ -39,8 +40,9 @@ import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 from torch import nn
 
-AXES = ("data", "rows", "cols", "channel")
-STRATEGIES = ("data", "spatial", "channel")
+from parallelkit.dims import AXES, STRATEGY_AXIS, GridDims
+
+STRATEGIES = tuple(STRATEGY_AXIS)
 ACTIVATION = ("data", "channel", "rows", "cols")
 """Partition spec of an (N, C, H, W) activation."""
 
@@ -55,32 +57,13 @@ _ANNOTATED = (
 
 
 @dataclass(frozen=True)
-class SpmdGrid:
+class SpmdGrid(GridDims):
     """A ``data x rows x cols x channel`` mesh over all devices (the product must match)."""
 
-    data: int = 1
-    rows: int = 1
-    cols: int = 1
-    channel: int = 1
-
     def __post_init__(self) -> None:
-        dims = {a: getattr(self, a) for a in AXES}
-        if any(int(v) != v or v < 1 for v in dims.values()):
-            raise ValueError(f"SpmdGrid: every dimension must be a positive integer, got {dims}")
+        super().__post_init__()
         devices = xr.global_runtime_device_count()
-        if self.size != devices:
-            raise ValueError(
-                f"SpmdGrid: data x rows x cols x channel = {self.size}, but XLA has {devices} "
-                f"devices; choose dimensions whose product is {devices}"
-            )
-
-    @property
-    def size(self) -> int:
-        return self.data * self.rows * self.cols * self.channel
-
-    @property
-    def shape(self) -> tuple[int, int, int, int]:
-        return self.data, self.rows, self.cols, self.channel
+        self.check_size(devices, "SpmdGrid", f"XLA has {devices} devices")
 
     def mesh(self) -> xs.Mesh:
         """The device mesh, devices in data-major order like :class:`parallelkit.Grid`'s ranks."""
@@ -101,8 +84,7 @@ def grid_spec(grid: GridSpec, strategy: str = "data") -> SpmdGrid:
                 f"parallelize: strategy must be one of {STRATEGIES} or a grid spec, "
                 f"got {strategy!r}"
             )
-        axis = {"data": "data", "spatial": "rows", "channel": "channel"}[strategy]
-        return SpmdGrid(**{axis: xr.global_runtime_device_count()})
+        return SpmdGrid.along(strategy, xr.global_runtime_device_count())
     if unknown := sorted(set(grid) - set(AXES)):
         raise ValueError(f"grid spec: unknown axes {unknown}; use {AXES}")
     return SpmdGrid(**grid)
