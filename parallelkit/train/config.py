@@ -1,21 +1,22 @@
-"""The training configuration: typed dataclasses that OmegaConf turns into a structured config.
+"""The training configuration: a run's :class:`Config`, read and checked.
 
-A run is described by one :class:`Config`. It is built from the defaults below, then an
+A run is described by one :class:`Config`. It is built from the dataclasses' defaults, then an
 optional YAML file, then command-line overrides in OmegaConf's dot-list form::
 
     parallelkit train --config examples/dcgan/dcgan.yaml train.epochs=3 parallel.ranks=4
 
-OmegaConf checks every key and type against the dataclasses (a misspelt key or a string where
-an int belongs is an error naming the key); :func:`validate` then checks every value that types
-cannot (a batch that does not split over the data ranks, an unknown strategy, a timeout that
-is not positive). Every mistake is one ``ValueError`` line naming the key, which the command
-prints before exiting with status 2. The resolved config is saved as ``config.yaml`` in the
-run directory, so a run can be repeated from it alone.
+OmegaConf checks every key and type against the dataclasses (:mod:`parallelkit.train.schema`: a
+misspelt key or a string where an int belongs is an error naming the key); :func:`validate`
+then checks every value that types cannot (a batch that does not split over the data ranks, an
+unknown strategy, a timeout that is not positive), and asks the task's class
+(:mod:`parallelkit.train.tasks`) for its defaults and its checks. Every mistake is one
+``ValueError`` line naming the key, which the command prints before exiting with status 2. The
+resolved config is saved as ``config.yaml`` in the run directory, so a run can be repeated from
+it alone.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,37 +25,32 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from parallelkit import models
-from parallelkit.data.config import WITH_MASKS, DataConfig, check_config
+from parallelkit.data.config import WITH_MASKS, check_config
 from parallelkit.dims import GridDims
 from parallelkit.models import zoo
+from parallelkit.train.protocol import Task
+from parallelkit.train.schema import (  # the config's dataclasses, read from here too
+    Config,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainConfig,
+)
+from parallelkit.train.tasks import TASKS as TASK_CLASSES
 
-TASK_DEFAULTS: dict[str, dict[str, Any]] = {
-    "classify": {"model.name": "resnet18", "model.width": 64, "data.name": "digits",
-                 "data.num_classes": 10, "data.image_size": 32},
-    "gan": {"model.name": "dcgan", "model.width": 64, "data.name": "digits",
-            "data.num_classes": 10, "data.image_size": 32},
-    "segment": {"model.name": "unet", "model.width": 16, "data.name": "shapes",
-                "data.num_classes": 4, "data.image_size": 32},
-}  # fmt: skip
-"""Defaults that depend on ``train.task`` (the keys' defaults are ``${pk.default:KEY,TASK}``
-interpolations): ``parallelkit train train.task=segment`` trains a U-Net on generated shapes."""
+__all__ = [
+    "Config",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "TrainConfig",
+    "grid_dims",
+    "load",
+    "to_yaml",
+    "validate",
+]
 
-
-def _task_default(key: str, task: str) -> Any:
-    # An unknown task resolves like classify, so that validate() names train.task itself.
-    return TASK_DEFAULTS.get(task, TASK_DEFAULTS["classify"])[key]
-
-
-# OmegaConf 2.4 renamed register_new_resolver (2.3, which the XLA environment may hold).
-_register = getattr(OmegaConf, "register_resolver", None) or OmegaConf.register_new_resolver
-_register("pk.default", _task_default, replace=True)
-
-
-def _default(key: str) -> Any:
-    """The dataclass default of ``key``: its task default, resolved when the config is."""
-    return f"${{pk.default:{key},${{train.task}}}}"
-
-TASKS = ("classify", "gan", "segment")
+TASKS = tuple(TASK_CLASSES)
 STRATEGIES = ("data", "spatial", "channel", "hybrid")
 OPTIMIZERS = ("sgd", "adam", "lars")
 SCHEDULES = ("cosine", "constant")
@@ -64,119 +60,16 @@ STEMS = ("imagenet", "cifar")
 FAULTS = ("exit", "raise", "raise_in_backward")  # see parallelkit.train.faults
 
 
-@dataclass
-class ModelConfig:
-    """Which network. ``name`` is a :func:`parallelkit.models.create` name (``resnet18``,
-    ``unet``, ... or another library's ``torchvision:NAME``, ``timm:NAME``, ``smp:ARCH``); for
-    the GAN task it names the generator and the discriminator is its mirror. The default
-    depends on the task (:data:`TASK_DEFAULTS`)."""
-
-    name: str = _default("model.name")
-    # resnet: "imagenet" (7x7 stride 2 + max pool) or "cifar" (3x3, no pooling). The default
-    # main job uses "imagenet" on 32x32 digits: they are 8x8 images upscaled, so the 4x
-    # downsampling loses nothing (99.7% test accuracy) and a step is 6x cheaper.
-    stem: str = "imagenet"
-    # resnet, unet: channels of the first stage; dcgan: ngf and ndf (zoo models: unused)
-    width: int = _default("model.width")  # type: ignore[assignment]
-    nz: int = 100  # dcgan: noise dimension
-    kwargs: dict[str, Any] = field(default_factory=dict)  # more arguments for create()
+def _task_default(key: str, task: str) -> Any:
+    """``${pk.default:KEY,TASK}``: the default of ``key`` for ``train.task=TASK``, from its class
+    (``parallelkit train train.task=segment`` trains a U-Net on generated shapes)."""
+    # An unknown task resolves like the default task, so that validate() names train.task.
+    return TASK_CLASSES.get(task, TASK_CLASSES[TrainConfig.task]).defaults[key]
 
 
-@dataclass
-class ParallelConfig:
-    """How the ranks share the work.
-
-    ``strategy`` alone spends every rank on it: "data" splits the batch, "spatial" splits each
-    image by rows, "channel" splits convolution channels. Grid dimensions (``rows``, ``cols``,
-    ``channel``) choose a hybrid: the ranks left over (``world / (rows * cols * channel)``)
-    split the batch. ``ranks`` is how many local processes ``parallelkit train`` starts when no
-    launcher (torchrun, mpiexec, srun, torch_xla.launch) started it.
-    """
-
-    strategy: str = "data"
-    ranks: int = 2
-    backend: str = "auto"  # auto | gloo | nccl | mpi | xla | local
-    # auto: the backend's device (a GPU under nccl, the XLA device under xla), else the CPU;
-    # cuda with gloo or mpi: each rank on GPU LOCAL_RANK % count, collectives staged on the host
-    device: str = "auto"  # auto | cpu | cuda
-    rows: int = 1
-    cols: int = 1
-    channel: int = 1
-    timeout: float = 300.0  # seconds before a stuck collective (a dead rank) stops the job
-    bucket_cap_mb: float = 25.0
-    # a model with parameters that get no gradient (smp's encoder_depth < 5 keeps the unused
-    # deeper stages): DataParallel then reduces a "used" flag with every bucket
-    find_unused_parameters: bool = False
-    # under spatial parallelism, an operation without an exact rule on blocks: "refuse" (a
-    # ValueError before any rank waits) or "gather" (its module runs on whole images)
-    fallback: str = "refuse"
-
-
-@dataclass
-class OptimConfig:
-    """Optimizer and learning-rate schedule.
-
-    With ``scale_lr`` the rate is ``lr * batch_size / base_batch`` (Goyal et al.'s linear
-    scaling rule), reached by a linear warm-up over ``warmup_epochs`` and then held or cosine
-    decayed. "lars" is SGD with You et al.'s layer-wise trust ratio for large batches.
-    """
-
-    name: str = "sgd"
-    lr: float = 0.1
-    base_batch: int = 256
-    scale_lr: bool = True
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    betas: tuple[float, float] = (0.9, 0.999)  # adam
-    trust_coefficient: float = 0.001  # lars
-    warmup_epochs: float = 1.0
-    schedule: str = "cosine"
-
-
-@dataclass
-class TrainConfig:
-    """The loop. ``batch_size`` is global (all data ranks together), so a run with the same
-    seed and batch size sees the same batches on any number of ranks."""
-
-    task: str = "classify"  # classify | gan | segment
-    epochs: int = 6
-    batch_size: int = 64
-    accumulate: int = 1  # micro-batches per optimizer step
-    precision: str = "fp32"
-    seed: int = 0
-    max_steps: int = 0  # stop after this many optimizer steps (0: run every epoch)
-    log_every: int = 10  # steps between global loss reductions and log lines
-    eval_every: int = 1  # epochs
-    checkpoint_every: int = 0  # steps; 0: at the end of every epoch
-    keep_checkpoints: int = 2
-    run_dir: str = "runs/${model.name}-${data.name}-${parallel.strategy}"
-    resume: bool = False  # continue from the newest complete checkpoint in run_dir
-    resume_fallback: bool = True  # newest checkpoint unreadable: resume from the next older
-    overwrite: bool = False  # a new run replaces another run's outputs in run_dir
-    checkpoint_on_signal: bool = False  # SIGINT/SIGTERM: finish the step, checkpoint, exit
-    progress: bool = True
-    tensorboard: bool = True
-    plot: bool = True  # curves.png in run_dir at the end (needs matplotlib)
-    # Testing aids (parallelkit.train.faults): rank fail_rank (-1: the last) fails at step
-    # fail_at_step, as fail_how says: exit | raise | raise_in_backward.
-    fail_at_step: int = -1
-    fail_rank: int = -1
-    fail_how: str = "exit"
-
-
-@dataclass
-class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(
-        default_factory=lambda: DataConfig(
-            name=_default("data.name"),
-            num_classes=_default("data.num_classes"),  # type: ignore[arg-type]
-            image_size=_default("data.image_size"),  # type: ignore[arg-type]
-        )
-    )
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+# OmegaConf 2.4 renamed register_new_resolver (2.3, which the XLA environment may hold).
+_register = getattr(OmegaConf, "register_resolver", None) or OmegaConf.register_new_resolver
+_register("pk.default", _task_default, replace=True)
 
 
 def load(path: str | None = None, overrides: list[str] = ()) -> Config:
@@ -272,38 +165,36 @@ def validate(cfg: Config) -> None:
 
 
 def _check_task(cfg: Config) -> None:
-    """The model and the data must fit the task; a zoo model must be buildable here."""
-    task, name, data = cfg.train.task, cfg.model.name, cfg.data.name
-    if (task == "gan") != (name == "dcgan"):
+    """The model and the data must fit the task (its class says how); a zoo model must be
+    buildable here."""
+    task, name, data = TASK_CLASSES[cfg.train.task], cfg.model.name, cfg.data.name
+    owner = _made_for(name)
+    if owner is not None and owner is not task:
         raise ValueError(
-            f"config: train.task={task} with model.name={name}; the GAN task trains "
-            "model.name=dcgan, and model.name=dcgan is for train.task=gan"
+            f"config: model.name={name} is a {owner.name} model, not one for "
+            f"train.task={task.name}, which trains {task.trains}"
         )
-    builtin_for = {"unet": "segment", "resnet18": "classify", "resnet34": "classify",
-                   "resnet50": "classify"}  # fmt: skip
-    if builtin_for.get(name, task) != task:
+    if task.masks and not (data in WITH_MASKS or data == "webdataset"):
         raise ValueError(
-            f"config: model.name={name} is a {builtin_for[name]} model, not one for "
-            f"train.task={task}; segmentation: unet, smp:ARCH or a torchvision segmentation "
-            "model; classification: resnet18/34/50, torchvision:NAME or timm:NAME"
-        )
-    masks = data in WITH_MASKS
-    if task == "segment" and not (masks or data == "webdataset"):
-        raise ValueError(
-            f"config: train.task=segment needs masks: data.name=shapes, segfolder or "
+            f"config: train.task={task.name} needs masks: data.name=shapes, segfolder or "
             f"webdataset shards written from one, not {data}"
         )
-    if task != "segment" and masks:
-        raise ValueError(f"config: data.name={data} holds masks: use it with train.task=segment")
-    if task == "gan" and cfg.train.accumulate > 1:
-        raise ValueError("config: train.accumulate > 1 is for train.task=classify or segment")
+    if not task.masks and data in WITH_MASKS:
+        with_masks = " or ".join(f"train.task={t.name}" for t in TASK_CLASSES.values() if t.masks)
+        raise ValueError(f"config: data.name={data} holds masks: use it with {with_masks}")
+    task.check(cfg)
     if zoo.is_zoo_name(name):
         zoo.check(name, dict(cfg.model.kwargs))
-    elif name != "dcgan" and name not in models.list_models():
+    elif owner is None and name not in models.list_models():
         raise ValueError(
             f"config: model.name={name!r} is not a model here: {models.list_models()}, dcgan, "
             "or another library's torchvision:NAME, timm:NAME, smp:ARCH"
         )
+
+
+def _made_for(name: str) -> type[Task] | None:
+    """The task whose built-in network ``name`` is, if any."""
+    return next((t for t in TASK_CLASSES.values() if name in t.networks), None)
 
 
 def _check_values(cfg: Config) -> None:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from parallelkit.comm import Communicator
-from parallelkit.train.config import OptimConfig
+from parallelkit.train.schema import OptimConfig
 
 
 class LARS(torch.optim.Optimizer):

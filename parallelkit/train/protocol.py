@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -33,8 +33,8 @@ from parallelkit.data import Loader
 from parallelkit.models import zoo
 from parallelkit.parallel import DataParallel, Grid
 from parallelkit.parallel.sharding import sharded_parameters
-from parallelkit.train.config import Config
 from parallelkit.train.optim import build_optimizer, build_schedule
+from parallelkit.train.schema import Config
 
 Losses = dict[str, torch.Tensor]
 Metrics = dict[str, Any]
@@ -63,7 +63,29 @@ def network(cfg: Config, classes: int, channels: int, **builtin: Any) -> nn.Modu
 
 class Task:
     """The protocol (see the module docstring) with its shared set-up; subclasses build their
-    networks in ``__init__`` with :meth:`add` and implement :meth:`step`."""
+    networks in ``__init__`` with :meth:`add` and implement :meth:`step`.
+
+    A task also says, on its class, what the config needs to know of it (``parallelkit.train
+    .config`` reads it from here): its ``train.task`` name, the defaults that follow the task,
+    the built-in networks made for it alone, whether it learns from masks, and any further
+    check of the config.
+    """
+
+    name: ClassVar[str]
+    """Its ``train.task``."""
+    defaults: ClassVar[dict[str, Any]]
+    """Defaults of ``model.name``, ``model.width``, ``data.name``, ``data.num_classes`` and
+    ``data.image_size`` when this is the task."""
+    networks: ClassVar[tuple[str, ...]] = ()
+    """The built-in ``model.name`` values made for this task and no other."""
+    trains: ClassVar[str] = ""
+    """What ``model.name`` may be, for a person: named when a model of another task is chosen."""
+    masks: ClassVar[bool] = False
+    """Whether it learns from per-pixel masks (and only then may data hold masks)."""
+
+    @classmethod
+    def check(cls, cfg: Config) -> None:
+        """What this task alone refuses in a config: a one-line ValueError naming the key."""
 
     def __init__(self, cfg: Config, grid: Grid, device: torch.device, train: Loader) -> None:
         self.cfg, self.grid, self.device = cfg, grid, device

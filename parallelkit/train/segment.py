@@ -23,6 +23,8 @@ same group once, after the loop.
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 import torch
 import torch.nn.functional as F
 
@@ -30,13 +32,22 @@ import parallelkit.functional as pkf
 from parallelkit.data import Loader
 from parallelkit.data.segfolder import IGNORE
 from parallelkit.parallel import Grid
-from parallelkit.train.config import Config
 from parallelkit.train.protocol import Losses, Metrics, Task, network, no_sync
+from parallelkit.train.schema import Config
 from parallelkit.train.segmetrics import pixel_counts, scores
 
 
 class Segment(Task):
     """Per-pixel classification into the data set's classes (mask value 255: ignored)."""
+
+    name = "segment"
+    defaults: ClassVar[dict[str, Any]] = {
+        "model.name": "unet", "model.width": 16,
+        "data.name": "shapes", "data.num_classes": 4, "data.image_size": 32,
+    }  # fmt: skip
+    networks = ("unet",)
+    trains = "unet, smp:ARCH or a torchvision segmentation model"
+    masks = True
 
     def __init__(self, cfg: Config, grid: Grid, device: torch.device, train: Loader) -> None:
         super().__init__(cfg, grid, device, train)

@@ -3,7 +3,8 @@
 Each is one class of the protocol in :mod:`parallelkit.train.protocol`, registered in
 :data:`TASKS` under its ``train.task`` name; the loop in :mod:`parallelkit.train.trainer`
 builds the configured one with :func:`create` and never asks which it is. Segmentation lives
-in :mod:`parallelkit.train.segment`.
+in :mod:`parallelkit.train.segment`. Each class also carries its name, the config defaults
+that follow it and its config checks, which :mod:`parallelkit.train.config` reads.
 
 Exactness across rank counts rests on two facts. The loader gives data rank ``r`` of ``D`` the
 batch rows ``r, r + D, r + 2D, ...`` of the global batch, so the union of the ranks' batches
@@ -16,6 +17,7 @@ by the step, and each rank takes its slice, so the fakes are the same as on one 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -25,13 +27,21 @@ from PIL import Image
 from parallelkit import models
 from parallelkit.data import Loader
 from parallelkit.parallel import Grid
-from parallelkit.train.config import Config
 from parallelkit.train.protocol import Losses, Metrics, Task, network, no_sync
+from parallelkit.train.schema import Config
 from parallelkit.train.segment import Segment
 
 
 class Classify(Task):
     """Cross-entropy classification; evaluation reports global loss and accuracy."""
+
+    name = "classify"
+    defaults: ClassVar[dict[str, Any]] = {
+        "model.name": "resnet18", "model.width": 64,
+        "data.name": "digits", "data.num_classes": 10, "data.image_size": 32,
+    }  # fmt: skip
+    networks = ("resnet18", "resnet34", "resnet50")
+    trains = "resnet18/34/50, torchvision:NAME or timm:NAME"
 
     def __init__(self, cfg: Config, grid: Grid, device: torch.device, train: Loader) -> None:
         super().__init__(cfg, grid, device, train)
@@ -101,6 +111,24 @@ class Gan(Task):
     then the generator learns to make the discriminator say "real". No evaluation; an 8x8
     grid of samples from fixed noise after every epoch."""
 
+    name = "gan"
+    defaults: ClassVar[dict[str, Any]] = {
+        "model.name": "dcgan", "model.width": 64,
+        "data.name": "digits", "data.num_classes": 10, "data.image_size": 32,
+    }  # fmt: skip
+    networks = ("dcgan",)
+    trains = "dcgan (a generator and its mirror discriminator)"
+
+    @classmethod
+    def check(cls, cfg: Config) -> None:
+        if cfg.model.name != "dcgan":
+            raise ValueError(
+                f"config: train.task=gan with model.name={cfg.model.name}; the GAN task trains "
+                "model.name=dcgan"
+            )
+        if cfg.train.accumulate > 1:
+            raise ValueError("config: train.accumulate > 1 is for train.task=classify or segment")
+
     def __init__(self, cfg: Config, grid: Grid, device: torch.device, train: Loader) -> None:
         super().__init__(cfg, grid, device, train)
         m, w = cfg.model, cfg.model.width
@@ -167,8 +195,8 @@ class Gan(Task):
         Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels).save(path)
 
 
-TASKS: dict[str, type[Task]] = {"classify": Classify, "gan": Gan, "segment": Segment}
-"""``train.task`` -> its class; a new task is one more entry (and its name in config.TASKS)."""
+TASKS: dict[str, type[Task]] = {t.name: t for t in (Classify, Gan, Segment)}
+"""``train.task`` -> its class; a new task is one more class here."""
 
 
 def create(cfg: Config, grid: Grid, device: torch.device, train: Loader) -> Task:
