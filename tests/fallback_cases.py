@@ -92,8 +92,57 @@ class WindowNet(nn.Module):
         return self.head(self.mixer(self.stem(x)))
 
 
+class Partition(nn.Module):
+    """MaxViT's window partition: (N, C, H, W) -> (N, windows, P * P, C), a 4-D tensor that is
+    not an image, though it may have an image's shape."""
+
+    def forward(self, x: torch.Tensor, p: int) -> torch.Tensor:
+        n, c, h, w = x.shape
+        x = x.reshape(n, c, h // p, p, w // p, p).permute(0, 2, 4, 3, 5, 1)
+        return x.reshape(n, (h // p) * (w // p), p * p, c)
+
+
+class Departition(nn.Module):
+    """Its inverse, to a window grid fixed when the network was built (the whole image's): on
+    a block, torch itself rejects the reshape."""
+
+    def forward(self, x: torch.Tensor, p: int, gh: int, gw: int) -> torch.Tensor:
+        n, _, _, c = x.shape
+        return x.reshape(n, gh, gw, p, p, c).permute(0, 5, 1, 3, 2, 4).reshape(n, c, gh * p, gw * p)
+
+
+class PartitionMixer(nn.Module):
+    def __init__(self, c: int, size: tuple[int, int], p: int) -> None:
+        super().__init__()
+        self.partition, self.mix, self.departition = Partition(), nn.Linear(c, c), Departition()
+        self.p, self.grid = p, (size[0] // p, size[1] // p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.partition(x, self.p)
+        return x + self.departition(y + self.mix(y), self.p, *self.grid)
+
+
+class PartitionNet(nn.Module):
+    """4 channels, 4 x 4 images, 2 x 2 windows: the partitioned tensor (N, 4 windows, 4, 4
+    channels) has the image's very shape, so no shape tells the two apart (torchvision's
+    MaxViT on small images)."""
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+        self.mixer = PartitionMixer(4, (4, 4), 2)
+        self.head = nn.Conv2d(4, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mixer(self.stem(x)))
+
+
 # name -> (network, input shape without the batch)
-NETS = {"hybrid": (Hybrid, (3, 12, 10)), "windows": (WindowNet, (3, 16, 12))}
+NETS = {
+    "hybrid": (Hybrid, (3, 12, 10)),
+    "windows": (WindowNet, (3, 16, 12)),
+    "partitions": (PartitionNet, (3, 4, 4)),
+}
 
 
 def hybrid_parity(

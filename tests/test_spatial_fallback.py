@@ -44,6 +44,17 @@ def test_a_module_that_asserts_on_its_blocks_shape_runs_on_whole_images(ranks, s
         assert len(warned) == 1 and "'mixer' (WindowMixer)" in warned[0], warned
 
 
+@pytest.mark.parametrize(("size", "grid"), [(2, dict(rows=2)), (2, dict(cols=2))])
+def test_window_partitions_shaped_like_images_run_on_whole_images(ranks, size, grid):
+    """A window partition and its inverse in sibling modules: the partition's output is split
+    again as if it were an image, the layers after it are exact on it (or gathered), and the
+    inverse, whose reshape torch rejects on a block, is gathered too. Columns: the blocks
+    split again are laid out as the whole was, so a ``.view`` after them works."""
+    for triples, warned in ranks(size).run(hybrid_parity, grid, net="partitions", timeout=300):
+        assert_triples(triples)
+        assert any("'mixer.departition' (Departition)" in w for w in warned), warned
+
+
 def test_a_modules_own_error_on_a_block_is_a_refusal(ranks):
     for message in ranks(3).run(hybrid_refused, "windows"):
         assert message.startswith("spatial parallelism: the forward in 'mixer' (WindowMixer) "

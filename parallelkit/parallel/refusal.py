@@ -17,6 +17,8 @@ from types import TracebackType
 
 from torch import nn
 
+from parallelkit.spatial.rules.registry import Call
+
 _PACKAGE = Path(__file__).resolve().parents[1]
 _GUARD = Path(__file__).resolve().with_name("spatial_guard.py")
 
@@ -57,8 +59,10 @@ def model_failure(
     tb: TracebackType | None = exc.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    where = Path(tb.tb_frame.f_code.co_filename).resolve() if tb is not None else _GUARD
-    if where.is_relative_to(_PACKAGE) and where != _GUARD:
+    code = tb.tb_frame.f_code if tb is not None else None
+    where = Path(code.co_filename).resolve() if code is not None else _GUARD
+    torch_op = where == _GUARD or code is Call.run.__code__  # torch's operation raised
+    if where.is_relative_to(_PACKAGE) and not torch_op:
         return None
     message = str(exc).splitlines()[0] if str(exc) else ""
     refused = refusal(

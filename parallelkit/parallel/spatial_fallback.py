@@ -110,10 +110,20 @@ def scatter_outputs(guard: Any, out: Any, hw: tuple[int, int], ndim: int) -> Any
         if t.shape[h] < rows or t.shape[w] < cols:
             return t
         y = scatter(t.movedim((h, w), (-2, -1)), guard.comm, guard.grid).movedim((-2, -1), (h, w))
-        return guard.marked(y, hw, size=(t.shape[h], t.shape[w]))
+        return guard.marked(_laid_out_like(y, t), hw, size=(t.shape[h], t.shape[w]))
 
     with guard.suspended():
         return tree_map(block, out)
+
+
+def _laid_out_like(block: Tensor, whole: Tensor) -> Tensor:
+    """``block`` contiguous in the memory format of ``whole``: a model that calls ``.view`` on
+    the module's output (valid on the whole tensor) must find a block it can view, and a
+    column block cut from a contiguous tensor is not contiguous."""
+    for fmt in (torch.contiguous_format, torch.channels_last, torch.channels_last_3d):
+        if whole.is_contiguous(memory_format=fmt):
+            return block.contiguous(memory_format=fmt)
+    return block
 
 
 def gathered_message(path: str, module: nn.Module, args: tuple, out: Any) -> str:
