@@ -138,24 +138,24 @@ WHOLE = {
     "logsumexp over C, H and W, kept": (lambda x: x.logsumexp((1, 2, 3), keepdim=True), None),
 }
 REFUSED = {
-    "flatten(1)": (lambda x: x.flatten(1), "merges H or W"),
-    "view(N, -1)": (lambda x: x.view(2, -1), "merges H or W"),
-    "index along W": (lambda x: x[..., 0], "reaches H or W"),
-    "max over W, with indices": (lambda x: x.max(3), "reduces over H or W"),
-    "argmax over H": (lambda x: x.argmax(2), "reduces over H or W"),
-    "norm over W only": (lambda x: x.norm(dim=3), "one of H and W"),
+    "flatten(1)": (lambda x: x.flatten(1), "merges or splits a spatial dimension"),
+    "view(N, -1)": (lambda x: x.view(2, -1), "merges or splits a spatial dimension"),
+    "index along W": (lambda x: x[..., 0], "reaches a spatial dimension"),
+    "max over W, with indices": (lambda x: x.max(3), "reduces over a spatial dimension"),
+    "argmax over H": (lambda x: x.argmax(2), "reduces over a spatial dimension"),
+    "norm over W only": (lambda x: x.norm(dim=3), "some of the spatial dimensions"),
     "norm p=3 over H and W": (lambda x: x.norm(3, dim=(2, 3)), "p=3"),
-    "narrow along H": (lambda x: x.narrow(2, 0, 2), "cuts along H or W"),
-    "a slice of H spelled out": (lambda x: x[:, :, 1:, :], "reaches H or W"),
-    "a step over W": (lambda x: x[..., ::2], "reaches H or W"),
-    "F.normalize over W": (lambda x: F.normalize(x, dim=-1), "normalizes over H or W"),
+    "narrow along H": (lambda x: x.narrow(2, 0, 2), "cuts along a spatial dimension"),
+    "a slice of H spelled out": (lambda x: x[:, :, 1:, :], "reaches a spatial dimension"),
+    "a step over W": (lambda x: x[..., ::2], "reaches a spatial dimension"),
+    "F.normalize over W": (lambda x: F.normalize(x, dim=-1), "normalizes over a spatial dimension"),
     "F.pad after reading the block's size": (
         lambda x: F.pad(x, (0, -x.shape[-1] % 4, 0, -x.shape[-2] % 4)),
-        "read this block's height or width before padding it",
+        "read this block's size before padding it",
     ),
-    "a whole tensor varying over W": (lambda x: x + torch.ones(6), "varies over H or W"),
-    "cat along H": (lambda x: torch.cat([x, x], 2), "along H or W"),
-    "stack before C": (lambda x: torch.stack([x, x], 1).flatten(1), "merges H or W"),
+    "a whole tensor varying over W": (lambda x: x + torch.ones(6), "varies over a spatial"),
+    "cat along H": (lambda x: torch.cat([x, x], 2), "along a spatial dimension"),
+    "stack before C": (lambda x: torch.stack([x, x], 1).flatten(1), "merges or splits a spatial"),
     "F.interpolate to a size computed from a block's": (
         lambda x: F.interpolate(x, size=(x.shape[-2] + 1, 7), mode="bicubic"),
         "is not the shape of a block read",
@@ -163,22 +163,22 @@ REFUSED = {
     "F.interpolate to a literal size": (
         lambda x: F.interpolate(x, size=(10, 12)), "is not the shape of a block read"
     ),
-    "F.conv2d with a split weight": (lambda x: F.conv2d(x, x[:, :, :2, :2]), "reaches H or W"),
+    "F.conv2d with a split weight": (lambda x: F.conv2d(x, x[:, :, :2, :2]), "reaches a spatial"),
     "F.conv2d of a whole tensor by a block": (
         lambda x: F.conv2d(torch.ones(1, 4, 7, 8), x),
         "its weight is a block",
     ),
     "training alpha dropout": (lambda x: F.alpha_dropout(x, 0.5, True), "draw masks exactly"),
     "F.layer_norm over W only": (lambda x: F.layer_norm(x, (6,)), "does not end in the whole"),
-    "split along W": (lambda x: x.split(3, dim=3), "cuts along H or W"),
-    "F.linear over W": (lambda x: F.linear(x, torch.ones(2, 6)), "acts over H or W"),
+    "split along W": (lambda x: x.split(3, dim=3), "cuts along a spatial dimension"),
+    "F.linear over W": (lambda x: F.linear(x, torch.ones(2, 6)), "acts over a spatial dimension"),
     "channels-last block into max pooling": (
         lambda x: F.max_pool2d(x.permute(0, 2, 3, 1), 2),
-        "wants an (N, C, H, W) block",
+        "wants an (N, C, L), (N, C, H, W) or (N, C, D, H, W) block",
     ),
     "a whole (C,) tensor on channels-first blocks": (
         lambda x: x * torch.ones(4).view(4, 1, 1).expand(4, 5, 6),
-        "varies over H or W",
+        "varies over a spatial",
     ),
 }
 
@@ -212,7 +212,7 @@ GATHERED = {
 def test_uncovered_geometry_runs_on_the_gathered_images(name):
     op = GATHERED[name]
     guard, x = guarded()
-    with guard, pytest.warns(UserWarning, match="runs on the whole images"):
+    with guard, pytest.warns(UserWarning, match="runs on the whole samples"):
         y = op(x)
     assert guard.is_split(y)
     torch.testing.assert_close(y, op(X))
@@ -280,7 +280,7 @@ def test_instance_norm_with_running_statistics(training):
 
 def test_reflecting_more_rows_than_the_image_is_a_value_error():
     guard, x = guarded()
-    with guard, pytest.raises(ValueError, match="needs more rows than the image's 5"):
+    with guard, pytest.raises(ValueError, match="needs more rows than the sample's 5"):
         F.pad(x, (0, 0, 5, 0), mode="reflect")
 
 

@@ -20,10 +20,11 @@ size of the block is copied or saved beyond the block itself. With ``overlap``, 
 a helper thread while step 2 computes (the exchange waits in the communicator, not in Python);
 whether that pays is measured in ``benchmarks/spatial_resnet.py``.
 
-On a 2-D grid the same holds per dimension: the columns' ``p`` halo columns come first, then
-the rows' halo rows of the block with those columns beside it (the corners ride along), and
-each adds its terms; the row slabs carry their corner columns, so torch pads them in neither
-dimension.
+On a grid over 2 or 3 dimensions the same holds per dimension, the last first: W's ``p`` halo
+columns, then H's halo rows of the block with those columns beside it (the corners ride
+along), then D's halo planes of the block with both beside it (edges and corners); each adds
+its terms, and a slab carries the rows of the dimensions exchanged before it, so torch pads it
+only along the others. Signals (1-D), images (2-D) and volumes (3-D) alike.
 
 Conditions (:func:`plan`): along every split dimension stride 1 and equal padding ``p``
 (``span = 2p + 1``) with ``p >= 1`` and every block at least ``p`` rows; equal padding along
@@ -34,6 +35,7 @@ Legend: ``p`` halo rows per side, ``h`` this rank's rows along the split dimensi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -47,9 +49,13 @@ from parallelkit.spatial.grid import SpatialGrid
 _exchanges = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parallelkit-halo")
 
 
+CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+"""The torch convolution of a sample with 1, 2 or 3 spatial dimensions."""
+
+
 @dataclass(frozen=True)
 class EdgePlan:
-    """Where the halo rows come from: the split dimension (2 or 3), ``p``, and the geometry."""
+    """Where the halo rows come from: the split dimension (2, 3 or 4), ``p``, the geometry."""
 
     dim: int
     p: int
@@ -59,11 +65,12 @@ class EdgePlan:
 
 
 def plan(
-    grid: SpatialGrid, windows: tuple[Window, Window], size: tuple[int, int]
+    grid: SpatialGrid, windows: Sequence[Window], size: Sequence[int]
 ) -> tuple[EdgePlan, ...] | None:
     """The edge plan of each split dimension for these windows and whole size, or None where
-    the conditions fail."""
-    split = [d for d in range(2) if grid.axis(d)[1] > 1]
+    the conditions fail. The plans come last dimension first: the order of the exchanges."""
+    axes = grid.axes(len(size))
+    split = [d for d in reversed(range(len(size))) if axes[d][1] > 1]
     if not split or any(w.pad_lo != w.pad_hi for w in windows):
         return None
     plans = []
@@ -71,7 +78,7 @@ def plan(
         win, p = windows[d], windows[d].pad_lo
         if win.stride != 1 or win.span != 2 * p + 1 or p < 1:
             return None
-        _, parts, rank = grid.axis(d)
+        _, parts, rank = axes[d]
         sizes = tensor_split_sizes(size[d], parts)
         if min(sizes) < p:
             return None
@@ -79,74 +86,89 @@ def plan(
     return tuple(plans)
 
 
-def conv2d(
+def conv(
     x_blk: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    windows: tuple[Window, Window],
+    windows: Sequence[Window],
     groups: int,
     grid: SpatialGrid,
     edges: tuple[EdgePlan, ...],
     overlap: bool = False,
 ) -> torch.Tensor:
     """This rank's output block: the block convolved with torch's padding, edges fixed."""
+    ndim = x_blk.dim() - 2
+    axes = grid.axes(ndim)
 
-    def fetch() -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    def fetch() -> list[tuple[torch.Tensor, torch.Tensor]]:
         # One exchange per split dimension, forward and backward, on every rank alike: the
         # block's p first and p last rows go out, the neighbours' come in (zeros at the
-        # image's edges). On a 2-D grid the columns come first, and the rows exchanged are
-        # then the edge rows of the block with those columns beside it: the corners.
-        halos = {}
-        for e in sorted(edges, key=lambda e: -e.dim):
-            src = [x_blk]
-            if e.dim == 2 and 3 in halos:
-                left, right = halos[3]
-                src = [left, x_blk, right]
-            edge = torch.cat([_edges(t, e.dim, e.p) for t in src], 3)
-            out = pkf.halo_exchange(edge, grid.axis(e.dim - 2)[0], e.dim, e.p, e.p)
-            halos[e.dim] = (out.narrow(e.dim, 0, e.p), out.narrow(e.dim, 3 * e.p, e.p))
+        # sample's edges). The last dimension comes first, and each next exchange sends the
+        # edge rows of the block with the halos fetched so far beside it: edges and corners.
+        halos: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for k, e in enumerate(edges):
+            edge = _extended_edges(x_blk, halos, edges[:k], e.dim, e.p)
+            out = pkf.halo_exchange(edge, axes[e.dim - 2][0], e.dim, e.p, e.p)
+            halos.append((out.narrow(e.dim, 0, e.p), out.narrow(e.dim, 3 * e.p, e.p)))
         return halos
 
-    padding = (windows[0].pad_lo, windows[1].pad_lo)
-    dilation = (windows[0].dilation, windows[1].dilation)
+    padding = tuple(w.pad_lo for w in windows)
+    dilation = tuple(w.dilation for w in windows)
     if overlap:
         grad_mode = torch.is_grad_enabled()
         pending = _exchanges.submit(_with_grad_mode, grad_mode, fetch)
-        y = F.conv2d(x_blk, weight, bias, 1, padding, dilation, groups)
+        y = CONV[ndim](x_blk, weight, bias, 1, padding, dilation, groups)
         halos = pending.result()
     else:
         halos = fetch()
-        y = F.conv2d(x_blk, weight, bias, 1, padding, dilation, groups)
+        y = CONV[ndim](x_blk, weight, bias, 1, padding, dilation, groups)
     return add_halo_terms(y, halos, weight, edges, padding, dilation, groups)
+
+
+def _extended_edges(
+    x: torch.Tensor,
+    halos: list[tuple[torch.Tensor, torch.Tensor]],
+    done: Sequence[EdgePlan],
+    dim: int,
+    p: int,
+) -> torch.Tensor:
+    """The first and last ``p`` rows along ``dim`` of ``x`` extended by the halos fetched so
+    far (along the dimensions of ``done``), built from the pieces' edges: the block itself is
+    never copied."""
+    if not done:
+        return _edges(x, dim, p)
+    lo, hi = halos[len(done) - 1]
+    inner = _extended_edges(x, halos, done[:-1], dim, p)
+    return torch.cat([_edges(lo, dim, p), inner, _edges(hi, dim, p)], done[-1].dim)
 
 
 def add_halo_terms(
     y: torch.Tensor,
-    halos: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    halos: list[tuple[torch.Tensor, torch.Tensor]],
     weight: torch.Tensor,
     edges: tuple[EdgePlan, ...],
-    padding: tuple[int, int],
-    dilation: tuple[int, int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
     groups: int,
 ) -> torch.Tensor:
-    """Add the ``p`` rows above's and below's terms to ``y``'s first and last ``p`` rows, per
+    """Add the ``p`` rows before's and after's terms to ``y``'s first and last ``p`` rows, per
     split dimension: the convolution of each with ``2p`` zero rows standing in for the block's
-    own rows. Along the other dimension torch pads the slab, except for the rows of a 2-D
-    grid, which carry their corner columns."""
-    corners = len(edges) == 2
-    for e in edges:
+    own rows. Along the dimensions exchanged before it the slab carries its edge and corner
+    rows; along the others torch pads it."""
+    ndim = y.dim() - 2
+    for k, e in enumerate(edges):
         p, dim = e.p, e.dim
-        h = y.shape[dim]
-        other = 0 if corners and dim == 2 else padding[3 - dim]  # padding[0] is H's
-        slab_pad = (0, other) if dim == 2 else (other, 0)
-        top, bottom = halos[dim]
-        if e.rank > 0:  # rank 0's rows above are padding: nothing to add
-            slab = F.pad(top, _pad_after(dim, 2 * p))
-            y.narrow(dim, 0, p).add_(F.conv2d(slab, weight, None, 1, slab_pad, dilation, groups))
+        carried = {f.dim for f in edges[: k + 1]}
+        slab_pad = tuple(0 if 2 + j in carried else padding[j] for j in range(ndim))
+        before, after = halos[k]
+        if e.rank > 0:  # rank 0's rows before are padding: nothing to add
+            slab = F.pad(before, _pad(ndim, dim, 0, 2 * p))
+            term = CONV[ndim](slab, weight, None, 1, slab_pad, dilation, groups)
+            y.narrow(dim, 0, p).add_(term)
         if e.rank < e.parts - 1:
-            slab = F.pad(bottom, _pad_before(dim, 2 * p))
-            term = F.conv2d(slab, weight, None, 1, slab_pad, dilation, groups)
-            y.narrow(dim, h - p, p).add_(term)
+            slab = F.pad(after, _pad(ndim, dim, 2 * p, 0))
+            term = CONV[ndim](slab, weight, None, 1, slab_pad, dilation, groups)
+            y.narrow(dim, y.shape[dim] - p, p).add_(term)
     return y
 
 
@@ -156,13 +178,13 @@ def _edges(t: torch.Tensor, dim: int, p: int) -> torch.Tensor:
     return torch.cat([t.narrow(dim, 0, p), t.narrow(dim, n - p, p)], dim)
 
 
-def _pad_after(dim: int, n: int) -> list[int]:
-    """F.pad's (W left, W right, H top, H bottom) adding ``n`` zero rows after, along dim."""
-    return [0, n, 0, 0] if dim == 3 else [0, 0, 0, n]
-
-
-def _pad_before(dim: int, n: int) -> list[int]:
-    return [n, 0, 0, 0] if dim == 3 else [0, 0, n, 0]
+def _pad(ndim: int, dim: int, before: int, after: int) -> list[int]:
+    """F.pad's list (last dimension first) adding ``before`` and ``after`` zero rows along
+    ``dim`` of a tensor with ``ndim`` spatial dimensions."""
+    pads = [0] * (2 * ndim)
+    i = 2 * (ndim - 1 - (dim - 2))
+    pads[i], pads[i + 1] = before, after
+    return pads
 
 
 def _with_grad_mode(enabled: bool, fn):  # type: ignore[no-untyped-def]

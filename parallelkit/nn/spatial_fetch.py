@@ -32,21 +32,21 @@ from parallelkit.spatial.grid import SpatialGrid
 def fetch(
     x_blk: torch.Tensor,
     grid: SpatialGrid,
-    windows: tuple[Window, Window],
-    size: tuple[int, int],
+    windows: Sequence[Window],
+    size: Sequence[int],
     fill: float = 0.0,
     native: bool = False,
-) -> tuple[torch.Tensor, tuple[int, int], tuple[int, int]]:
-    """The input rows and columns this rank's output block reads (padding as ``fill``), the
-    output block's (h, w), and the padding left to the torch operation.
+) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """The input rows this rank's output block reads along every spatial dimension (padding
+    as ``fill``), the output block's size, and the padding left to the torch operation.
 
     ``native=True``: along a dimension that is not split (one rank), with equal padding on
     both sides, nothing is fetched and the operation pads by itself, which saves a copy of
     the whole block.
     """
     out, pads = [], []
-    for dim, (win, n) in enumerate(zip(windows, size, strict=True)):
-        comm, parts, _ = grid.axis(dim)
+    axes = grid.axes(len(size))
+    for dim, (win, n, (comm, parts, _)) in enumerate(zip(windows, size, axes, strict=True)):
         in_sizes, out_sizes, want = win.plan(n, parts)
         if native and parts == 1 and win.pad_lo == win.pad_hi:
             pads.append(win.pad_lo)
@@ -54,13 +54,13 @@ def fetch(
             x_blk = pkf.gather_rows(x_blk, comm, 2 + dim, in_sizes, want, fill)
             pads.append(0)
         out.append(out_sizes[comm.rank])
-    return x_blk, (out[0], out[1]), (pads[0], pads[1])
+    return x_blk, tuple(out), tuple(pads)
 
 
 def fetch_ranges(
     x_blk: torch.Tensor,
     grid: SpatialGrid,
-    size: tuple[int, int],
+    size: Sequence[int],
     out_size: Callable[[int, int], int],
     needs: Callable[[int, int, int, int], tuple[int, int]],
 ) -> tuple[torch.Tensor, list[tuple[int, int]], list[int]]:
@@ -71,8 +71,7 @@ def fetch_ranges(
     the first fetched input row, per dimension.
     """
     blocks, firsts = [], []
-    for dim, n in enumerate(size):
-        comm, parts, _ = grid.axis(dim)
+    for dim, (n, (comm, parts, _)) in enumerate(zip(size, grid.axes(len(size)), strict=True)):
         out_sizes = tensor_split_sizes(out_size(dim, n), parts)
         want = [
             needs(dim, o0, o0 + o, n) for o0, o in zip(starts(out_sizes), out_sizes, strict=True)
@@ -86,15 +85,14 @@ def fetch_ranges(
 def crop(y: torch.Tensor, origins: Sequence[int], blocks: Sequence[tuple[int, int]]):
     """Cut (or zero-extend) a local result whose first row along each dimension is global row
     ``origins[dim]`` to this rank's output block ``(o0, rows)``: negative pads crop."""
-    (top, bottom), (left, right) = (
-        (origin - o0, o0 + o - origin - y.shape[2 + dim])
-        for dim, (origin, (o0, o)) in enumerate(zip(origins, blocks, strict=True))
-    )
-    return F.pad(y, (left, right, top, bottom))
+    pads: list[int] = []
+    for dim, (origin, (o0, o)) in enumerate(zip(origins, blocks, strict=True)):
+        pads = [origin - o0, o0 + o - origin - y.shape[2 + dim], *pads]  # F.pad: last dim first
+    return F.pad(y, pads)
 
 
 def empty_output(
-    x: torch.Tensor, channels: int, hw: tuple[int, int], *params: torch.Tensor | None
+    x: torch.Tensor, channels: int, hw: Sequence[int], *params: torch.Tensor | None
 ) -> torch.Tensor:
     """An empty output block that still depends on the fetched input and the parameters, so
     that this rank joins the backward exchanges and all-reduces like every other rank."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from typing import Any
 
 from torch import nn
 
@@ -89,17 +90,19 @@ def parallelize(
         )
     check_fallback(fallback, "parallelize")
     grid = _grid(comm, strategy)
+    spatial = grid.dims.spatial_size
+    # The spatial strategy on a plain communicator splits a sample's first spatial dimension
+    # (L, D, or H), whatever the model's; a Grid says which dimensions it splits.
+    shape = None if not isinstance(comm, Grid) and strategy == "spatial" else grid.spatial
     if isinstance(strategy, Grid):
-        strategy = (
-            "spatial" if grid.rows * grid.cols > 1 else "channel" if grid.channel > 1 else "data"
-        )
+        strategy = "spatial" if spatial > 1 else "channel" if grid.channel > 1 else "data"
     if strategy not in STRATEGIES:
         raise ValueError(
             f"parallelize: strategy must be one of {STRATEGIES} or a Grid, got {strategy!r}"
         )
-    if strategy == "data" and grid.rows * grid.cols * grid.channel > 1:
+    if strategy == "data" and grid.dims.model > 1:
         raise ValueError(f"parallelize: strategy 'data' with a model-parallel grid {grid}")
-    if grid.rows * grid.cols > 1 and grid.channel > 1:
+    if spatial > 1 and grid.channel > 1:
         raise ValueError("parallelize: spatial and channel parallelism together are not supported")
 
     names = dict(model.named_modules())
@@ -107,15 +110,15 @@ def parallelize(
         raise ValueError(f"parallelize: keep_dense names unknown modules {unknown}")
     if strategy == "spatial":
         for name in keep_dense:
-            _replace(model, name, _OnWholeImage(names[name], grid.spatial_comm, grid.spatial))
-        _swap(model, lambda m: _spatial_layer(m, grid), skip=keep_dense)
+            _replace(model, name, _OnWholeImage(names[name], grid.spatial_comm, shape))
+        _swap(model, lambda m: _spatial_layer(m, grid.spatial_comm, shape), skip=keep_dense)
     elif strategy == "channel":
         _swap(model, lambda m: _channel_layer(m, grid.channel_comm), skip=keep_dense)
     spatial_grad = grid.spatial_comm if strategy == "spatial" else None
     _swap(model, lambda m: _sync_batchnorm(m, grid.batch_comm, spatial_grad))
     if strategy == "spatial":
         model = SpatialRegion(
-            model, grid.spatial_comm, grid.spatial, grid.data_comm, spatial_output, shares=True,
+            model, grid.spatial_comm, shape, grid.data_comm, spatial_output, shares=True,
             fallback=fallback,
         )
         # Its parameters' gradients are shares: summed over data x spatial, divided by the
@@ -146,26 +149,42 @@ def to_dense(model: nn.Module) -> nn.Module:
 
 
 # --------------------------------------------------------------------------- swapping
-def _spatial_layer(m: nn.Module, grid: Grid) -> nn.Module | None:
-    comm, shape = grid.spatial_comm, grid.spatial
+_SPATIAL_LAYERS: dict[type, type] = {
+    nn.Conv1d: sp.SpatialParallelConv1d,
+    nn.Conv2d: sp.SpatialParallelConv2d,
+    nn.Conv3d: sp.SpatialParallelConv3d,
+    nn.ConvTranspose1d: sp.SpatialConvTranspose1d,
+    nn.ConvTranspose2d: sp.SpatialConvTranspose2d,
+    nn.ConvTranspose3d: sp.SpatialConvTranspose3d,
+    nn.MaxPool1d: spool.SpatialMaxPool1d,
+    nn.MaxPool2d: spool.SpatialMaxPool2d,
+    nn.MaxPool3d: spool.SpatialMaxPool3d,
+    nn.AvgPool1d: spool.SpatialAvgPool1d,
+    nn.AvgPool2d: spool.SpatialAvgPool2d,
+    nn.AvgPool3d: spool.SpatialAvgPool3d,
+}
+_GLOBAL_POOLS = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)
+
+
+def _spatial_layer(m: nn.Module, comm: Communicator, shape: Any) -> nn.Module | None:
     kind = type(m)
-    # A padding_mode other than zeros stays dense: its forward's F.pad and F.conv2d meet the
-    # spatial guard, whose rules fetch the mirrored rows and convolve the blocks.
-    if kind is nn.Conv2d and m.padding_mode == "zeros":
-        return sp.SpatialParallelConv2d.from_dense(m, comm, shape)
-    if kind is nn.ConvTranspose2d:
-        return sp.SpatialConvTranspose2d.from_dense(m, comm, shape)
-    # Pooling with ceil_mode and upsampling the spatial layers do not cover stay dense: their
-    # functional calls meet the spatial guard, which runs them on the gathered whole images.
-    if kind is nn.MaxPool2d and not m.ceil_mode:
-        return spool.SpatialMaxPool2d.from_dense(m, comm, shape)
-    if kind is nn.AvgPool2d and not m.ceil_mode:
-        return spool.SpatialAvgPool2d.from_dense(m, comm, shape)
+    # A padding_mode other than zeros stays dense: its forward's F.pad and F.conv meet the
+    # spatial guard, whose rules fetch the mirrored rows and convolve the blocks. Pooling with
+    # ceil_mode and upsampling the spatial layers do not cover stay dense too: their
+    # functional calls meet the spatial guard, which runs them on the gathered whole samples.
+    if getattr(m, "padding_mode", "zeros") != "zeros" or getattr(m, "ceil_mode", False):
+        return None
+    if kind in _SPATIAL_LAYERS:
+        return _SPATIAL_LAYERS[kind].from_dense(m, comm, shape)
     if kind is nn.Upsample and _upsample_covered(m):
         return spool.SpatialUpsample.from_dense(m, comm, shape)
-    if kind is nn.AdaptiveAvgPool2d and m.output_size in (1, (1, 1)):
+    if kind in _GLOBAL_POOLS and all_ones(m.output_size):
         return spool.SpatialGlobalAvgPool2d(comm=comm)  # other sizes: the spatial guard's rule
     return None
+
+
+def all_ones(size: Any) -> bool:
+    return all(v == 1 for v in (size if isinstance(size, tuple | list) else (size,)))
 
 
 def _sync_batchnorm(
@@ -182,13 +201,14 @@ def _sync_batchnorm(
 
 def _upsample_covered(m: nn.Upsample) -> bool:
     """Whether :class:`SpatialUpsample` does what ``m`` does (one integer factor, nearest or
-    bilinear without align_corners)."""
-    sf = m.scale_factor[0] if isinstance(m.scale_factor, tuple) else m.scale_factor
+    (bi-, tri-)linear without align_corners)."""
+    factors = m.scale_factor if isinstance(m.scale_factor, tuple) else (m.scale_factor,)
     return (
         m.size is None
-        and sf is not None
-        and float(sf).is_integer()
-        and m.mode in ("nearest", "bilinear")
+        and factors[0] is not None
+        and len(set(factors)) == 1
+        and float(factors[0]).is_integer()
+        and m.mode in ("nearest", *spool.INTERPOLATING)
         and not m.align_corners
     )
 

@@ -82,35 +82,42 @@ def forward_with_fallback(
             restore()
 
 
+def _moves(t: Tensor, dims: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Where the spatial dimensions ``dims`` of ``t`` are, and where (N, C, *spatial) has them
+    (the last dimensions), both from the front."""
+    return tuple(t.dim() + d for d in dims), tuple(range(t.dim() - len(dims), t.dim()))
+
+
 def gather_inputs(guard: Any, args: tuple) -> tuple:
-    """``args`` with every block replaced by the whole images (gathered along wherever its
-    H and W are)."""
+    """``args`` with every block replaced by the whole samples (gathered along wherever its
+    spatial dimensions are)."""
 
     def whole(t: Any) -> Any:
         if not guard.is_split(t):
             return t
-        h, w = guard.hw(t)
-        x = t.movedim((t.dim() + h, t.dim() + w), (-2, -1))
-        y = gather(x, guard.comm, guard.grid, size=guard.size_of(t))
-        return y.movedim((-2, -1), (t.dim() + h, t.dim() + w))
+        where, last = _moves(t, guard.dims(t))
+        y = gather(t.movedim(where, last), guard.comm, guard.grid, size=guard.size_of(t))
+        return y.movedim(last, where)
 
     with guard.suspended():
         return tree_map(whole, args)
 
 
-def scatter_outputs(guard: Any, out: Any, hw: tuple[int, int], ndim: int) -> Any:
-    """``out`` with every tensor shaped like the gathered input (``ndim`` dimensions, H and W
-    at ``hw``, at least one row and column per rank) cut into this rank's blocks again."""
-    rows, cols = guard.grid.rows, guard.grid.cols
+def scatter_outputs(guard: Any, out: Any, dims: tuple[int, ...], ndim: int) -> Any:
+    """``out`` with every tensor shaped like the gathered input (``ndim`` dimensions, the
+    spatial ones at ``dims``, at least one row per rank along each) cut into this rank's
+    blocks again."""
+    counts = guard.grid.counts(len(dims))
 
     def block(t: Any) -> Any:
         if not isinstance(t, Tensor) or t.dim() != ndim:
             return t
-        h, w = t.dim() + hw[0], t.dim() + hw[1]
-        if t.shape[h] < rows or t.shape[w] < cols:
+        where, last = _moves(t, dims)
+        size = tuple(t.shape[d] for d in where)
+        if any(n < parts for n, parts in zip(size, counts, strict=True)):
             return t
-        y = scatter(t.movedim((h, w), (-2, -1)), guard.comm, guard.grid).movedim((-2, -1), (h, w))
-        return guard.marked(_laid_out_like(y, t), hw, size=(t.shape[h], t.shape[w]))
+        y = scatter(t.movedim(where, last), guard.comm, guard.grid).movedim(last, where)
+        return guard.marked(_laid_out_like(y, t), dims, size=size)
 
     with guard.suspended():
         return tree_map(block, out)

@@ -16,9 +16,10 @@ modules) there is nothing to check: their outputs are blocks when their inputs w
 This module keeps only that: the record, the mode, the module stack, the lookup and the
 refusal. docs/parallelism.md has the table of every rule (generated from the registry).
 
-Legend: a *block* is this rank's (N, C, h, w) part of split images; a *whole* tensor is the same
-on every rank of the spatial group. ``hw`` is where a block's H and W dimensions are, counted
-from the end: (-2, -1) for (N, C, H, W), (-3, -2) after ConvNeXt's permute to (N, H, W, C).
+Legend: a *block* is this rank's (N, C, *spatial) part of split samples (signals, images,
+volumes); a *whole* tensor is the same on every rank of the spatial group. ``dims`` is where a
+block's spatial dimensions are, counted from the end: (-2, -1) for (N, C, H, W), (-3, -2) after
+ConvNeXt's permute to (N, H, W, C), (-3, -2, -1) for (N, C, D, H, W).
 """
 
 from __future__ import annotations
@@ -47,14 +48,14 @@ from parallelkit.parallel.spatial_fallback import gather_inputs, gathered_messag
 from parallelkit.spatial import layout
 from parallelkit.spatial.grid import SpatialGrid, grid_of
 from parallelkit.spatial.rules import Call, lookup, op_name
+from parallelkit.spatial.rules.registry import Dims, standard
 
 # Layers that handle blocks themselves (and whole inputs); modules with a true class attribute
 # ``ends_spatial_region`` (global pooling, keep_dense modules) also take blocks, return whole.
 _SPATIAL = (
-    sp.SpatialParallelConv2d,
-    sp.SpatialConvTranspose2d,
-    spool.SpatialMaxPool2d,
-    spool.SpatialAvgPool2d,
+    sp._SpatialConv,
+    sp._SpatialConvTranspose,
+    spool._SpatialPool,
     spool.SpatialUpsample,
 )
 _NORMS = (SyncBatchNorm, _SyncSubclass)
@@ -83,11 +84,11 @@ class SpatialGuard(TorchFunctionMode):
         self.warned: set[Any] = set()  # what warn_once warned of (a region keeps one set)
         self.layers: dict[tuple, nn.Module] = {}  # spatial layers made for functional calls
         self.names = {m: name for name, m in model.named_modules()}
-        # id -> (the block, where its H and W are, the whole images' (H, W) if known)
-        self._blocks: dict[int, tuple[weakref.ref, tuple[int, int], Size | None]] = {}
+        # id -> (the block, where its spatial dimensions are, the whole size if known)
+        self._blocks: dict[int, tuple[weakref.ref, Dims, Size | None]] = {}
         self.size_now: Size | None = None  # the whole size of the call being ruled on
         self._sized: dict[int, weakref.ref] = {}  # blocks whose H or W forward code read
-        self.read_sizes: set[tuple[Size, Size | None]] = set()  # their (h, w), whole (H, W)
+        self.read_sizes: set[tuple[Size, Size | None]] = set()  # their sizes, and whole
         self._stack: list[tuple[nn.Module, bool, bool, Size | None, Any] | None] = []
         self._restore: dict[int, tuple[Any, Any]] = {}
         self._trusted = 0
@@ -98,34 +99,36 @@ class SpatialGuard(TorchFunctionMode):
         entry = self._blocks.get(id(t)) if isinstance(t, Tensor) else None
         return entry is not None and entry[0]() is t
 
-    def hw(self, t: Tensor) -> tuple[int, int]:
-        """Where block ``t``'s H and W are, counted from the end."""
+    def dims(self, t: Tensor) -> Dims:
+        """Where block ``t``'s spatial dimensions are, counted from the end."""
         return self._blocks[id(t)][1]
 
     def size_of(self, t: Tensor) -> Size | None:
-        """The whole images' (H, W) of block ``t``, if known: it travels from the region's
-        input through every rule and layer, so spatial layers need no size all-gather."""
+        """The whole samples' spatial size of block ``t``, if known: it travels from the
+        region's input through every rule and layer, so spatial layers need no size
+        all-gather."""
         return self._blocks[id(t)][2] if self.is_split(t) else None
 
-    def mark(self, *tensors: Any, hw: tuple[int, int] = (-2, -1), size: Size | None = None) -> None:
+    def mark(self, *tensors: Any, dims: Dims | None = None, size: Size | None = None) -> None:
+        """Record ``tensors`` as blocks whose spatial dimensions are ``dims`` (default: every
+        one after N and C)."""
         for t in tree_leaves(tensors):
-            if isinstance(t, Tensor) and t.dim() >= -min(hw):
-                self._blocks[id(t)] = (weakref.ref(t), hw, size)
+            if isinstance(t, Tensor) and t.dim() >= (-min(dims) if dims else 3):
+                self._blocks[id(t)] = (weakref.ref(t), dims or standard(t), size)
 
-    def marked(self, out: Any, hw: tuple[int, int] = (-2, -1), size: Size | None = None) -> Any:
+    def marked(self, out: Any, dims: Dims | None = None, size: Size | None = None) -> Any:
         """``out`` (any nesting) recorded as blocks, of the whole size of the call's first
         block unless ``size`` says otherwise."""
-        self.mark(out, hw=hw, size=size or self.size_now)
+        self.mark(out, dims=dims, size=size or self.size_now)
         return out
 
     def note_sized(self, x: Tensor, dim: int | None) -> None:
-        """Remember that forward code read block ``x``'s H or W (``x.shape``, ``x.size(2)``):
-        a padding computed from it would be the block's, and a ``size=`` equal to it stands
-        for its whole size (:mod:`parallelkit.spatial.rules.resize`)."""
-        if dim is None or dim % x.dim() - x.dim() in self.hw(x):
+        """Remember that forward code read a spatial size of block ``x`` (``x.shape``,
+        ``x.size(2)``): a padding computed from it would be the block's, and a ``size=`` equal
+        to it stands for its whole size (:mod:`parallelkit.spatial.rules.resize`)."""
+        if dim is None or dim % x.dim() - x.dim() in self.dims(x):
             self._sized[id(x)] = weakref.ref(x)
-            h, w = self.hw(x)
-            self.read_sizes.add(((x.shape[h], x.shape[w]), self.size_of(x)))
+            self.read_sizes.add((tuple(x.shape[d] for d in self.dims(x)), self.size_of(x)))
 
     def was_sized(self, t: Tensor) -> bool:
         ref = self._sized.get(id(t))
@@ -199,15 +202,15 @@ class SpatialGuard(TorchFunctionMode):
         if self._trusted or module not in self.names:
             self._stack.append(None)
             return None
-        whole = None  # a gathered module's input blocks' layout: (hw, ndim)
+        whole = None  # a gathered module's input blocks' layout: (dims, ndim)
         if module in self.gathered and (blocks := self._blocks_in(args, {})):
-            whole, args = (self.hw(blocks[0]), blocks[0].dim()), gather_inputs(self, args)
+            whole, args = (self.dims(blocks[0]), blocks[0].dim()), gather_inputs(self, args)
             self._gathering += 1
         ends = getattr(module, "ends_spatial_region", False)
         trusted = ends or isinstance(module, (*_SPATIAL, *_NORMS))
         blocks = self._blocks_in(args, {})
-        if trusted and any(self.hw(b) != (-2, -1) for b in blocks):
-            raise self.refuse(type(module).__name__, "it wants (N, C, H, W) blocks", module)
+        if trusted and any(self.dims(b) != standard(b) for b in blocks):
+            raise self.refuse(type(module).__name__, "it wants (N, C, *spatial) blocks", module)
         if trusted and isinstance(module, _NORMS) and not blocks and self.comm.size > 1:
             self._normalize_whole(module)
         self._trusted += trusted

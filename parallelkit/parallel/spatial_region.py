@@ -77,7 +77,7 @@ class SpatialRegion(nn.Module):
                 self.module, self.comm, self._blocks, self.whole_comm, self.shares, self._gathered
             )
             guard.warned = self._warned
-            guard.mark(x_blk, size=(x.shape[-2], x.shape[-1]))
+            guard.mark(x_blk, size=tuple(x.shape[2:]))
             with guard:
                 return guard, self.module(x_blk, *args, **kwargs)
 

@@ -1,13 +1,19 @@
-"""A rows x cols grid of ranks holding blocks of the same images, and scatter/gather of images.
+"""A grid of ranks holding blocks of the same samples, and scatter/gather of samples.
 
-Rank ``i * cols + j`` of ``comm`` holds row block i and column block j of every image
-(``torch.tensor_split`` layout along H and W). Exchanges along H run over the ranks of one grid
-column (``col_comm``), along W over one grid row (``row_comm``); doing H first and then W on the
-H-extended block also fetches the corner rows, so two one-dimensional exchanges make a 2-D one.
+A sample has 1, 2 or 3 spatial dimensions: a signal (N, C, L), an image (N, C, H, W), a volume
+(N, C, D, H, W). The grid is ``depth x rows x cols``: ``depth`` splits D, ``rows`` splits H (and
+a signal's L, the first spatial dimension as H is an image's), ``cols`` splits W. The default
+grid of a plain communicator splits the first spatial dimension over every rank (L, D, or H).
+Rank ``(z * rows + i) * cols + j`` of ``comm`` holds depth block z, row block i and column block
+j of every sample (``torch.tensor_split`` layout along each). Exchanges along one dimension run
+over the ranks that differ only in that dimension's block (:meth:`SpatialGrid.axes`); doing
+them one dimension after another on the extended block also fetches the edge and corner
+rows, so one-dimensional exchanges make an N-dimensional one.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -17,79 +23,121 @@ from parallelkit.comm import Communicator, tensor_split_sizes
 from parallelkit.comm.local import LocalCommunicator
 from parallelkit.spatial import layout
 
+Axis = tuple[Communicator, int, int]
+"""(communicator of the ranks along one dimension, number of blocks, this rank's block)."""
+NAMES = ("depth", "rows", "cols")
+
 
 class SpatialGrid:
-    """``comm`` arranged as ``rows x cols`` (default ``(comm.size, 1)``: split H only)."""
+    """``comm`` arranged as ``depth x rows x cols`` (``grid``: ``(rows, cols)`` or
+    ``(depth, rows, cols)``; default None: the first spatial dimension over every rank)."""
 
     def __init__(self, comm: Communicator, grid: Sequence[int] | None = None) -> None:
-        rows, cols = (comm.size, 1) if grid is None else (int(grid[0]), int(grid[1]))
-        if rows < 1 or cols < 1 or rows * cols != comm.size:
+        given = (comm.size, 1, 1) if grid is None else tuple(int(v) for v in grid)
+        shape = (1, *given) if len(given) == 2 else given
+        if len(shape) != 3 or min(shape) < 1 or math.prod(shape) != comm.size:
             raise ValueError(
-                f"spatial grid {rows} x {cols} does not match a communicator of {comm.size} "
-                f"ranks: rows * cols must equal {comm.size}"
+                f"spatial grid {' x '.join(map(str, given))} does not match a communicator of "
+                f"{comm.size} ranks: give (rows, cols) or (depth, rows, cols) whose product is "
+                f"{comm.size}"
             )
-        self.comm, self.rows, self.cols = comm, rows, cols
-        self.row, self.col = divmod(comm.rank, cols)
-        # Sub-communicators only where a dimension is really split (split() is collective,
-        # and every rank takes the same branches since the grid shape is the same everywhere).
+        self.comm, self.first = comm, grid is None
+        self.depth, self.rows, self.cols = shape
+        rest, self.col = divmod(comm.rank, self.cols)
+        self.layer, self.row = divmod(rest, self.rows)
+        # A communicator per dimension, only where it is really split (split() is collective,
+        # and every rank takes the same branches since the grid's shape is the same everywhere).
         one = LocalCommunicator(timeout=comm.timeout, device=comm.device)
-        if cols == 1:
-            self.col_comm: Communicator = comm
-            self.row_comm: Communicator = one
-        elif rows == 1:
-            self.col_comm, self.row_comm = one, comm
-        else:
-            self.col_comm = comm.split(color=self.col, key=self.row)
-            self.row_comm = comm.split(color=self.row, key=self.col)
+        coords, strides = (self.layer, self.row, self.col), (self.rows * self.cols, self.cols, 1)
+        self._comms: list[Communicator] = []
+        for a, parts in enumerate(shape):
+            if parts == 1:
+                self._comms.append(one)
+            elif parts == comm.size:
+                self._comms.append(comm)
+            else:  # the ranks that differ from this one along this dimension only
+                color = comm.rank - coords[a] * strides[a]
+                self._comms.append(comm.split(color=color, key=coords[a]))
 
     def __repr__(self) -> str:
         return (
-            f"SpatialGrid({self.rows} x {self.cols}, rank {self.comm.rank} at {self.row, self.col})"
+            f"SpatialGrid({self.depth} x {self.rows} x {self.cols}, rank {self.comm.rank} at "
+            f"{self.layer, self.row, self.col})"
         )
 
-    def axis(self, dim: int) -> tuple[Communicator, int, int]:
-        """(communicator, number of blocks, this rank's block) along H (dim 0) or W (dim 1)."""
-        return (
-            (self.col_comm, self.rows, self.row)
-            if dim == 0
-            else (self.row_comm, self.cols, self.col)
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.depth, self.rows, self.cols
+
+    def axes(self, ndim: int) -> list[Axis]:
+        """Per spatial dimension of a sample with ``ndim`` of them (1, 2 or 3): the
+        communicator along it, its number of blocks and this rank's block."""
+        mine = list(zip(self._comms, self.shape, (self.layer, self.row, self.col), strict=True))
+        if self.first:
+            return [mine[0]] + [(self._comms[1], 1, 0)] * (ndim - 1)
+        if ndim == 3:
+            return mine
+        if ndim == 2 and self.depth == 1:
+            return mine[1:]
+        if ndim == 1 and self.depth == 1 and self.cols == 1:
+            return mine[1:2]
+        split = " x ".join(f"{v} {n}" for n, v in zip(NAMES, self.shape, strict=True) if v > 1)
+        why = {
+            1: "signals (N, C, L) are split by rows only",
+            2: "images (N, C, H, W) have no depth: depth splits the D of volumes",
+        }
+        raise ValueError(
+            f"a spatial grid of {split} cannot split samples with {ndim} spatial dimensions: "
+            + why.get(ndim, "samples are (N, C, L), (N, C, H, W) or (N, C, D, H, W)")
         )
 
-    def global_size(self, x: torch.Tensor, name: str = "spatial layer") -> tuple[int, int]:
-        """(H, W) of the whole images whose block ``x`` (N, C, h, w) this rank holds.
+    def counts(self, ndim: int) -> tuple[int, ...]:
+        """Blocks along each of the ``ndim`` spatial dimensions."""
+        return tuple(parts for _, parts, _ in self.axes(ndim))
+
+    def global_size(self, x: torch.Tensor, name: str = "spatial layer") -> tuple[int, ...]:
+        """The whole samples' spatial size whose block ``x`` (N, C, *spatial) this rank holds.
 
         Inside a spatial region the size travels with the block (``layout.size_of``);
-        elsewhere one small all-gather of every rank's (h, w), and the blocks must be in
+        elsewhere one small all-gather of every rank's block size, and the blocks must be in
         tensor_split layout, which is checked (the same ValueError on every rank).
         """
-        if x.dim() != 4:
-            raise ValueError(f"{name}: expected an (N, C, H, W) block, got shape {tuple(x.shape)}")
+        if not 3 <= x.dim() <= 5:
+            raise ValueError(
+                f"{name}: expected an (N, C, L), (N, C, H, W) or (N, C, D, H, W) block, got "
+                f"shape {tuple(x.shape)}"
+            )
+        ndim = x.dim() - 2
+        axes = self.axes(ndim)
         if self.comm.size == 1:
-            return x.shape[2], x.shape[3]
+            return tuple(x.shape[2:])
         if (known := layout.size_of(x)) is not None:
             return known
-        # Host metadata: every rank's (h, w), by grid position.
-        hw = self.comm.all_gather_ints([x.shape[2], x.shape[3]])
-        heights = [h for h, _ in hw[:: self.cols]]
-        widths = [w for _, w in hw[: self.cols]]
-        h_total, w_total = sum(heights), sum(widths)
-        want_h = tensor_split_sizes(h_total, self.rows)
-        want_w = tensor_split_sizes(w_total, self.cols)
-        want = [[want_h[r], want_w[c]] for r in range(self.rows) for c in range(self.cols)]
-        if hw != want:
-            blocks = [hw[r * self.cols : (r + 1) * self.cols] for r in range(self.rows)]
-            raise ValueError(
-                f"{name}: the ranks' blocks {blocks} (h, w per grid position) are not the "
-                f"tensor_split layout of {h_total} x {w_total} images over a {self.rows} x "
-                f"{self.cols} grid; use pk.spatial.scatter to split images"
-            )
-        return h_total, w_total
+        # Host metadata: every rank's (block index, block size) along each dimension.
+        mine = [v for (_, _, i), n in zip(axes, x.shape[2:], strict=True) for v in (i, n)]
+        rows = self.comm.all_gather_ints(mine)
+        total = []
+        for d, (_, parts, _) in enumerate(axes):
+            sizes = dict((row[2 * d], row[2 * d + 1]) for row in rows)
+            total.append(sum(sizes.values()))
+            want = tensor_split_sizes(total[-1], parts)
+            if len(sizes) != parts or any(row[2 * d + 1] != want[row[2 * d]] for row in rows):
+                raise ValueError(
+                    f"{name}: the ranks' blocks {[row[1::2] for row in rows]} (spatial sizes by "
+                    f"rank) are not the tensor_split layout of samples over a "
+                    f"{' x '.join(map(str, self.counts(ndim)))} grid; use pk.spatial.scatter "
+                    "to split samples"
+                )
+        return tuple(total)
 
-    def block(self, h: int, w: int) -> tuple[slice, slice]:
-        """This rank's rows and columns of an H x W image."""
-        hs, ws = tensor_split_sizes(h, self.rows), tensor_split_sizes(w, self.cols)
-        h0, w0 = sum(hs[: self.row]), sum(ws[: self.col])
-        return slice(h0, h0 + hs[self.row]), slice(w0, w0 + ws[self.col])
+    def block(self, *size: int) -> tuple[slice, ...]:
+        """This rank's slice along each spatial dimension of a sample of ``size``."""
+        out = []
+        for n, (_, parts, index) in zip(size, self.axes(len(size)), strict=True):
+            sizes = tensor_split_sizes(n, parts)
+            a = sum(sizes[:index])
+            out.append(slice(a, a + sizes[index]))
+        return tuple(out)
 
 
 def grid_of(comm: Communicator, grid: Sequence[int] | SpatialGrid | None = None) -> SpatialGrid:
@@ -99,45 +147,61 @@ def grid_of(comm: Communicator, grid: Sequence[int] | SpatialGrid | None = None)
     """
     if isinstance(grid, SpatialGrid):
         return grid
-    shape = (comm.size, 1) if grid is None else (int(grid[0]), int(grid[1]))
+    key = None if grid is None else tuple(int(v) for v in grid)
+    if key is not None and len(key) == 2:
+        key = (1, *key)
     cache = comm.__dict__.setdefault("_spatial_grids", {})
-    if shape not in cache:
-        cache[shape] = SpatialGrid(comm, shape)
-    return cache[shape]
+    if key not in cache:
+        cache[key] = SpatialGrid(comm, grid)
+    return cache[key]
+
+
+def _check_sample(x: torch.Tensor, name: str) -> int:
+    if not 3 <= x.dim() <= 5:
+        raise ValueError(
+            f"{name}: expected (N, C, L), (N, C, H, W) or (N, C, D, H, W), got shape "
+            f"{tuple(x.shape)}"
+        )
+    return x.dim() - 2
 
 
 def scatter(
     x: torch.Tensor, comm: Communicator, grid: Sequence[int] | SpatialGrid | None = None
 ) -> torch.Tensor:
-    """This rank's block of a replicated (N, C, H, W) tensor; differentiable (backward gathers
-    the blocks' gradients, so every rank gets the whole input gradient; where whole gradients
-    are shares, :mod:`parallelkit.spatial.layout`, the block's gradient is this rank's share)."""
+    """This rank's block of a replicated (N, C, *spatial) tensor; differentiable (backward
+    gathers the blocks' gradients, so every rank gets the whole input gradient; where whole
+    gradients are shares, :mod:`parallelkit.spatial.layout`, the block's gradient is this
+    rank's share)."""
     g = grid_of(comm, grid)
-    if x.dim() != 4:
-        raise ValueError(f"pk.spatial.scatter: expected (N, C, H, W), got shape {tuple(x.shape)}")
+    axes = g.axes(_check_sample(x, "pk.spatial.scatter"))
     if layout.shares():  # the whole gradient's share is this block's, zeros elsewhere
-        rows, cols = g.block(x.shape[2], x.shape[3])
-        return x[:, :, rows, cols]
-    x = pkf.scatter_to_group(x, g.col_comm, 2, tensor_split_sizes(x.shape[2], g.rows))
-    return pkf.scatter_to_group(x, g.row_comm, 3, tensor_split_sizes(x.shape[3], g.cols))
+        return x[(slice(None), slice(None), *g.block(*x.shape[2:]))]
+    for d, (group, parts, _) in enumerate(axes):
+        if parts > 1:
+            x = pkf.scatter_to_group(x, group, 2 + d, tensor_split_sizes(x.shape[2 + d], parts))
+    return x
 
 
 def gather(
     y: torch.Tensor,
     comm: Communicator,
     grid: Sequence[int] | SpatialGrid | None = None,
-    size: tuple[int, int] | None = None,
+    size: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """The whole (N, C, H, W) tensor again, on every rank, from each rank's block.
+    """The whole (N, C, *spatial) tensor again, on every rank, from each rank's block.
 
     Differentiable for a consumer that every rank runs identically (one replicated loss): the
-    backward keeps this rank's block of the gradient. ``size``: the whole (H, W) if known
-    (it saves the all-gather of the blocks' sizes).
+    backward keeps this rank's block of the gradient. ``size``: the whole spatial size if
+    known (it saves the all-gather of the blocks' sizes).
     """
     g = grid_of(comm, grid)
-    h, w = size or g.global_size(y, "pk.spatial.gather")
+    axes = g.axes(_check_sample(y, "pk.spatial.gather"))
+    size = size or g.global_size(y, "pk.spatial.gather")
     # Where whole gradients are shares, the block's gradient is the sum of every rank's share
     # of it: all_gather's backward (a reduce-scatter).
     cat = pkf.all_gather if layout.shares() else pkf.gather_from_group
-    y = cat(y, g.row_comm, 3, tensor_split_sizes(w, g.cols))
-    return cat(y, g.col_comm, 2, tensor_split_sizes(h, g.rows))
+    for d in reversed(range(len(axes))):
+        group, parts, _ = axes[d]
+        if parts > 1:
+            y = cat(y, group, 2 + d, tensor_split_sizes(size[d], parts))
+    return y

@@ -48,8 +48,7 @@ class Unreadable(ValueError):
 
 def model_rank(grid: Grid) -> int:
     """This rank's position inside its model replica (same numbering in every replica)."""
-    _, r, c, k = grid.coords
-    return (r * grid.cols + c) * grid.channel + k
+    return grid.model_rank
 
 
 def save(
@@ -66,7 +65,7 @@ def save(
     if grid.comm.rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
     grid.comm.barrier()
-    shards = [f"shard-{i}.pt" for i in range(grid.rows * grid.cols * grid.channel)]
+    shards = [f"shard-{i}.pt" for i in range(grid.dims.model)]
     if grid.coords[0] == 0:
         name = shards[model_rank(grid)]
         digest = atomic_torch_save(folder / name, state)

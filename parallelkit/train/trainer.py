@@ -186,7 +186,7 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
     lock, note = open_run_dir(cfg, comm)
 
     per_rank = t.batch_size // grid.data
-    _, row, col, _ = grid.coords
+    _, _, row, col, _ = grid.coords
     loaders = {
         split: build_loader(
             cfg.data,

@@ -45,20 +45,26 @@ from parallelkit.dims import AXES, STRATEGY_AXIS, GridDims
 STRATEGIES = tuple(STRATEGY_AXIS)
 ACTIVATION = ("data", "channel", "rows", "cols")
 """Partition spec of an (N, C, H, W) activation."""
+ACTIVATIONS = {
+    3: ("data", "channel", "rows"),
+    4: ACTIVATION,
+    5: ("data", "channel", "depth", "rows", "cols"),
+}
+"""Partition specs of a signal's (N, C, L), an image's and a volume's (N, C, D, H, W)."""
 
 _ANNOTATED = (
-    nn.Conv2d,
-    nn.ConvTranspose2d,
+    nn.modules.conv._ConvNd,
     nn.modules.batchnorm._BatchNorm,
-    nn.MaxPool2d,
-    nn.AvgPool2d,
+    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d,
+    nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
     nn.Upsample,
-)
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
 class SpmdGrid(GridDims):
-    """A ``data x rows x cols x channel`` mesh over all devices (the product must match)."""
+    """A ``data x depth x rows x cols x channel`` mesh over all devices (the product must
+    match)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -162,26 +168,28 @@ class SpmdModel(nn.Module):
                 _UnbiasedRunningVar(m)
 
     def forward(self, x: torch.Tensor, *args, **kwargs):
-        if x.dim() == 4:
-            shard(x, self.mesh, ACTIVATION)
+        if x.dim() in ACTIVATIONS:
+            shard(x, self.mesh, ACTIVATIONS[x.dim()])
         return self.module(x, *args, **kwargs)
 
-    def input_sharding(self) -> xs.ShardingSpec:
-        """How an (N, C, H, W) batch is split: for ``MpDeviceLoader(input_sharding=...)``."""
-        return xs.ShardingSpec(self.mesh, ACTIVATION)
+    def input_sharding(self, ndim: int = 4) -> xs.ShardingSpec:
+        """How a batch of ``ndim`` dimensions (4: (N, C, H, W), 5: (N, C, D, H, W)) is
+        split: for ``MpDeviceLoader(input_sharding=...)``."""
+        return xs.ShardingSpec(self.mesh, ACTIVATIONS[ndim])
 
     def _annotate(self, _module: nn.Module, _inputs, y: torch.Tensor) -> torch.Tensor:
-        if not isinstance(y, torch.Tensor) or y.dim() != 4:
+        if not isinstance(y, torch.Tensor) or y.dim() not in ACTIVATIONS:
             return y
-        return xs.mark_sharding_with_gradients(y, self.mesh, spec(y, self.mesh, ACTIVATION))
+        axes = ACTIVATIONS[y.dim()]
+        return xs.mark_sharding_with_gradients(y, self.mesh, spec(y, self.mesh, axes))
 
 
 def _shard_parameters(m: nn.Module, mesh: xs.Mesh) -> None:
     """Output channels of convolutions, and the per-channel parameters, over ``channel``."""
-    if isinstance(m, nn.Conv2d):
-        shard(m.weight, mesh, ("channel", None, None, None))
-    elif isinstance(m, nn.ConvTranspose2d):
-        shard(m.weight, mesh, (None, "channel", None, None))
+    if isinstance(m, nn.modules.conv._ConvNd):  # weight (out, in, *kernel); transposed (in, out)
+        rest = (None,) * (m.weight.dim() - 2)
+        axes = (None, "channel") if m.transposed else ("channel", None)
+        shard(m.weight, mesh, (*axes, *rest))
     elif not isinstance(m, nn.modules.batchnorm._BatchNorm):
         return
     for p in (getattr(m, "bias", None), getattr(m, "weight", None)):
@@ -193,7 +201,8 @@ def parallelize(model: nn.Module, grid: GridSpec = None, strategy: str = "data")
     """``model`` (on the XLA device, SPMD enabled) annotated for ``strategy`` over ``grid``.
 
     grid: an :class:`SpmdGrid` or a dict of its axes, e.g. ``{"data": 2, "rows": 2}`` for
-        data x spatial; None puts every device on ``strategy``'s axis.
+        data x spatial, ``{"depth": 4}`` for volumes split over D; None puts every device on
+        ``strategy``'s axis.
     strategy: "data" | "spatial" | "channel": which axis a grid of None puts every device on.
         A grid spec says everything itself (its axes of size 1 replicate; several axes larger
         than 1 make a hybrid), so with one, ``strategy`` is not used.

@@ -1,9 +1,11 @@
-"""Normalization rules: statistics over H and W written out as means of the whole images.
+"""Normalization rules: statistics over the spatial dimensions written out as means of the
+whole samples.
 
-GroupNorm, InstanceNorm and LayerNorm over (C,) H and W are rewritten in operations that have
-rules (means over H and W all-reduced, pointwise arithmetic), so their gradients, through the
-whole statistics, are the dense ones. LayerNorm and Linear over the channels of a
-channels-last block (ConvNeXt) are local; their weights' gradients are summed.
+GroupNorm, InstanceNorm and LayerNorm over (C,) and the spatial dimensions are rewritten in
+operations that have rules (means over the spatial dimensions all-reduced, pointwise
+arithmetic), so their gradients, through the whole statistics, are the dense ones. LayerNorm
+and Linear over the channels of a channels-last block (ConvNeXt) are local; their weights'
+gradients are summed.
 """
 
 from __future__ import annotations
@@ -18,23 +20,25 @@ from parallelkit.spatial.rules.registry import Call, Guard, nchw, rule
 def _group_norm(g: Guard, x: Tensor, groups: int, weight: Tensor | None, bias: Tensor | None,
                 eps: float) -> Tensor:  # fmt: skip
     n, c = x.shape[:2]
+    dims = tuple(range(2, x.dim() + 1))  # the group's channels and the spatial dimensions
+    channel = (1, c, *(1,) * (x.dim() - 2))
     with g.rules():
         xg = x.reshape(n, groups, c // groups, *x.shape[2:])
-        mean = xg.mean((2, 3, 4), keepdim=True)
+        mean = xg.mean(dims, keepdim=True)
         centred = xg - mean
-        var = centred.square().mean((2, 3, 4), keepdim=True)
+        var = centred.square().mean(dims, keepdim=True)
         y = (centred / torch.sqrt(var + eps)).reshape(x.shape)
         if weight is not None:
-            y = y * weight.view(1, c, 1, 1)
+            y = y * weight.view(channel)
         if bias is not None:
-            y = y + bias.view(1, c, 1, 1)
+            y = y + bias.view(channel)
     return y
 
 
 @rule(F.group_norm, params="input, num_groups, weight=None, bias=None, eps=1e-5")
 def group_norm(g: Guard, call: Call) -> Tensor:
-    """Written out as means over H and W (all-reduced, whole) and pointwise operations, so
-    the statistics' gradients are summed (smp's FPN decoder)."""
+    """Written out as means over the spatial dimensions (all-reduced, whole) and pointwise
+    operations, so the statistics' gradients are summed (smp's FPN decoder)."""
     nchw(g, call, call["input"])
     return _group_norm(g, call["input"], call["num_groups"], call["weight"], call["bias"],
                        call["eps"])  # fmt: skip
@@ -44,23 +48,25 @@ def group_norm(g: Guard, call: Call) -> Tensor:
       params="input, running_mean=None, running_var=None, weight=None, bias=None, "
       "use_input_stats=True, momentum=0.1, eps=1e-5")  # fmt: skip
 def instance_norm(g: Guard, call: Call) -> Tensor:
-    """With each image's own statistics: group norm with one channel per group; running
-    statistics, where given, updated as torch does, from the whole images' means and unbiased
-    variances averaged over the batch. With the running statistics (eval): pointwise."""
+    """With each sample's own statistics: group norm with one channel per group; running
+    statistics, where given, updated as torch does, from the whole samples' means and
+    unbiased variances averaged over the batch. With the running statistics (eval):
+    pointwise."""
     x, mean, var = call["input"], call["running_mean"], call["running_var"]
-    nchw(g, call, x)
+    ndim = nchw(g, call, x)
     c, eps, momentum = x.shape[1], call["eps"], call["momentum"]
+    channel, spatial = (1, c, *(1,) * ndim), tuple(range(2, 2 + ndim))
     if not call["use_input_stats"]:
         with g.rules():
-            y = (x - mean.view(1, c, 1, 1)) / torch.sqrt(var.view(1, c, 1, 1) + eps)
+            y = (x - mean.view(channel)) / torch.sqrt(var.view(channel) + eps)
             if call["weight"] is not None:
-                y = y * call["weight"].view(1, c, 1, 1)
-            return y + call["bias"].view(1, c, 1, 1) if call["bias"] is not None else y
+                y = y * call["weight"].view(channel)
+            return y + call["bias"].view(channel) if call["bias"] is not None else y
     if (mean is not None or var is not None) and momentum is None:
         raise g.refuse(call.name, "momentum=None (a cumulative average) has no rule")
     if mean is not None or var is not None:
         with torch.no_grad(), g.rules():
-            stats = (x.mean((2, 3)).mean(0), x.var((2, 3)).mean(0))
+            stats = (x.mean(spatial).mean(0), x.var(spatial).mean(0))
         for running, new in zip((mean, var), stats, strict=True):
             if running is not None:
                 running.mul_(1 - momentum).add_(new.to(running.dtype), alpha=momentum)
@@ -70,40 +76,41 @@ def instance_norm(g: Guard, call: Call) -> Tensor:
 @rule(F.layer_norm, params="input, normalized_shape, weight=None, bias=None, eps=1e-5")
 def layer_norm(g: Guard, call: Call) -> Tensor:
     """Over the channels of a channels-last block (ConvNeXt): local, weights' gradients
-    summed. Over (C,) H and W (a WGAN-GP critic's ``nn.LayerNorm([C, H, W])``): statistics
-    written out as means of the whole images; the affine parameters, shaped for the whole
-    images, cut to the block."""
+    summed. Over (C,) and the spatial dimensions (a WGAN-GP critic's
+    ``nn.LayerNorm([C, H, W])``): statistics written out as means of the whole samples; the
+    affine parameters, shaped for the whole samples, cut to the block."""
     x, shape = call["input"], tuple(call["normalized_shape"])
-    hw = g.hw(x)
-    if -len(shape) > max(hw):  # trailing dimensions after H and W
+    spatial = g.dims(x)
+    if -len(shape) > max(spatial):  # trailing dimensions after the spatial ones
         weight, bias = g.summed(call["weight"]), g.summed(call["bias"])
-        return g.marked(F.layer_norm(x, shape, weight, bias, call["eps"]), hw)
-    if hw != (-2, -1):
-        raise g.refuse(call.name, "it acts over H or W of a channels-last block")
-    h, w = g.size_now or g.grid.global_size(x, call.name)
-    if shape[-2:] != (h, w):
+        return g.marked(F.layer_norm(x, shape, weight, bias, call["eps"]), spatial)
+    if spatial != tuple(range(-len(spatial), 0)):
+        raise g.refuse(call.name, "it acts over a spatial dimension of a channels-last block")
+    size = tuple(g.size_now or g.grid.global_size(x, call.name))
+    if shape[-len(size) :] != size:
         raise g.refuse(
-            call.name, f"its normalized_shape {shape} does not end in the whole images' {(h, w)}"
+            call.name, f"its normalized_shape {shape} does not end in the whole samples' {size}"
         )
     dims = list(range(x.dim() - len(shape), x.dim()))
     with g.rules():
         centred = x - x.mean(dims, keepdim=True)
         var = centred.square().mean(dims, keepdim=True)
     y = centred / torch.sqrt(var + call["eps"])
-    rows, cols = g.grid.block(h, w)
+    block = (..., *g.grid.block(*size))
     if (weight := call["weight"]) is not None:
-        y = y * g.summed(weight)[..., rows, cols]
+        y = y * g.summed(weight)[block]
     if (bias := call["bias"]) is not None:
-        y = y + g.summed(bias)[..., rows, cols]
-    return g.marked(y)
+        y = y + g.summed(bias)[block]
+    return g.marked(y, spatial)
 
 
 @rule(F.linear, params="input, weight, bias=None")
 def linear(g: Guard, call: Call) -> Tensor:
     """Over the channels of a channels-last block (ConvNeXt's MLP): local, weights' gradients
-    summed; over W refused (permute the channels last first)."""
+    summed; over a spatial dimension refused (permute the channels last first)."""
     x = call["input"]
-    hw = g.hw(x)
-    if max(hw) == -1:
-        raise g.refuse(call.name, "it acts over H or W (permute the channels last first)")
-    return g.marked(F.linear(x, g.summed(call["weight"]), g.summed(call["bias"])), hw)
+    spatial = g.dims(x)
+    if max(spatial) == -1:
+        raise g.refuse(call.name, "it acts over a spatial dimension (permute the channels "
+                       "last first)")  # fmt: skip
+    return g.marked(F.linear(x, g.summed(call["weight"]), g.summed(call["bias"])), spatial)

@@ -1,8 +1,8 @@
 """Pointwise rules: operations that read each pixel alone run on the block as they are.
 
 A whole tensor may meet a block here (an SE gate, a layer scale, a parameter used directly) if
-it is constant over H and W (size 1 there); its gradient is then each rank's share of the dense
-one, summed where it meets the blocks (``layout.replicated``).
+it is constant over the spatial dimensions (size 1 there); its gradient is then each rank's
+share of the dense one, summed where it meets the blocks (``layout.replicated``).
 """
 
 from __future__ import annotations
@@ -40,28 +40,30 @@ requires_grad_ cpu cuda retain_grad zero_ fill_ copy_ __deepcopy__
     *ops(" ".join(f"__{n}__" for n in _DUNDERS.split()), Tensor),
 )
 def pointwise(g: Guard, call: Call) -> Any:
-    """Local. Blocks must share one layout; a whole tensor must have size 1 in H and W."""
-    hw = g.hw(call.blocks[0])
-    sizes = {tuple(b.shape[d] for d in hw) for b in call.blocks}
-    if len(sizes) > 1 or any(g.hw(b) != hw for b in call.blocks):
+    """Local. Blocks must share one layout; a whole tensor must have size 1 in the spatial
+    dimensions."""
+    dims = g.dims(call.blocks[0])
+    sizes = {tuple(b.shape[d] for d in dims) for b in call.blocks}
+    if len(sizes) > 1 or any(g.dims(b) != dims for b in call.blocks):
         raise g.refuse(call.name, f"its blocks have different layouts {sorted(sizes)}")
 
     def replicate(t: Any) -> Any:
         if not isinstance(t, Tensor) or g.is_split(t):
             return t
-        if any(t.dim() >= -d and t.shape[d] != 1 for d in hw):
+        if any(t.dim() >= -d and t.shape[d] != 1 for d in dims):
             shape = tuple(t.shape)
-            raise g.refuse(call.name, f"a whole tensor of shape {shape} varies over H or W")
+            raise g.refuse(call.name, f"a whole tensor of shape {shape} varies over a spatial "
+                           "dimension")  # fmt: skip
         return g.summed(t)
 
     args, kwargs = tree_map(replicate, (call.args, call.kwargs))
-    return g.marked(call.func(*args, **kwargs), hw)
+    return g.marked(call.func(*args, **kwargs), dims)
 
 
 @rule(*ops(_LOCAL, Tensor))
 def local(g: Guard, call: Call) -> Any:
     """Local: type, device and memory-format changes, copies, detaching."""
-    return g.marked(call.run(), g.hw(call.blocks[0]))
+    return g.marked(call.run(), g.dims(call.blocks[0]))
 
 
 @rule(F.prelu, torch.prelu, params="input, weight")

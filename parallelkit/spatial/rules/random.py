@@ -1,8 +1,8 @@
-"""Random rules: dropout masks drawn for the whole images and cut to the block.
+"""Random rules: dropout masks drawn for the whole samples and cut to the block.
 
 Every rank of the spatial group draws the same whole mask from its own generator (ranks seeded
 alike) and keeps its block of it: the dense model's mask. It costs one whole-image noise
-tensor per call, transiently.
+tensor per call, transiently (a channel mask, for the channel dropouts, costs nothing).
 """
 
 from __future__ import annotations
@@ -13,24 +13,26 @@ from torch import Tensor
 
 from parallelkit.spatial.rules.registry import Call, Guard, nchw, rule
 
-_EXACT = (F.dropout, F.dropout2d, torch.dropout)
+_EXACT = (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, torch.dropout)
+_CHANNELS = (F.dropout1d, F.dropout2d, F.dropout3d)
 
 
 @rule(F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
       F.feature_alpha_dropout, torch.dropout, torch.alpha_dropout, torch.feature_dropout,
       params="input, p=0.5, training=True, inplace=False")  # fmt: skip
 def dropout(g: Guard, call: Call) -> Tensor:
-    """In training, ``F.dropout`` and ``F.dropout2d``: the mask drawn for the whole images and
-    cut to the block. In eval (or p = 0): local. Other kinds in training: refused."""
+    """In training, ``F.dropout`` and ``F.dropout1d/2d/3d``: the mask drawn for the whole
+    samples (or channels) and cut to the block. In eval (or p = 0): local. Other kinds in
+    training: refused."""
     x, p, inplace = call["input"], call["p"], call["inplace"]
     if not call["training"] or p == 0:
-        return g.marked(call.run(), g.hw(x))
-    nchw(g, call, x)
+        return g.marked(call.run(), g.dims(x))
+    ndim = nchw(g, call, x)
     if call.func not in _EXACT or not 0 < p < 1:
-        raise g.refuse(call.name, "only dropout and dropout2d draw masks exactly")
-    h, w = g.size_now or g.grid.global_size(x, call.name)
-    rows, cols = g.grid.block(h, w)
-    whole = (*x.shape[:2], 1, 1) if call.func is F.dropout2d else (*x.shape[:2], h, w)
+        raise g.refuse(call.name, "only dropout and dropout1d/2d/3d draw masks exactly")
+    size = g.size_now or g.grid.global_size(x, call.name)
+    channels = call.func in _CHANNELS
+    whole = (*x.shape[:2], *((1,) * ndim if channels else size))
     noise = torch.empty(whole, dtype=x.dtype, device=x.device).bernoulli_(1 - p).div_(1 - p)
-    noise = noise if call.func is F.dropout2d else noise[..., rows, cols]
+    noise = noise if channels else noise[(..., *g.grid.block(*size))]
     return g.marked(x.mul_(noise) if inplace else x * noise)

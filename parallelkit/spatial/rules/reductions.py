@@ -1,13 +1,15 @@
-"""Reduction rules: over channels or the batch, local; over H and W, one all-reduce.
+"""Reduction rules: over channels or the batch, local; over the spatial dimensions, one
+all-reduce.
 
-A reduction that leaves H and W alone runs on the block as it is. One over both H and W (and
-maybe more) is a sum of per-block parts, all-reduced over the spatial group: the result is
-whole, the same on every rank. Its backward follows the region's gradient convention
-(``layout.summed``: a replicated loss needs no communication; a consumer split again, an SE
-gate, gets the sum). Extremes route their gradient, as torch's do, in equal parts to every
-place that holds the extreme, on whichever rank. A reduction over only one of H and W, and
-those whose result needs more than sums and extremes (``logsumexp``, ``max(dim)`` with its
-indices over H or W), are refused.
+A reduction that leaves the spatial dimensions (H and W; D, H and W; L) alone runs on the
+block as it is. One over all of them (and maybe more) is a sum of per-block parts,
+all-reduced over the spatial group: the result is whole, the same on every rank. Its
+backward follows the region's gradient convention (``layout.summed``: a replicated loss needs
+no communication; a consumer split again, an SE gate, gets the sum). Extremes route their
+gradient, as torch's do, in equal parts to every place that holds the extreme, on whichever
+rank. A reduction over only some of the spatial
+dimensions, and those whose result needs more than sums and extremes (``max(dim)`` with its
+indices over a spatial dimension), are refused.
 """
 
 from __future__ import annotations
@@ -31,40 +33,40 @@ def _dims(x: Tensor, dim: Any) -> list[int]:
     return sorted({d % x.dim() for d in (dim if isinstance(dim, tuple | list) else (dim,))})
 
 
-def _hw(g: Guard, x: Tensor) -> list[int]:
-    return [x.dim() + d for d in g.hw(x)]
+def _spatial(g: Guard, x: Tensor) -> list[int]:
+    """Where block ``x``'s spatial dimensions are, from the front."""
+    return [x.dim() + d for d in g.dims(x)]
 
 
 def _local(g: Guard, call: Call, x: Tensor, dims: list[int], keepdim: bool) -> Any:
-    """A reduction over dimensions other than H and W: local; dropped dimensions after H
-    (after W) bring it nearer the end."""
-    h, w = _hw(g, x)
+    """A reduction over dimensions other than the spatial ones: local; a dropped dimension
+    after a spatial one brings it nearer the end."""
     drop = [] if keepdim else dims
-    hw = (g.hw(x)[0] + sum(d > h for d in drop), g.hw(x)[1] + sum(d > w for d in drop))
-    return g.marked(call.run(), hw)
+    return g.marked(call.run(), tuple(d + sum(r > x.dim() + d for r in drop) for d in g.dims(x)))
 
 
 def _whole(x: Tensor, dims: list[int], y: Tensor, keepdim: bool) -> Tensor:
     return y if keepdim else y.squeeze(dims)
 
 
-def sum_hw(g: Guard, x: Tensor) -> Tensor:
-    """The whole images' sums over H and W (size 1 there), the same on every rank."""
-    return layout.summed(x.sum(_hw(g, x), keepdim=True), g.comm)
+def sum_spatial(g: Guard, x: Tensor) -> Tensor:
+    """The whole samples' sums over the spatial dimensions (size 1 there), the same on every
+    rank."""
+    return layout.summed(x.sum(_spatial(g, x), keepdim=True), g.comm)
 
 
-def mean_hw(g: Guard, x: Tensor) -> Tensor:
-    """The whole images' means over H and W (size 1 there): sums and the pixel count in one
-    all-reduce."""
-    hw = _hw(g, x)
-    local = x.sum(hw, keepdim=True)
-    count = x.new_full((1,), float(x.shape[hw[0]] * x.shape[hw[1]]))
+def mean_spatial(g: Guard, x: Tensor) -> Tensor:
+    """The whole samples' means over the spatial dimensions (size 1 there): sums and the
+    pixel count in one all-reduce."""
+    spatial = _spatial(g, x)
+    local = x.sum(spatial, keepdim=True)
+    count = x.new_full((1,), float(math.prod(x.shape[d] for d in spatial)))
     total = layout.summed(torch.cat([local.flatten(), count]), g.comm)
     return (total[:-1] / total[-1]).view(local.shape)
 
 
 def extreme(g: Guard, x: Tensor, dims: list[int], largest: bool) -> Tensor:
-    """The whole images' maximum (minimum) over ``dims`` (H, W and maybe more), kept as
+    """The whole samples' maximum (minimum) over ``dims`` (the spatial ones and maybe more), kept as
     size-1 dimensions, the same on every rank. Its value is the all-reduced extreme; its
     gradient goes, as torch's does, in equal parts to every place that holds it, on
     whichever rank: the sum of those places over their all-reduced count, which has that
@@ -88,44 +90,47 @@ def extreme(g: Guard, x: Tensor, dims: list[int], largest: bool) -> Tensor:
     return whole + (spread - spread.detach())
 
 
-def _over_hw(g: Guard, call: Call, x: Tensor, dims: list[int]) -> bool:
-    """True where ``dims`` hold both H and W, False where neither; refused in between."""
-    hw = set(_hw(g, x))
-    if hw <= set(dims):
+def _over_spatial(g: Guard, call: Call, x: Tensor, dims: list[int]) -> bool:
+    """True where ``dims`` hold every spatial dimension, False where none; refused in
+    between."""
+    spatial = set(_spatial(g, x))
+    if spatial <= set(dims):
         return True
-    if hw & set(dims):
-        raise g.refuse(call.name, "it reduces over one of H and W (only over both is exact)")
+    if spatial & set(dims):
+        raise g.refuse(call.name, "it reduces over some of the spatial dimensions (only over "
+                       "all of them is exact)")  # fmt: skip
     return False
 
 
 @rule(*ops("sum mean nansum nanmean", torch, Tensor),
       params="input, dim=None, keepdim=False, *, dtype=None, out=None")  # fmt: skip
 def sum_mean(g: Guard, call: Call) -> Tensor:
-    """Over H and W (and maybe more, any layout): local sums and one all-reduce with the
-    pixel count; the result is whole. Over other dimensions: local."""
+    """Over the spatial dimensions (and maybe more, any layout): local sums and one
+    all-reduce with the pixel count; the result is whole. Over other dimensions: local."""
     x, keepdim = call["input"], call["keepdim"]
     dims = _dims(x, call["dim"])
     if call["out"] is not None or "nan" in call.name:
         raise g.refuse(call.name, "out= and nan-skipping sums have no rule")
-    if not _over_hw(g, call, x, dims):
+    if not _over_spatial(g, call, x, dims):
         return _local(g, call, x, dims, keepdim)
     if call["dtype"] is not None:
-        x = g.marked(x.to(call["dtype"]), g.hw(x))
+        x = g.marked(x.to(call["dtype"]), g.dims(x))
     mean = "mean" in call.name
-    y = mean_hw(g, x) if mean else sum_hw(g, x)
-    if other := [d for d in dims if d not in _hw(g, x)]:
+    y = mean_spatial(g, x) if mean else sum_spatial(g, x)
+    if other := [d for d in dims if d not in _spatial(g, x)]:
         y = y.mean(other, keepdim=True) if mean else y.sum(other, keepdim=True)
     return _whole(x, dims, y, keepdim)
 
 
 @rule(*ops("amax amin", torch, Tensor), params="input, dim=(), keepdim=False, *, out=None")
 def amax(g: Guard, call: Call) -> Tensor:
-    """Over H and W (and maybe more): a no-grad all-reduce of the local extremes gives the
+    """Over the spatial dimensions (and maybe more): a no-grad all-reduce of the local
+    extremes gives the
     value; the gradient goes in equal parts to every place holding it, on any rank, as
     torch's does. Over other dimensions: local."""
     x, keepdim = call["input"], call["keepdim"]
     dims = _dims(x, call["dim"])
-    if not _over_hw(g, call, x, dims):
+    if not _over_spatial(g, call, x, dims):
         return _local(g, call, x, dims, keepdim)
     return _whole(x, dims, extreme(g, x, dims, largest=call.name.endswith("amax")), keepdim)
 
@@ -133,7 +138,7 @@ def amax(g: Guard, call: Call) -> Tensor:
 @rule(*ops("max min", torch, Tensor), params="input, dim=None, keepdim=False, *, out=None")
 def max_min(g: Guard, call: Call) -> Any:
     """``max(x)`` of everything: as ``amax``. ``max(x, dim)`` with its indices: local over
-    other dimensions, refused over H or W. ``max(x, other)``: pointwise."""
+    other dimensions, refused over a spatial one. ``max(x, other)``: pointwise."""
     x, dim, keepdim = call["input"], call["dim"], call["keepdim"]
     if isinstance(dim, Tensor):
         return pointwise(g, call)
@@ -141,8 +146,9 @@ def max_min(g: Guard, call: Call) -> Any:
         dims = _dims(x, None)
         return _whole(x, dims, extreme(g, x, dims, largest=call.name.endswith("max")), False)
     dims = _dims(x, dim)
-    if set(dims) & set(_hw(g, x)):
-        raise g.refuse(call.name, "it reduces over H or W with indices (amax has a rule)")
+    if set(dims) & set(_spatial(g, x)):
+        raise g.refuse(call.name, "it reduces over a spatial dimension with indices (amax "
+                       "has a rule)")  # fmt: skip
     return _local(g, call, x, dims, keepdim)
 
 
@@ -151,25 +157,26 @@ def max_min(g: Guard, call: Call) -> Any:
 @rule(*ops("softmax log_softmax", torch, Tensor, F), params="input, dim=None, *_, **__")
 def along_others(g: Guard, call: Call) -> Any:
     """Local over channels or the batch (``argmax(1)``, ``softmax(1)``, ``prod(1)``);
-    refused over H or W, or over everything."""
+    refused over a spatial dimension, or over everything."""
     x = call["input"]
     if call["dim"] is None:
-        raise g.refuse(call.name, "it reduces over every dimension, H and W among them")
+        raise g.refuse(call.name, "it reduces over every dimension, the spatial ones among them")
     dims = _dims(x, call["dim"])
-    if set(dims) & set(_hw(g, x)):
-        raise g.refuse(call.name, "it reduces over H or W (only sum, mean, var, std, norm, "
-                       "amax and amin over both are exact here)")  # fmt: skip
+    if set(dims) & set(_spatial(g, x)):
+        raise g.refuse(call.name, "it reduces over a spatial dimension (only sum, mean, var, "
+                       "std, norm, logsumexp, amax and amin over all of them are exact "
+                       "here)")  # fmt: skip
     keep = "softmax" in call.name or call.get("keepdim", False)
     return _local(g, call, x, dims, keep)
 
 
 @rule(torch.logsumexp, Tensor.logsumexp, params="input, dim, keepdim=False, *, out=None")
 def logsumexp(g: Guard, call: Call) -> Tensor:
-    """Over H and W (and maybe more): the all-reduced maximum m, then one all-reduced sum of
-    exp(x - m); whole. Over other dimensions: local."""
+    """Over the spatial dimensions (and maybe more): the all-reduced maximum m, then one
+    all-reduced sum of exp(x - m); whole. Over other dimensions: local."""
     x, keepdim = call["input"], call["keepdim"]
     dims = _dims(x, call["dim"])
-    if not _over_hw(g, call, x, dims) or call["out"] is not None:
+    if not _over_spatial(g, call, x, dims) or call["out"] is not None:
         return _local(g, call, x, dims, keepdim)
     m = extreme(g, x, dims, largest=True).detach()  # a constant: the gradient is softmax's
     m = torch.where(m.isfinite(), m, 0)
@@ -182,19 +189,19 @@ def logsumexp(g: Guard, call: Call) -> Tensor:
       params="input, dim=None, unbiased=None, keepdim=False, *, correction=None, "
       "out=None")  # fmt: skip
 def var_std(g: Guard, call: Call) -> Tensor:
-    """Over H and W (and maybe more; AdaIN-style statistics), any correction: written out as
-    means of the whole images (the rules above) and scaled by the whole count. Over other
-    dimensions: local."""
+    """Over the spatial dimensions (and maybe more; AdaIN-style statistics), any correction:
+    written out as means of the whole samples (the rules above) and scaled by the whole
+    count. Over other dimensions: local."""
     x, keepdim = call["input"], call["keepdim"]
     dims = _dims(x, call["dim"])
-    if not _over_hw(g, call, x, dims):
+    if not _over_spatial(g, call, x, dims):
         return _local(g, call, x, dims, keepdim)
     correction = call["correction"]
     if correction is None:
         correction = 0 if call["unbiased"] is False else 1
-    hw = _hw(g, x)
-    h, w = g.size_now or g.grid.global_size(x, call.name)
-    n = h * w * math.prod(x.shape[d] for d in dims if d not in hw)
+    spatial = _spatial(g, x)
+    size = g.size_now or g.grid.global_size(x, call.name)
+    n = math.prod(size) * math.prod(x.shape[d] for d in dims if d not in spatial)
     with g.rules():
         mean = x.mean(dims, keepdim=True)
         var = (x - mean).square().mean(dims, keepdim=True)
@@ -203,19 +210,21 @@ def var_std(g: Guard, call: Call) -> Tensor:
 
 
 def _norm(g: Guard, call: Call, p: Any) -> Tensor:
-    """The p-norm over H and W (and maybe more) written out in rules: sums of |x|, of x², or
+    """The p-norm over the spatial dimensions (and maybe more) written out in rules: sums of
+    |x|, of x², or
     the extreme of |x|. At a zero norm its gradient is zero, as torch's is."""
     x, keepdim = call["input"], call["keepdim"]
     dims = _dims(x, call["dim"])
     if call.get("out") is not None:
         raise g.refuse(call.name, "out= has no rule")
-    if not _over_hw(g, call, x, dims):
+    if not _over_spatial(g, call, x, dims):
         return _local(g, call, x, dims, keepdim)
     if call.get("dtype") is not None:
-        x = g.marked(x.to(call["dtype"]), g.hw(x))
+        x = g.marked(x.to(call["dtype"]), g.dims(x))
     p = 2 if p == "fro" else p
     if p not in (1, 2, math.inf):
-        raise g.refuse(call.name, f"p={p!r} over H and W has no rule (1, 2 and inf have)")
+        raise g.refuse(call.name, f"p={p!r} over the spatial dimensions has no rule (1, 2 and "
+                       "inf have)")  # fmt: skip
     with g.rules():
         if p == math.inf:
             y = x.abs().amax(dims, keepdim=True)
@@ -231,9 +240,9 @@ def _norm(g: Guard, call: Call, p: Any) -> Tensor:
 @rule(torch.norm, Tensor.norm,
       params="input, p='fro', dim=None, keepdim=False, out=None, dtype=None")  # fmt: skip
 def norm(g: Guard, call: Call) -> Tensor:
-    """Over H and W (and maybe more; ConvNeXt-V2's global response normalization), p = 1, 2
-    or inf: written out as sums or extremes of the whole images (whole). Over other
-    dimensions: local."""
+    """Over the spatial dimensions (and maybe more; ConvNeXt-V2's global response
+    normalization), p = 1, 2 or inf: written out as sums or extremes of the whole samples
+    (whole). Over other dimensions: local."""
     return _norm(g, call, call["p"])
 
 
@@ -246,8 +255,9 @@ def vector_norm(g: Guard, call: Call) -> Tensor:
 
 @rule(F.normalize, params="input, p=2.0, dim=1, eps=1e-12, out=None")
 def normalize(g: Guard, call: Call) -> Tensor:
-    """Over channels (or any dimension but H and W): local; over H or W refused."""
+    """Over channels (or any dimension but the spatial ones): local; over a spatial one
+    refused."""
     x = call["input"]
-    if set(_dims(x, call["dim"])) & set(_hw(g, x)) or call["out"] is not None:
-        raise g.refuse(call.name, "it normalizes over H or W")
-    return g.marked(call.run(), g.hw(x))
+    if set(_dims(x, call["dim"])) & set(_spatial(g, x)) or call["out"] is not None:
+        raise g.refuse(call.name, "it normalizes over a spatial dimension")
+    return g.marked(call.run(), g.dims(x))

@@ -31,7 +31,10 @@ from torch import Tensor, nn
 from parallelkit.spatial.grid import SpatialGrid
 
 Size = tuple[int, ...]
-HW = tuple[int, int]
+Dims = tuple[int, ...]
+"""Where a block's spatial dimensions (L; H, W; or D, H, W) are, counted from the end:
+(-2, -1) for (N, C, H, W), (-3, -2) for a channels-last (N, H, W, C), (-3, -2, -1) for a
+volume (N, C, D, H, W)."""
 
 
 class Guard(Protocol):
@@ -39,14 +42,14 @@ class Guard(Protocol):
 
     comm: Any  # the spatial group (a Communicator)
     grid: SpatialGrid
-    size_now: Size | None  # the whole (H, W) of the first block of the call being ruled on
-    read_sizes: set[tuple[Size, Size | None]]  # blocks' (h, w) that forward code read, whole
+    size_now: Size | None  # the whole spatial size of the call's first block
+    read_sizes: set[tuple[Size, Size | None]]  # blocks' spatial sizes forward code read, whole
     layers: dict[tuple, nn.Module]  # spatial layers made for functional calls, by arguments
 
     def is_split(self, t: Any) -> bool: ...
-    def hw(self, t: Tensor) -> HW: ...
+    def dims(self, t: Tensor) -> Dims: ...
     def size_of(self, t: Tensor) -> Size | None: ...
-    def marked(self, out: Any, hw: HW = (-2, -1), size: Size | None = None) -> Any: ...
+    def marked(self, out: Any, dims: Dims | None = None, size: Size | None = None) -> Any: ...
     def summed(self, t: Any) -> Any: ...
     def refuse(self, op: str, why: str) -> ValueError: ...
     def rules(self) -> AbstractContextManager[None]: ...
@@ -218,11 +221,20 @@ def all_(value: Any, want: int) -> bool:
     return all(v == want for v in (value if isinstance(value, tuple | list) else (value,)))
 
 
-def pair(value: Any) -> tuple:
-    return tuple(value) if isinstance(value, tuple | list) else (value, value)
+def pair(value: Any, n: int = 2) -> tuple:
+    """A per-dimension argument for ``n`` spatial dimensions (an int repeated)."""
+    return tuple(value) if isinstance(value, tuple | list) else (value,) * n
 
 
-def nchw(g: Guard, call: Call, x: Tensor) -> None:
-    """Refuse unless block ``x`` is (N, C, H, W) (not channels last)."""
-    if g.hw(x) != (-2, -1):
-        raise g.refuse(call.name, "this rule wants an (N, C, H, W) block")
+def standard(x: Tensor) -> Dims:
+    """The spatial dimensions of an (N, C, *spatial) tensor: every one after C."""
+    return tuple(range(2 - x.dim(), 0))
+
+
+def nchw(g: Guard, call: Call, x: Tensor) -> int:
+    """Refuse unless block ``x`` is (N, C, *spatial) (not channels last); its number of
+    spatial dimensions."""
+    if g.dims(x) != standard(x):
+        raise g.refuse(call.name, "this rule wants an (N, C, L), (N, C, H, W) or "
+                       "(N, C, D, H, W) block")  # fmt: skip
+    return x.dim() - 2

@@ -2,7 +2,7 @@
 
 A ``size=`` in forward code is ambiguous on blocks: U-Nets write ``size=skip.shape[-2:]``
 (a block's size, standing for its whole size), but a literal or computed size may be the
-whole image's or the block's. The guard remembers every block shape the forward code read,
+whole sample's or the block's. The guard remembers every block shape the forward code read,
 with its whole size (``g.read_sizes``); a ``size=`` equal to one of them stands for that whole
 size, decided alike on every rank by one host all-gather. Any other ``size=`` is refused.
 """
@@ -19,17 +19,19 @@ from parallelkit.spatial.grid import scatter
 from parallelkit.spatial.rules.registry import Call, Guard, nchw, pair, rule
 from parallelkit.spatial.rules.windows import on_gathered
 
-Size = tuple[int, int]
+Size = tuple[int, ...]
+INTERPOLATING = {"linear": 1, "bilinear": 2, "trilinear": 3}
 
 
 def whole_of_read(g: Guard, asked: Size) -> Size | None:
-    """The whole images' (H, W) that a size asked on blocks stands for: that of the blocks
+    """The whole samples' size that a size asked on blocks stands for: that of the blocks
     whose shape the forward code read and found to be ``asked``. Every rank must find one,
     and the same; None where no rank found any (a size of the code's own); refused
     otherwise. One host all-gather, so every rank decides alike."""
-    wholes = {whole for hw, whole in g.read_sizes if hw == asked}
+    wholes = {whole for read, whole in g.read_sizes if read == asked}
     found = 0 if not wholes else 1 if len(wholes) == 1 and None not in wholes else 2
-    table = g.comm.all_gather_ints([found, *(next(iter(wholes)) if found == 1 else (0, 0))])
+    blank = (0,) * len(asked)
+    table = g.comm.all_gather_ints([found, *(next(iter(wholes)) if found == 1 else blank)])
     if not any(row[0] for row in table):
         return None
     if any(row != table[0] for row in table) or table[0][0] != 1:
@@ -37,37 +39,37 @@ def whole_of_read(g: Guard, asked: Size) -> Size | None:
             "F.interpolate", f"the size {asked} asked is not the shape of blocks of one whole "
             "size read beside it on every rank (give scale_factor= instead)",
         )  # fmt: skip
-    return table[0][1], table[0][2]
+    return tuple(table[0][1:])
 
 
 @rule(F.interpolate,
       params="input, size=None, scale_factor=None, mode='nearest', align_corners=None, "
       "recompute_scale_factor=None, antialias=False", whole=True)  # fmt: skip
 def interpolate(g: Guard, call: Call) -> Any:
-    """A block by one integer factor, nearest or bilinear without ``align_corners``, given as
-    ``scale_factor=`` or as a ``size=`` read from a block's shape: the spatial upsampling
-    layer's fetch. Other modes, ``align_corners`` and other factors: on the gathered whole
-    images, scattered back (warned). A whole tensor to a ``size=`` read from a block (DeepLab's
-    pooled branch, resized to the feature map beside it): interpolated to that block's whole
-    size and scattered to blocks. Any other ``size=``: refused."""
+    """A block by one integer factor, nearest or (bi-, tri-)linear without ``align_corners``,
+    given as ``scale_factor=`` or as a ``size=`` read from a block's shape: the spatial
+    upsampling layer's fetch. Other modes, ``align_corners`` and other factors: on the
+    gathered whole samples, scattered back (warned). A whole tensor to a ``size=`` read from a
+    block (DeepLab's pooled branch, resized to the feature map beside it): interpolated to
+    that block's whole size and scattered to blocks. Any other ``size=``: refused."""
     if not call.blocks:
         return _whole_to_block(g, call)
     x, mode = call["input"], call["mode"]
-    nchw(g, call, x)
+    ndim = nchw(g, call, x)
     whole_out = None
     if call["size"] is not None:
-        asked = tuple(int(v) for v in pair(call["size"]))
+        asked = tuple(int(v) for v in pair(call["size"], ndim))
         if (whole_out := whole_of_read(g, asked)) is None:
             raise g.refuse(
                 call.name, f"the size {asked} asked is not the shape of a block read beside "
-                "it: a size the forward code wrote or computed may be the whole image's or "
+                "it: a size the forward code wrote or computed may be the whole sample's or "
                 "the block's (give scale_factor= instead)",
             )  # fmt: skip
-        h, w = g.size_now or g.grid.global_size(x, call.name)
-        factors = (whole_out[0] / max(h, 1), whole_out[1] / max(w, 1))
+        size = g.size_now or g.grid.global_size(x, call.name)
+        factors = tuple(o / max(n, 1) for o, n in zip(whole_out, size, strict=True))
     else:
-        factors = pair(call["scale_factor"])
-    covered = mode in ("nearest", "bilinear") and not call["align_corners"]
+        factors = pair(call["scale_factor"], ndim)
+    covered = (mode == "nearest" or INTERPOLATING.get(mode) == ndim) and not call["align_corners"]
     integer = len(set(factors)) == 1 and int(factors[0]) == factors[0] and factors[0] >= 1
     if not covered or call["antialias"] or not integer:
         rest = {k: v for k, v in call.named.items() if k != "input"}
@@ -83,12 +85,12 @@ def interpolate(g: Guard, call: Call) -> Any:
 
 def _whole_to_block(g: Guard, call: Call) -> Tensor:
     x, size = call["input"], call["size"]
-    if size is None or not isinstance(x, Tensor) or x.dim() != 4:
+    if size is None or not isinstance(x, Tensor) or not 3 <= x.dim() <= 5:
         return call.run()
-    whole_size = whole_of_read(g, tuple(int(v) for v in pair(size)))
+    whole_size = whole_of_read(g, tuple(int(v) for v in pair(size, x.dim() - 2)))
     if whole_size is None:
         return call.run()
     whole = F.interpolate(**{**call.named, "size": whole_size})
     # Cut with scatter, whose backward gives the whole input its gradient in the region's
     # convention (spatial.layout).
-    return g.marked(scatter(whole, g.comm, g.grid), size=(whole.shape[-2], whole.shape[-1]))
+    return g.marked(scatter(whole, g.comm, g.grid), size=tuple(whole.shape[2:]))

@@ -1,10 +1,11 @@
-"""Shape rules: views, permutes, joins, cuts and indexing, local where H and W stay whole.
+"""Shape rules: views, permutes, joins, cuts and indexing, local where the spatial dimensions
+stay whole.
 
-A block's H and W may move (ConvNeXt permutes to channels last and back: the record follows
-them, ``g.hw``), but they must stay separate dimensions, each whole in its place: merging,
-cutting, indexing or joining along them would need the other ranks' pixels, so it is refused.
-Reads of a block's shape are noted (``g.note_sized``): sizes computed from them are the
-block's, not the image's.
+A block's spatial dimensions (H and W; D, H and W; L) may move (ConvNeXt permutes to channels
+last and back: the record follows them, ``g.dims``), but they must stay separate dimensions,
+each whole in its place: merging, cutting, indexing or joining along them would need the other
+ranks' pixels, so it is refused. Reads of a block's shape are noted (``g.note_sized``): sizes
+computed from them are the block's, not the sample's.
 """
 
 from __future__ import annotations
@@ -14,50 +15,48 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from parallelkit.spatial.rules.registry import PROPERTY, Call, Guard, ops, prop, rule
-
-HW = tuple[int, int]
+from parallelkit.spatial.rules.registry import PROPERTY, Call, Dims, Guard, ops, prop, rule
 
 
-def _positions(g: Guard, x: Tensor) -> tuple[int, int]:
-    """Where block ``x``'s H and W are, counted from the front."""
-    h, w = g.hw(x)
-    return x.dim() + h, x.dim() + w
+def _positions(g: Guard, x: Tensor) -> tuple[int, ...]:
+    """Where block ``x``'s spatial dimensions are, counted from the front."""
+    return tuple(x.dim() + d for d in g.dims(x))
 
 
-def _without(hw: HW, removed: list[int], ndim: int) -> HW:
-    """``hw`` after the dimensions ``removed`` (from the front, none of them H or W) are gone:
-    those after H (after W) bring H (W) nearer the end."""
-    h, w = ndim + hw[0], ndim + hw[1]
-    return hw[0] + sum(d > h for d in removed), hw[1] + sum(d > w for d in removed)
+def _without(dims: Dims, removed: list[int], ndim: int) -> Dims:
+    """``dims`` after the dimensions ``removed`` (from the front, none of them spatial) are
+    gone: those after a spatial dimension bring it nearer the end."""
+    return tuple(d + sum(r > ndim + d for r in removed) for d in dims)
 
 
 @rule(*ops("view reshape flatten unflatten view_as reshape_as squeeze unsqueeze", torch, Tensor),
       params="input, *_, **__")  # fmt: skip
 def reshape(g: Guard, call: Call) -> Any:
-    """Local where the dimensions from H on come out unchanged (only leading ones regrouped)."""
+    """Local where the dimensions from the first spatial one on come out unchanged (only
+    leading ones regrouped)."""
     x, out = call["input"], call.run()
-    hw = g.hw(x)
-    k = -min(hw)
+    dims = g.dims(x)
+    k = -min(dims)
     if isinstance(out, Tensor) and out.dim() >= k and out.shape[-k:] == x.shape[-k:]:
-        return g.marked(out, hw)
+        return g.marked(out, dims)
     shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
-    raise g.refuse(call.name, f"{tuple(x.shape)} -> {shape} merges H or W")
+    raise g.refuse(call.name, f"{tuple(x.shape)} -> {shape} merges or splits a spatial dimension")
 
 
 @rule(*ops("permute transpose swapaxes swapdims movedim moveaxis", torch, Tensor),
       params="input, *_, **__")  # fmt: skip
 def permute(g: Guard, call: Call) -> Any:
-    """Local; the record follows H and W to their new places (channels last and back)."""
+    """Local; the record follows the spatial dimensions to their new places (channels last
+    and back)."""
     x, out = call["input"], call.run()
     probe = torch.empty((1,) * x.dim(), device="meta").as_strided(
         x.shape, tuple(range(1, x.dim() + 1))
     )  # strides 1..n tell which input dimension lands where
     moved = call.func(probe, *call.args[1:], **call.kwargs).stride()
-    h, w = (x.dim() + d + 1 for d in g.hw(x))  # the strides H and W had
-    if h in moved and w in moved:
-        return g.marked(out, (moved.index(h) - out.dim(), moved.index(w) - out.dim()))
-    raise g.refuse(call.name, "it moves H or W out of the last two dimensions")
+    strides = [x.dim() + d + 1 for d in g.dims(x)]  # the strides the spatial dimensions had
+    if all(s in moved for s in strides):
+        return g.marked(out, tuple(moved.index(s) - out.dim() for s in strides))
+    raise g.refuse(call.name, "it loses track of a spatial dimension")
 
 
 def _along(g: Guard, call: Call, dim: int) -> int:
@@ -65,7 +64,7 @@ def _along(g: Guard, call: Call, dim: int) -> int:
     x = call.blocks[0]
     d = dim % x.dim()
     if d in _positions(g, x):
-        raise g.refuse(call.name, "it cuts along H or W")
+        raise g.refuse(call.name, "it cuts along a spatial dimension")
     return d
 
 
@@ -74,7 +73,7 @@ def _along(g: Guard, call: Call, dim: int) -> int:
 def split(g: Guard, call: Call) -> Any:
     """Local along channels or the batch (or the channels of a channels-last block)."""
     _along(g, call, call["dim"])
-    return g.marked(call.run(), g.hw(call["input"]))
+    return g.marked(call.run(), g.dims(call["input"]))
 
 
 @rule(*ops("narrow", torch, Tensor), params="input, dim, start, length")
@@ -83,14 +82,14 @@ def split(g: Guard, call: Call) -> Any:
 @rule(*ops("roll", torch, Tensor), params="input, shifts, dims=None")
 @rule(*ops("cumsum cumprod", torch, Tensor), params="input, dim, *, dtype=None, out=None")
 def along(g: Guard, call: Call) -> Any:
-    """Local along any dimension but H and W (``narrow``, ``index_select``, ``flip``,
-    ``roll``, ``cumsum`` over channels)."""
+    """Local along any dimension but the spatial ones (``narrow``, ``index_select``,
+    ``flip``, ``roll``, ``cumsum`` over channels)."""
     dims = call.get("dim", call.get("dims"))
     if dims is None or call.get("out") is not None:
         raise g.refuse(call.name, "it acts on the flattened tensor")
     for d in dims if isinstance(dims, tuple | list) else (dims,):
         _along(g, call, d)
-    return g.marked(call.run(), g.hw(call["input"]))
+    return g.marked(call.run(), g.dims(call["input"]))
 
 
 @rule(*ops("unbind select", torch, Tensor), params="input, dim=0, index=None")
@@ -98,7 +97,7 @@ def unbind(g: Guard, call: Call) -> Any:
     """Local along channels or the batch: the dimension goes away."""
     x = call["input"]
     d = _along(g, call, call["dim"])
-    return g.marked(call.run(), _without(g.hw(x), [d], x.dim()))
+    return g.marked(call.run(), _without(g.dims(x), [d], x.dim()))
 
 
 @rule(torch.cat, torch.concat, torch.concatenate, torch.stack,
@@ -106,18 +105,18 @@ def unbind(g: Guard, call: Call) -> Any:
 def cat(g: Guard, call: Call) -> Any:
     """Local when every tensor is a block of one layout, joined along another dimension."""
     tensors, dim = call["tensors"], call["dim"]
-    hw = g.hw(call.blocks[0])
-    if all(g.is_split(t) and g.hw(t) == hw for t in tensors) and call["out"] is None:
+    dims = g.dims(call.blocks[0])
+    if all(g.is_split(t) and g.dims(t) == dims for t in tensors) and call["out"] is None:
         ndim = tensors[0].dim()
-        if call.func is not torch.stack and dim % ndim - ndim not in hw:
-            return g.marked(call.run(), hw)
-        if call.func is torch.stack:  # a new dimension before H or after W
+        if call.func is not torch.stack and dim % ndim - ndim not in dims:
+            return g.marked(call.run(), dims)
+        if call.func is torch.stack:  # a new dimension before or after the spatial ones
             d = dim % (ndim + 1)
-            if d <= ndim + hw[0]:
-                return g.marked(call.run(), hw)
-            if d > ndim + hw[1]:
-                return g.marked(call.run(), (hw[0] - 1, hw[1] - 1))
-    raise g.refuse(call.name, "it joins blocks with whole tensors, or along H or W")
+            if d <= ndim + min(dims):
+                return g.marked(call.run(), dims)
+            if d > ndim + max(dims):
+                return g.marked(call.run(), tuple(v - 1 for v in dims))
+    raise g.refuse(call.name, "it joins blocks with whole tensors, or along a spatial dimension")
 
 
 def _full(entry: Any) -> bool:
@@ -130,9 +129,9 @@ def _full(entry: Any) -> bool:
 
 @rule(Tensor.__getitem__, params="input, index")
 def getitem(g: Guard, call: Call) -> Any:
-    """Local when H and W are taken whole (``x[:, :16]``, ``x[:, :16, :, :]``, ``x[:, idx]``
-    with a channel index tensor, ``x[..., :16]`` on a channels-last block); indices tensors
-    only before H."""
+    """Local when the spatial dimensions are taken whole (``x[:, :16]``, ``x[:, :16, :, :]``,
+    ``x[:, idx]`` with a channel index tensor, ``x[..., :16]`` on a channels-last block);
+    index tensors only before the spatial dimensions."""
     x, index = call["input"], call["index"]
     entries = list(index) if isinstance(index, tuple) else [index]
     width = [
@@ -143,26 +142,26 @@ def getitem(g: Guard, call: Call) -> Any:
         raise g.refuse("indexing", f"the index {index!r} has two ellipses")
     if Ellipsis in entries:
         width[entries.index(Ellipsis)] = x.dim() - (sum(width) - 1)
-    h, w = _positions(g, x)
-    first, after = 0, 0  # the next input dimension, output dimensions after W
+    spatial = _positions(g, x)
+    lo, hi = min(spatial), max(spatial)
+    first, out = 0, []  # the next input dimension; the input dimension of each output one
     for e, n in zip(entries, width, strict=True):
-        dims = range(first, first + n)
-        if e is Ellipsis:
-            reaching = [d for d in dims if d >= h]
-            after += sum(d > w for d in dims)
-        else:
-            reaching = [d for d in dims if h <= d <= w]
-            if first > w:
-                after += 0 if isinstance(e, int) else 1
-                if isinstance(e, Tensor):
-                    reaching = [w]  # advanced indices after W would move dimensions
-            elif e is None and first > h:
-                reaching = [h]  # a new dimension between or after H and W
-        if reaching and not (e is Ellipsis or _full(e)):
-            raise g.refuse("indexing", f"the index {index!r} reaches H or W")
+        consumed = range(first, first + n)
+        kept = e is Ellipsis or _full(e)
+        if not kept and any(d in spatial for d in consumed):
+            raise g.refuse("indexing", f"the index {index!r} reaches a spatial dimension")
+        if e is None and lo < first <= hi:
+            raise g.refuse("indexing", f"the index {index!r} adds a dimension among the spatial")
+        if isinstance(e, Tensor) and first > lo:
+            raise g.refuse("indexing", f"the index {index!r} has an index tensor after a spatial "
+                           "dimension (advanced indices may move dimensions)")  # fmt: skip
+        if e is None or isinstance(e, Tensor):
+            out.append(None)  # a new dimension, or an index tensor's (before the spatial ones)
+        elif not isinstance(e, int):
+            out += list(consumed)
         first += n
-    after += max(x.dim() - max(first, w + 1), 0)  # dimensions left unindexed after W
-    return g.marked(call.run(), (-(after + 1) - (w - h), -(after + 1)))
+    out += list(range(first, x.dim()))  # dimensions left unindexed
+    return g.marked(call.run(), tuple(out.index(d) - len(out) for d in spatial))
 
 
 _METADATA = """
@@ -184,10 +183,10 @@ def metadata(g: Guard, call: Call) -> Any:
 @rule(prop("data"))
 def data(g: Guard, call: Call) -> Any:
     """The same block, without its history."""
-    return g.marked(call.run(), g.hw(call.blocks[0]))
+    return g.marked(call.run(), g.dims(call.blocks[0]))
 
 
 @rule(prop("T"), prop("mT"), prop("H"), prop("mH"), exact="refused")
 def transposed(g: Guard, call: Call) -> Any:
     """Refused: reverses or swaps the last dimensions."""
-    raise g.refuse(call.name, "it moves H and W")
+    raise g.refuse(call.name, "it moves the spatial dimensions")

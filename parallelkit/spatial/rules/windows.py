@@ -1,11 +1,12 @@
 """Window rules: functional convolution, pooling and padding, by the spatial layers' fetches.
 
-Each output block reads a window of input rows and columns that pure geometry names
+Each output block reads a window of input rows (along each spatial dimension: signals,
+images and volumes alike) that pure geometry names
 (:mod:`parallelkit.geometry`); what a rank does not hold it fetches from the ranks that do, and
 backward sends the gradients back. Forward code calls these functionally (a Conv2d subclass,
 weight standardization, Inception's ``F.max_pool2d``, a ``padding_mode`` other than zeros), so
 the rules run the spatial layers' own code with the call's arguments. Geometry the fetches do
-not cover (``ceil_mode``, adaptive pooling to a fixed size) runs on the gathered whole images,
+not cover (``ceil_mode``, adaptive pooling to a fixed size) runs on the gathered whole samples,
 exactly, at that memory cost, with a warning.
 """
 
@@ -24,50 +25,59 @@ from parallelkit.nn import spatial_parallel as sp
 from parallelkit.nn import spatial_pooling as spool
 from parallelkit.spatial.grid import gather, scatter
 from parallelkit.spatial.rules import compat
-from parallelkit.spatial.rules.reductions import extreme, mean_hw
+from parallelkit.spatial.rules.reductions import extreme, mean_spatial
 from parallelkit.spatial.rules.registry import Call, Guard, all_, nchw, rule
+
+MAX_POOLS = {F.max_pool1d: 1, F.max_pool2d: 2, F.max_pool3d: 3, torch.max_pool1d: 1,
+             torch.max_pool2d: 2, torch.max_pool3d: 3}  # fmt: skip
+AVG_POOLS = {F.avg_pool1d: 1, F.avg_pool2d: 2, F.avg_pool3d: 3, torch.avg_pool1d: 1}
+ADAPTIVE_AVG = (F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d)
 
 
 def on_gathered(g: Guard, call: Call, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-    """``call.func(whole x, *args, **kwargs)`` on the whole images gathered from the blocks,
+    """``call.func(whole x, *args, **kwargs)`` on the whole samples gathered from the blocks,
     cut back into blocks: exact, but every rank holds this layer's whole input and output for
     a moment, so it warns once per operation."""
     nchw(g, call, x)
     g.warn_once(
         call.func,
-        f"spatial parallelism: {call.name} with these arguments runs on the whole images, "
+        f"spatial parallelism: {call.name} with these arguments runs on the whole samples, "
         "gathered on every rank (exact, but this layer's activations are not split)",
     )
     y = call.func(gather(x, g.comm, g.grid), *args, **kwargs)
-    return g.marked(scatter(y, g.comm, g.grid), size=(y.shape[-2], y.shape[-1]))
+    return g.marked(scatter(y, g.comm, g.grid), size=tuple(y.shape[2:]))
 
 
-@rule(F.conv2d, torch.conv2d,
+@rule(F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d,
       params="input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1")  # fmt: skip
-def conv2d(g: Guard, call: Call) -> Tensor:
+def conv(g: Guard, call: Call) -> Tensor:
     """The spatial convolution's halo fetch or edge path with the call's weight, which is
-    whole (a parameter, or computed from one) and whose gradient is summed; a 1x1 with stride
-    1 and no padding is local."""
+    whole (a parameter, or computed from one) and whose gradient is summed; a 1x1 (1x1x1)
+    with stride 1 and no padding is local."""
     x, weight, bias = call["input"], call["weight"], call["bias"]
     if not g.is_split(x) or g.is_split(weight) or g.is_split(bias):
-        raise g.refuse(call.name, "its weight is a block of split images")
-    nchw(g, call, x)
+        raise g.refuse(call.name, "its weight is a block of split samples")
+    ndim = nchw(g, call, x)
     stride, padding, dilation = call["stride"], call["padding"], call["dilation"]
     weight, bias = g.summed(weight), g.summed(bias)
-    one = tuple(weight.shape[-2:]) == (1, 1) and all_(stride, 1)
-    if one and (padding == "valid" or all_(padding, 0)):
+    kernel = tuple(weight.shape[2:])
+    if all_(kernel, 1) and all_(stride, 1) and (padding == "valid" or all_(padding, 0)):
         return g.marked(call.func(x, weight, bias, 1, 0, dilation, call["groups"]))
     if padding == "same" and not all_(stride, 1):  # as torch says it
         raise ValueError("padding='same' is not supported for strided convolutions")
-    windows = sp.conv_windows(weight.shape[-2:], stride, padding, dilation)
+    if len(kernel) != ndim:
+        raise g.refuse(call.name, f"a {len(kernel)}-D kernel on a block with {ndim} spatial "
+                       "dimensions")  # fmt: skip
+    windows = sp.conv_windows(kernel, stride, padding, dilation)
     size = g.size_now or g.grid.global_size(x, call.name)
-    out = sp.conv2d_blocks(x, weight, bias, windows, call["groups"], g.grid, size)
-    return g.marked(out, size=(windows[0].out_size(size[0]), windows[1].out_size(size[1])))
+    out = sp.conv_blocks(x, weight, bias, windows, call["groups"], g.grid, size)
+    return g.marked(out, size=tuple(w.out_size(n) for w, n in zip(windows, size, strict=True)))
 
 
 def _pool(g: Guard, call: Call, layer_class: type, options: dict) -> Tensor:
     x = call["input"]
-    nchw(g, call, x)
+    if nchw(g, call, x) != layer_class.dims:
+        raise g.refuse(call.name, f"a block with {x.dim() - 2} spatial dimensions")
     if call.get("return_indices"):
         raise g.refuse(call.name, "return_indices has no exact rule")
     if call["ceil_mode"]:  # its last windows' geometry: not covered
@@ -79,83 +89,95 @@ def _pool(g: Guard, call: Call, layer_class: type, options: dict) -> Tensor:
     return g.marked(layer(x), size=layer.out_size(g.size_now) if g.size_now else None)
 
 
-@rule(F.max_pool2d, torch.max_pool2d,
+_MAX_LAYERS = {1: spool.SpatialMaxPool1d, 2: spool.SpatialMaxPool2d, 3: spool.SpatialMaxPool3d}
+_AVG_LAYERS = {1: spool.SpatialAvgPool1d, 2: spool.SpatialAvgPool2d, 3: spool.SpatialAvgPool3d}
+
+
+@rule(*MAX_POOLS,
       params="input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, "
       "return_indices=False")  # fmt: skip
-def max_pool2d(g: Guard, call: Call) -> Tensor:
+def max_pool(g: Guard, call: Call) -> Tensor:
     """The spatial pooling layer's halo fetch (Inception's functional pooling); with
-    ``ceil_mode=True`` on the gathered whole images, scattered back (warned)."""
+    ``ceil_mode=True`` on the gathered whole samples, scattered back (warned)."""
     keys = ("kernel_size", "stride", "padding", "dilation")
-    return _pool(g, call, spool.SpatialMaxPool2d, {k: call[k] for k in keys})
+    return _pool(g, call, _MAX_LAYERS[MAX_POOLS[call.func]], {k: call[k] for k in keys})
 
 
-@rule(F.avg_pool2d,
+@rule(*AVG_POOLS,
       params="input, kernel_size, stride=None, padding=0, ceil_mode=False, "
       "count_include_pad=True, divisor_override=None")  # fmt: skip
-def avg_pool2d(g: Guard, call: Call) -> Tensor:
+def avg_pool(g: Guard, call: Call) -> Tensor:
     """As ``F.max_pool2d`` (``count_include_pad`` and ``divisor_override`` kept)."""
     keys = ("kernel_size", "stride", "padding", "count_include_pad", "divisor_override")
-    return _pool(g, call, spool.SpatialAvgPool2d, {k: call[k] for k in keys})
+    options = {k: call[k] for k in keys}
+    if AVG_POOLS[call.func] == 1:
+        options.pop("divisor_override")  # avg_pool1d has none
+    return _pool(g, call, _AVG_LAYERS[AVG_POOLS[call.func]], options)
 
 
-@rule(F.adaptive_avg_pool2d, F.adaptive_max_pool2d,
+@rule(*ADAPTIVE_AVG, F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d,
       params="input, output_size, return_indices=False")  # fmt: skip
-def adaptive_pool2d(g: Guard, call: Call) -> Tensor:
-    """To 1x1: a mean (maximum) over H and W, whole (CBAM's channel attention). To another
-    size (VGG's 7x7, PSPNet's pyramid): the whole images gathered (one all-gather of this
-    feature map) and pooled; the result is whole."""
+def adaptive_pool(g: Guard, call: Call) -> Tensor:
+    """To size 1: a mean (maximum) over the spatial dimensions, whole (CBAM's channel
+    attention). To another size (VGG's 7x7, PSPNet's pyramid): the whole samples gathered
+    (one all-gather of this feature map) and pooled; the result is whole."""
     x = call["input"]
-    nchw(g, call, x)
+    ndim = nchw(g, call, x)
     if all_(call["output_size"], 1) and not call["return_indices"]:
-        if call.func is F.adaptive_avg_pool2d:
-            return mean_hw(g, x)
-        return extreme(g, x, [2, 3], largest=True)
+        if call.func in ADAPTIVE_AVG:
+            return mean_spatial(g, x)
+        return extreme(g, x, list(range(2, 2 + ndim)), largest=True)
     return call.func(gather(x, g.comm, g.grid), *call.args[1:], **call.kwargs)
 
 
 @rule(F.pad, params="input, pad, mode='constant', value=None")
 def pad(g: Guard, call: Call) -> Tensor:
-    """The padded images' blocks in tensor_split layout: with a constant (negative pads
+    """The padded samples' blocks in tensor_split layout: with a constant (negative pads
     crop), each rank fetches its new block's rows (``gather_rows``, the constant outside the
-    image); reflect, replicate and circular read mirrored or wrapped rows in three fetches of
-    contiguous rows per dimension. Padding of a block whose H or W the forward code read is
+    sample); reflect, replicate and circular read mirrored or wrapped rows in three fetches of
+    contiguous rows per dimension. Padding of a block whose size the forward code read is
     refused (it may be computed for the block), but for timm's "same" modules, whose padding
     becomes the whole images'."""
     x, pads = call["input"], list(call["pad"])
     mode, value = call["mode"], call["value"] or 0.0
-    nchw(g, call, x)
+    ndim = nchw(g, call, x)
     if mode not in ("constant", "reflect", "replicate", "circular"):
         raise g.refuse(call.name, f"mode={mode!r} has no rule")
     size = g.size_now or g.grid.global_size(x, call.name)
-    lo_w, hi_w, lo_h, hi_h = [*pads, 0, 0, 0, 0][:4]
+    spatial = [*pads, *[0] * (2 * ndim)][: 2 * ndim]  # F.pad's order: the last dimension first
     if g.was_sized(x):  # even with zero pads here: other ranks' may not be
-        whole = compat.same_pads(g.module(), tuple(x.shape[-2:]), size, [lo_w, hi_w, lo_h, hi_h])
+        whole = None
+        if ndim == 2:
+            whole = compat.same_pads(g.module(), tuple(x.shape[-2:]), size, spatial)
         if whole is None:
             raise g.refuse(
-                call.name, "the forward code read this block's height or width before padding "
-                "it, so its padding may be computed for the block instead of the whole image "
-                "(padding to a multiple of a patch size, to a skip connection's size)",
+                call.name, "the forward code read this block's size before padding it, so its "
+                "padding may be computed for the block instead of the whole sample (padding "
+                "to a multiple of a patch size, to a skip connection's size)",
             )  # fmt: skip
-        lo_w, hi_w, lo_h, hi_h = whole
-    rest = pads[4:]
-    if mode != "constant" and (rest or min(pads[:4]) < 0):
-        raise g.refuse(call.name, f"mode={mode!r} with pads {pads} (only H and W, >= 0)")
-    y = x
-    for dim, (n, lo, hi) in ((2, (size[0], lo_h, hi_h)), (3, (size[1], lo_w, hi_w))):
+        spatial = whole
+    rest = pads[2 * ndim :]
+    if mode != "constant" and (rest or min(spatial) < 0):
+        raise g.refuse(call.name, f"mode={mode!r} with pads {pads} (only the spatial "
+                       "dimensions, >= 0)")  # fmt: skip
+    y, axes, new_size = x, g.grid.axes(ndim), []
+    for d in range(ndim):
+        n, (comm, parts, _) = size[d], axes[d]
+        lo, hi = spatial[2 * (ndim - 1 - d)], spatial[2 * (ndim - 1 - d) + 1]
         if mode == "constant":
-            comm, parts, _ = g.grid.axis(dim - 2)
             new = tensor_split_sizes(n + lo + hi, parts)
             want = [(a - lo, a - lo + m) for a, m in zip(starts(new), new, strict=True)]
-            y = pkf.gather_rows(y, comm, dim, tensor_split_sizes(n, parts), want, value)
+            y = pkf.gather_rows(y, comm, 2 + d, tensor_split_sizes(n, parts), want, value)
         elif lo or hi:
-            y = _wrap_pad(g, y, dim, n, lo, hi, mode)
+            y = _wrap_pad(g, y, 2 + d, n, lo, hi, mode)
+        new_size.append(n + lo + hi)
     if rest:  # leading dimensions: local
-        y = F.pad(y, [0, 0, 0, 0, *rest], value=value)
-    return g.marked(y, size=(size[0] + lo_h + hi_h, size[1] + lo_w + hi_w))
+        y = F.pad(y, [0, 0] * ndim + rest, value=value)
+    return g.marked(y, size=tuple(new_size))
 
 
 def _source_row(i: int, n: int, mode: str) -> int:
-    """The image row that padded row ``i`` (of ``n`` rows, counted from the first image row)
+    """The sample's row that padded row ``i`` (of ``n`` rows, counted from the first row)
     repeats in F.pad's ``mode``."""
     if mode == "reflect":
         return -i if i < 0 else 2 * (n - 1) - i if i >= n else i
@@ -172,9 +194,9 @@ def _wrap_pad(g: Guard, x: Tensor, dim: int, n: int, lo: int, hi: int, mode: str
     if (mode == "reflect" and max(lo, hi) >= n) or max(lo, hi) > n:
         raise ValueError(
             f"spatial parallelism: F.pad mode={mode!r} of {max(lo, hi)} rows needs more "
-            f"rows than the image's {n}"
+            f"rows than the sample's {n}"
         )
-    comm, parts, rank = g.grid.axis(dim - 2)
+    comm, parts, rank = g.grid.axes(x.dim() - 2)[dim - 2]
     new = tensor_split_sizes(n + lo + hi, parts)
     pieces = []
     for part in range(3):  # the low pad, the image, the high pad
