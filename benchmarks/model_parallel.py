@@ -192,7 +192,7 @@ def spatial_rank(comm: TorchCommunicator, cfg: Config, hw: int) -> dict[str, Any
     x, dy = torch.randn(1, c, hw, hw), torch.randn(1, c, hw, hw)
     in_sizes, _, want = halo_window().plan(hw, n)
     layer = SpatialParallelConv2d.from_dense(conv, comm)  # shares conv's parameters
-    cols = layer.grid.row_comm  # the 1-rank communicator along W (the columns are not split)
+    (along_h, _, _), (cols, _, _) = layer.grid.axes(2)  # W's is 1-rank (columns not split)
 
     def rows(x_blk: torch.Tensor) -> torch.Tensor:  # the halo rows from the neighbours
         return pkf.gather_rows(x_blk, comm, 2, in_sizes, want)
@@ -222,8 +222,8 @@ def spatial_rank(comm: TorchCommunicator, cfg: Config, hw: int) -> dict[str, Any
     variants["copy floor"] = fwd_bwd(lambda: F.pad(x_blk, (1, 1, 1, 1)), [x_blk], dy_pad)
 
     # One counted step of the layer, forward and backward apart: the halo rows move over comm
-    # (the grid's col_comm), the padding columns on the 1-rank row communicator.
-    with ByteCounter(layer.grid.col_comm) as counter, ByteCounter(cols) as local:
+    # (the grid's communicator along H), the padding columns on the 1-rank one along W.
+    with ByteCounter(along_h) as counter, ByteCounter(cols) as local:
         y_blk = layer(x_blk, size=(hw, hw))
         fwd = counter.snapshot()
         y_blk.backward(dy_blk)

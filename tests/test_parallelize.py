@@ -56,7 +56,7 @@ def test_network_on_a_grid_of_four(ranks, strategy, grid, name):
 
 
 def test_grid_rejects_a_wrong_product():
-    with pytest.raises(ValueError, match=r"2 x 2 x 1 x 1 = 4, but the communicator has 1 ranks"):
+    with pytest.raises(ValueError, match=r"2 x 1 x 2 x 1 x 1 = 4, but the communicator has 1"):
         pk.Grid(LocalCommunicator(), data=2, rows=2)
 
 
