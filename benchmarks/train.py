@@ -95,7 +95,7 @@ STRATEGIES = ["data", "spatial", "channel"]
 HYBRID_RANKS = 4  # hybrid = 2 data x 2 rows
 QUICK_MODELS, QUICK_BATCH = ["resnet18-32"], 4
 RUN_TIMEOUT_S = 900.0
-GRID_LINE = re.compile(r"grid \(data x rows x cols x channel\)\s*\|\s*([\dx ]+?)\s*\|")
+GRID_LINE = re.compile(r"grid \(data x (?:depth x )?rows x cols x channel\)\s*\|\s*([\dx ]+?)\s*\|")
 
 
 @dataclass
@@ -175,7 +175,7 @@ def run_one(key: str, strategy: str, n: int, cfg: Config) -> dict[str, Any]:
         "wall_s": wall, "other_load_cores": load.cores(),
     }  # fmt: skip
     grid = GRID_LINE.search(out)
-    row["grid"] = grid.group(1) if grid else None  # data x rows x cols x channel
+    row["grid"] = grid.group(1) if grid else None  # data x (depth x) rows x cols x channel
     train = sorted((r for r in records if r["kind"] == "train"), key=lambda r: r["step"])
     summary = next((r for r in records if r["kind"] == "summary"), None)
     row["img_s_steps"] = [r["img_s"] for r in train]

@@ -64,7 +64,7 @@ def test_resnet_digits(tmp_path):
         "resnet_digits", tmp_path, "model.width=8", "data.image_size=16", "train.max_steps=2"
     )
     assert table["ranks"] == "2 (gloo)"
-    assert table["grid (data x rows x cols x channel)"] == "2 x 1 x 1 x 1"
+    assert table["grid (data x depth x rows x cols x channel)"] == "2 x 1 x 1 x 1 x 1"
     assert table["steps"] == "2" and table["test accuracy"].endswith("%")
     assert [r["count"] for r in records(tmp_path, "eval")] == [359]  # every test image once
     assert {"model.pt", "config.yaml", "metrics.jsonl"} <= {p.name for p in tmp_path.iterdir()}
@@ -76,7 +76,7 @@ def test_spatial_large_images(tmp_path):
         "spatial_large_images", tmp_path, "model.width=8", "data.image_size=64",
         "train.max_steps=2",
     )  # fmt: skip
-    assert table["grid (data x rows x cols x channel)"] == "1 x 2 x 1 x 1"
+    assert table["grid (data x depth x rows x cols x channel)"] == "1 x 1 x 2 x 1 x 1"
     # The larger rank's peak resident set in MiB: above what a process with torch keeps
     # resident (~300 MiB; a figure in GiB or of a process that never imported torch falls
     # below 100), and below 1 GiB, since width 8 at 64x64 adds a few MiB of activations (a
@@ -91,7 +91,7 @@ def test_channel_parallel(tmp_path):
     table = train_example(
         "channel_parallel", tmp_path, "model.width=16", "data.image_size=16", "train.max_steps=2"
     )
-    assert table["grid (data x rows x cols x channel)"] == "1 x 1 x 1 x 2"
+    assert table["grid (data x depth x rows x cols x channel)"] == "1 x 1 x 1 x 1 x 2"
     assert table["test accuracy"].endswith("%")
     # The export is the whole (gathered) network: it loads into the plain ResNet-18.
     plain = models.create(
@@ -133,7 +133,7 @@ def test_segmentation_large_images(tmp_path):
         "segmentation_large_images", tmp_path, "model.width=4", "data.image_size=64",
         "data.train_samples=4", "data.test_samples=2",
     )  # fmt: skip
-    assert table["grid (data x rows x cols x channel)"] == "1 x 2 x 1 x 1"
+    assert table["grid (data x depth x rows x cols x channel)"] == "1 x 1 x 2 x 1 x 1"
     assert table["test mIoU"].split("%")[0].replace(".", "").isdigit()
     png = tmp_path / "picture.png"
     cmd = [sys.executable, str(EXAMPLES / "segmentation_large_images/picture.py"), str(tmp_path),

@@ -144,6 +144,7 @@ def validate(cfg: Config) -> None:
         "train.log_every": t.log_every,
         "train.eval_every": t.eval_every,
         "parallel.ranks": p.ranks,
+        "parallel.depth": p.depth,
         "parallel.rows": p.rows,
         "parallel.cols": p.cols,
         "parallel.channel": p.channel,
@@ -156,12 +157,15 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"config: these must be at least 1: {bad}")
     _check_values(cfg)
     _check_task(cfg)
-    if p.strategy == "hybrid" and p.rows * p.cols * p.channel == 1:
+    spatial = p.depth * p.rows * p.cols
+    if p.strategy == "hybrid" and spatial * p.channel == 1:
         raise ValueError(
             "config: parallel.strategy=hybrid needs a model-parallel grid, e.g. parallel.rows=2"
         )
-    if p.rows * p.cols > 1 and p.channel > 1:
-        raise ValueError("config: spatial (rows/cols) and channel parallelism cannot be combined")
+    if spatial > 1 and p.channel > 1:
+        raise ValueError(
+            "config: spatial (depth/rows/cols) and channel parallelism cannot be combined"
+        )
 
 
 def _check_task(cfg: Config) -> None:
@@ -221,14 +225,14 @@ def _check_values(cfg: Config) -> None:
 
 
 def grid_dims(cfg: ParallelConfig, world: int) -> dict[str, int]:
-    """``Grid`` dimensions (data, rows, cols, channel) for ``world`` ranks."""
-    dims = GridDims(rows=cfg.rows, cols=cfg.cols, channel=cfg.channel)
+    """``Grid`` dimensions (data, depth, rows, cols, channel) for ``world`` ranks."""
+    dims = GridDims(rows=cfg.rows, cols=cfg.cols, channel=cfg.channel, depth=cfg.depth)
     if dims.model == 1 and cfg.strategy in ("spatial", "channel"):
         dims = GridDims.along(cfg.strategy, world)  # the strategy alone: every rank on it
     if world % dims.model:
         raise ValueError(
-            f"config: {world} ranks do not split into groups of rows x cols x channel = "
-            f"{dims.rows} x {dims.cols} x {dims.channel}; choose a grid whose product divides "
-            f"{world}"
+            f"config: {world} ranks do not split into groups of depth x rows x cols x channel "
+            f"= {dims.depth} x {dims.rows} x {dims.cols} x {dims.channel}; choose a grid whose "
+            f"product divides {world}"
         )
     return dims.with_data(world // dims.model).as_dict()

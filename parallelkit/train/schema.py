@@ -50,10 +50,11 @@ class ParallelConfig:
     """How the ranks share the work.
 
     ``strategy`` alone spends every rank on it: "data" splits the batch, "spatial" splits each
-    image by rows, "channel" splits convolution channels. Grid dimensions (``rows``, ``cols``,
-    ``channel``) choose a hybrid: the ranks left over (``world / (rows * cols * channel)``)
-    split the batch. ``ranks`` is how many local processes ``parallelkit train`` starts when no
-    launcher (torchrun, mpiexec, srun, torch_xla.launch) started it.
+    image by rows, "channel" splits convolution channels. Grid dimensions (``depth``, ``rows``,
+    ``cols``, ``channel``; ``depth`` splits the D of volumes) choose a hybrid: the ranks left
+    over (``world / (depth * rows * cols * channel)``) split the batch. ``ranks`` is how many
+    local processes ``parallelkit train`` starts when no launcher (torchrun, mpiexec, srun,
+    torch_xla.launch) started it.
     """
 
     strategy: str = "data"
@@ -62,6 +63,7 @@ class ParallelConfig:
     # auto: the backend's device (a GPU under nccl, the XLA device under xla), else the CPU;
     # cuda with gloo or mpi: each rank on GPU LOCAL_RANK % count, collectives staged on the host
     device: str = "auto"  # auto | cpu | cuda
+    depth: int = 1
     rows: int = 1
     cols: int = 1
     channel: int = 1

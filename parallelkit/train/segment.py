@@ -110,7 +110,7 @@ class Segment(Task):
         self.model.train()
         sums = self.grid.batch_comm.all_reduce(sums).cpu()
         loss, pixels, images = sums[:3].tolist()
-        spatial = self.grid.rows * self.grid.cols  # each image was counted by every block
+        spatial = self.grid.dims.spatial_size  # each sample was counted by every block
         return {
             "loss": loss / max(pixels, 1),
             **scores(sums[3:].view(3, k)),

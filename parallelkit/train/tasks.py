@@ -137,7 +137,7 @@ class Gan(Task):
             "dcgan_generator", nz=m.nz, ngf=w, nc=channels, image_size=size, **m.kwargs
         )
         discriminator = models.create("dcgan_discriminator", ndf=w, nc=channels, image_size=size)
-        spatial = grid.rows * grid.cols > 1
+        spatial = grid.dims.spatial_size > 1
         self.generator = self.add("generator", generator)
         # The 4x4 -> 1x1 head runs on the whole image (see parallelkit.models.dcgan).
         self.discriminator = self.add(

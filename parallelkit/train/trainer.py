@@ -1,6 +1,6 @@
 """The training loop that ``parallelkit train`` runs on every rank.
 
-    comm, grid   pk.init + a Grid (data x rows x cols x channel) from the config
+    comm, grid   pk.init + a Grid (data x depth x rows x cols x channel) from the config
     data         every data rank reads its rows of each global batch; ranks of one spatial or
                  channel group read the same rows (they share a data rank), and per-pixel
                  targets (masks) only their block of them
@@ -150,8 +150,8 @@ def summary_table(
         ("task", f"{t.task} ({cfg.model.name} on {cfg.data.name})"),
         ("ranks", f"{comm.size} ({comm.backend})"),
         (
-            "grid (data x rows x cols x channel)",
-            f"{grid.data} x {grid.rows} x {grid.cols} x {grid.channel}",
+            "grid (data x depth x rows x cols x channel)",
+            " x ".join(map(str, grid.dims.shape)),
         ),
         ("steps", str(result["steps"])),
         ("global batch", str(t.batch_size)),

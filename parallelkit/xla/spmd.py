@@ -7,7 +7,7 @@ of ``parallelkit.nn`` are not needed: a plain ``nn.Conv2d`` on activations split
 gets its halo from the neighbours by a collective-permute that XLA inserts, and BatchNorm's
 mean over (N, H, W) of a split tensor is already the global one.
 
-The mesh is a parallelkit grid spec, ``data x rows x cols x channel`` (the axes of
+The mesh is a parallelkit grid spec, ``data x depth x rows x cols x channel`` (the axes of
 :class:`parallelkit.Grid`, in its data-major order: :class:`parallelkit.dims.GridDims`), over
 all devices. Annotations:
 
