@@ -1,20 +1,26 @@
 """``parallelkit plan``: which grid to train a model on, before spending the ranks.
 
     parallelkit plan --model resnet18 --image-size 224 --batch 8 --ranks 4
-    parallelkit plan --model resnet50 --image-size 512 --batch 64 --ranks 8 --preset nvlink4
+    parallelkit plan --model resnet50 --image-size 1024 --batch 8 --ranks 8 --device h100-sxm
     parallelkit plan --model dcgan --image-size 64 --batch 16 --ranks 2 --json plan.json
     parallelkit plan --model timm:resnet26d --image-size 224 --batch 32 --ranks 4 \\
         --bandwidth 25 --latency 2 --flop-rate 20000
 
-Compute is measured here on one rank (each layer's forward and backward at the real size, a
-few seconds), and so is the memory a real step takes beyond its tensors (one 1-rank step in
-a fresh process), unless ``--flop-rate`` (GFLOP/s of a device not at hand) is given. The network is
-probed here between two local ranks (a few seconds) unless ``--preset`` or ``--bandwidth`` and
-``--latency`` describe one. With the probe, the ranks share this machine's cores; otherwise
-each rank is taken to have a device of its own (``--cores`` overrides either).
+Compute is measured here on one rank (each layer's forward and backward, a few seconds): at
+the real size where that is cheap, otherwise at a smaller image (halved until it is) and
+scaled to the real size by each layer's operation counts; so is the memory a real step takes
+beyond its tensors (one 1-rank step in a fresh process, at the profiled size). For a device
+not at hand, ``--device`` (a datasheet preset: parallelkit/plan/devices.py) or
+``--flop-rate`` (GFLOP/s) count the compute instead, and ``--device`` (or ``--memory-gib``)
+marks grids that need more memory per rank than the device has. The network is probed here
+between two local ranks (a few seconds) unless ``--preset``, ``--bandwidth`` and
+``--latency``, or ``--device`` (its usual interconnect) describe one. With the probe, the
+ranks share this machine's cores; otherwise each rank is taken to have a device of its own
+(``--cores`` overrides either).
 
-Prints the ranked table and the recommendation; ``--json PATH`` writes the plan. Exit status
-2 with one line on stderr for a mistake (an unknown model, a zoo library that does not import).
+Progress goes to stderr, a line per stage. Prints the ranked table and the recommendation;
+``--json PATH`` writes the plan. Exit status 2 with one line on stderr for a mistake (an
+unknown model, a zoo library that does not import).
 """
 
 from __future__ import annotations
@@ -24,11 +30,17 @@ import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
-from parallelkit.plan import measure, network, walk
+from parallelkit.plan import devices, measure, network, walk
 from parallelkit.plan.cost import Machine, calibrate
+from parallelkit.plan.measure import Profile
 from parallelkit.plan.planner import Plan, plan, table
+from parallelkit.plan.walk import Net
 
 PROG = "parallelkit plan"
 
@@ -43,18 +55,38 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ranks", type=int, required=True)
     p.add_argument("--stem", default="imagenet", choices=("imagenet", "cifar"), help="ResNet stem")
     p.add_argument("--classes", type=int, default=10)
-    net = p.add_argument_group("network (default: probed here)")
-    net.add_argument("--preset", choices=sorted(network.PRESETS))
+    net = p.add_argument_group("network (default: --device's interconnect, or probed here)")
+    net.add_argument("--preset", choices=sorted(network.PRESETS), help="an interconnect")
     net.add_argument("--bandwidth", type=float, help="GB/s per direction (with --latency)")
     net.add_argument("--latency", type=float, help="microseconds per message (with --bandwidth)")
-    comp = p.add_argument_group("compute (default: measured here)")
-    comp.add_argument("--flop-rate", type=float, help="GFLOP/s of one rank's device")
-    comp.add_argument("--byte-rate", type=float, help="GB/s of its memory (default: GFLOP/s / 10)")
+    comp = p.add_argument_group("compute (default: measured here, at a reduced image size)")
+    comp.add_argument(
+        "--device",
+        choices=sorted(devices.DEVICES),
+        help="one rank's accelerator, from its datasheet: bf16 FLOP/s, memory GB/s and size",
+    )
+    comp.add_argument(
+        "--flop-rate",
+        type=float,
+        help="GFLOP/s (1e9 FLOP/s) of one rank's device, e.g. 312000 for 312 TFLOP/s "
+        "(overrides --device's)",
+    )
+    comp.add_argument(
+        "--byte-rate", type=float, help="GB/s of its memory (default: --device's, or GFLOP/s / 10)"
+    )
+    comp.add_argument(
+        "--memory-gib",
+        type=float,
+        help="GiB of one rank's device; grids needing more are marked as not fitting "
+        "(default: --device's; otherwise not checked)",
+    )
     comp.add_argument(
         "--cores", type=float, help="cores the ranks share (default: this machine's with the probe)"
     )
     comp.add_argument(
-        "--baseline-mib", type=float, help="a rank's memory before the model (default: measured)"
+        "--baseline-mib",
+        type=float,
+        help="a rank's memory before the model (default: measured; 0 with --device)",
     )
     p.add_argument("--json", type=Path, help="write the plan here")
     args = p.parse_args(argv)
@@ -70,6 +102,8 @@ def link_of(args: argparse.Namespace) -> network.Network:
         return network.PRESETS[args.preset]
     if args.bandwidth is not None:
         return network.given(args.latency, args.bandwidth)
+    if args.device:
+        return network.PRESETS[devices.DEVICES[args.device].link]
     return network.probe()
 
 
@@ -91,38 +125,108 @@ def baseline_mib() -> float:
     return float(out.stdout)
 
 
-def make_plan(args: argparse.Namespace) -> Plan:
-    """Walk, measure (or count), probe (or take) the network, and plan."""
+def progress_lines() -> Callable[[str], None]:
+    """A function printing one progress line on stderr, with the seconds since this call."""
+    start = time.perf_counter()
+
+    def say(line: str) -> None:
+        print(f"{PROG}: [{time.perf_counter() - start:5.1f} s] {line}", file=sys.stderr, flush=True)
+
+    return say
+
+
+def measured_here(
+    args: argparse.Namespace, nets: list[Net], machine: Machine, progress: Callable[[str], None]
+) -> tuple[list[Profile], Machine]:
+    """Each network's profile on this process, and ``machine`` with the memory measured here.
+
+    Profiled at a reduced size where the real one would take long
+    (:func:`measure.reduced_size`) and carried to the real size by the operation counts
+    (:func:`measure.scaled`). Meanwhile two fresh processes measure, on the other core, a bare
+    rank's memory and a 1-rank step's peak at the profiled size (which calibrates the memory
+    model); the profile counts CPU time, so they do not disturb it.
+    """
+    import torch
+
+    torch.set_num_threads(1)  # one compute thread per rank, as the training runs
+    b = max(1, args.batch // args.ranks)  # the smallest per-rank batch of any grid
+    size = min(measure.reduced_size(n, args.image_size, b) for n in nets)
+    small = nets
+    if size != args.image_size:
+        small = walk.build(args.model, size, args.classes, args.stem)
+        if len(small) != len(nets) or not all(map(measure.same_layers, nets, small)):
+            progress(f"{args.model}'s layers change with the image size: profiled at full size")
+            size, small = args.image_size, nets
+    with ThreadPoolExecutor(2) as pool:
+        progress(f"measuring a bare rank's memory and a 1-rank step's at {size}x{size}")
+        base = pool.submit(baseline_mib) if args.baseline_mib is None else None
+        peak = pool.submit(measure.peak_mib, args.model, size, args.classes, args.stem, b)
+        scaling = f", scaled to {args.image_size}" if size != args.image_size else ""
+        progress(f"profiling {b} image(s) at {size}x{size} on one core here{scaling}")
+        profiles = []
+        for full, net in zip(nets, small, strict=True):
+            prof = measure.measure(net, b)
+            profiles.append(prof if net is full else measure.scaled(prof, net, full))
+        if base is not None:
+            machine = replace(machine, baseline_mib=base.result())
+        machine = calibrate(small, b, machine, peak.result())
+    return profiles, machine
+
+
+def counted_profiles(args: argparse.Namespace, nets: list[Net]) -> list[Profile]:
+    """Profiles from FLOPs and bytes at the rates of ``--device``, ``--flop-rate`` and
+    ``--byte-rate`` (the last two override the first)."""
+    device = devices.DEVICES.get(args.device or "")
+    flop_rate = args.flop_rate * 1e9 if args.flop_rate else device.flop_rate
+    if args.byte_rate:
+        byte_rate = args.byte_rate * 1e9
+    else:
+        byte_rate = device.byte_rate if device and not args.flop_rate else flop_rate / 10
+    profiles = [measure.from_flops(n, flop_rate, byte_rate) for n in nets]
+    if device and not args.flop_rate and not args.byte_rate:
+        source = f"{device.name} datasheet, {flop_rate / 1e12:g} TFLOP/s bf16 peak"
+        profiles = [replace(prof, source=source) for prof in profiles]
+    return profiles
+
+
+def quiet(line: str) -> None:
+    """No progress lines."""
+
+
+def make_plan(args: argparse.Namespace, progress: Callable[[str], None] = quiet) -> Plan:
+    """Walk, measure (or count), probe (or take) the network, and plan; ``progress`` gets a
+    line as each stage starts."""
     for name in ("image_size", "batch", "ranks"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
+    device = devices.DEVICES[args.device] if args.device else None
+    progress(f"walking {args.model} at {args.image_size}x{args.image_size}")
     nets = walk.build(args.model, args.image_size, args.classes, args.stem)
-    if args.flop_rate:
-        byte_rate = (args.byte_rate or args.flop_rate / 10) * 1e9
-        profiles = [measure.from_flops(n, args.flop_rate * 1e9, byte_rate) for n in nets]
-    else:
-        import torch
-
-        torch.set_num_threads(1)  # one compute thread per rank, as the training runs
-        small = max(1, args.batch // args.ranks)  # the smallest per-rank batch of any grid
-        profiles = [measure.measure(n, small) for n in nets]
-    link = link_of(args)
-    cores = (
-        args.cores if args.cores is not None else (os.cpu_count() if link.shares_cores else None)
+    machine = Machine(
+        baseline_mib=args.baseline_mib or 0.0,  # with --device: the host's memory is not on it
+        device_mib=args.memory_gib * 1024 if args.memory_gib else device and device.memory_mib,
     )
-    base = args.baseline_mib if args.baseline_mib is not None else baseline_mib()
-    machine = Machine(cores=cores, baseline_mib=base)
-    if not args.flop_rate:  # this machine: calibrate the memory model on one rank
-        b = max(1, args.batch // args.ranks)
-        peak = measure.peak_mib(args.model, args.image_size, args.classes, args.stem, b)
-        machine = calibrate(nets, b, machine, peak)
+    if args.flop_rate or device:
+        profiles = counted_profiles(args, nets)
+        if args.baseline_mib is None and not device:
+            progress("measuring a bare rank's memory")
+            machine = replace(machine, baseline_mib=baseline_mib())
+    else:
+        profiles, machine = measured_here(args, nets, machine, progress)
+    if not (args.preset or args.bandwidth is not None or device):
+        progress("probing the network between two local ranks")
+    link = link_of(args)
+    cores = args.cores
+    if cores is None and link.shares_cores and not device:
+        cores = os.cpu_count()
+    machine = replace(machine, cores=cores)
     return plan(nets, profiles, args.batch, args.ranks, link, machine, args.model, args.image_size)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     try:
-        p = make_plan(args)
+        p = make_plan(args, progress_lines())
     except ValueError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from parallelkit.dims import GridDims
 from parallelkit.geometry import Window, blocks, received_rows, starts, transposed_needs
@@ -86,8 +86,9 @@ def _divisors(n: int) -> list[int]:
 @dataclass(frozen=True)
 class Machine:
     """Where the ranks run: ``cores`` they share (None: one device each, no sharing), the
-    memory of a rank's process before any model (interpreter, torch, parallelkit), and the
-    memory a step takes beyond its tensors (see :func:`calibrate`)."""
+    memory of a rank's process before any model (interpreter, torch, parallelkit), the
+    memory a step takes beyond its tensors (see :func:`calibrate`), and the memory of a
+    rank's device, when it has a limit the plan should check."""
 
     cores: float | None = None
     baseline_mib: float = 0.0
@@ -97,6 +98,9 @@ class Machine:
     # Cores that other processes keep busy meanwhile; they share the cores fairly (Linux's
     # scheduler), so each rank gets cores / (ranks + other_load) of one when oversubscribed.
     other_load: float = 0.0
+    # Memory of one rank's device (None: not checked); a grid needing more is marked
+    # as not fitting.
+    device_mib: float | None = None
 
     def slowdown(self, ranks: int) -> float:
         """How much longer a rank's compute takes than on a core of its own."""
@@ -334,8 +338,8 @@ def estimate(
 ) -> Estimate:
     """Step time and memory per rank of ``nets`` (one training step runs them all) on ``opt``.
 
-    Grids that ``pk.parallelize`` takes but this batch does not fit are kept, with the reason
-    in ``problems``; they rank last.
+    Grids that ``pk.parallelize`` takes but this batch does not fit, or whose memory per rank
+    exceeds ``machine.device_mib``, are kept, with the reason in ``problems``; they rank last.
     """
     est = Estimate(opt)
     if batch % opt.data:
@@ -349,16 +353,21 @@ def estimate(
         est.exchange_s += exchange_seconds(net, opt, batch, link) * link_slow
         est.reductions_s += reduction_seconds(net, prof, opt, batch, link, backward) * link_slow
     est.memory_mib = memory(nets, opt, batch, machine)
+    if machine.device_mib is not None and est.peak_mib > machine.device_mib:
+        est.problems.append(
+            f"does not fit: {est.peak_mib:.0f} MiB per rank, the device holds "
+            f"{machine.device_mib:.0f} MiB"
+        )
     return est
 
 
 def calibrate(nets: Sequence[Net], batch: int, machine: Machine, peak_mib: float) -> Machine:
     """``machine`` with the overhead that makes the 1-rank prediction at ``batch`` equal
     ``peak_mib``, a 1-rank step's measured peak (never below zero)."""
-    bare = Machine(machine.cores, machine.baseline_mib)
+    bare = replace(machine, overhead_mib=0.0)
     predicted = sum(memory(nets, Option(), batch, bare).values())
     over = max(0.0, peak_mib - predicted)
-    return Machine(machine.cores, machine.baseline_mib, over, machine.other_load)
+    return replace(machine, overhead_mib=over)
 
 
 def rank(estimates: Sequence[Estimate]) -> list[Estimate]:

@@ -2,10 +2,11 @@
 
 Two sources, one shape (:class:`Profile`), so the cost model does not care which:
 
-- :func:`measure`: each leaf layer timed on this process (one rank) at its real size, plus
-  the rest of a step that no leaf holds (residual additions, the loss, Python) as the whole
-  network's time less the layers', plus the optimizer's step per parameter. The real thing,
-  a few seconds per network; what ``parallelkit plan`` does by default.
+- :func:`measure`: each leaf layer timed on this process (one rank), plus the rest of a step
+  that no leaf holds (residual additions, the loss, Python) as the whole network's time less
+  the layers', plus the optimizer's step per parameter. What ``parallelkit plan`` does by
+  default, at a reduced image size (:func:`reduced_size`) whose times :func:`scaled` carries
+  to the real size by the operation counts: a large image's profile in seconds, not minutes.
 - :func:`from_flops`: FLOPs (forward x 3 for forward + backward) over a rate, for convolutions
   and fully connected layers, and bytes over a memory rate for the rest. For a machine not at
   hand (give its rate), and for tests, which must not time anything.
@@ -17,7 +18,8 @@ parallelism, with the share of the image; see :mod:`parallelkit.plan.cost`).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -86,37 +88,99 @@ def _layer_step(layer: Layer, batch: int, input_grad: bool):
     return step
 
 
-def measure(net: Net, batch: int, repeats: int = 2) -> Profile:
+Clock = Callable[[Callable[[], None]], float]  # the cost of one call of a function
+
+
+def measure(net: Net, batch: int, repeats: int = 2, clock: Clock | None = None) -> Profile:
     """Time every layer of ``net`` and the whole network at ``batch`` images, on this process.
 
     Runs in training mode (BatchNorm on batch statistics), with one thread per rank as the
-    training runs do when OMP_NUM_THREADS=1.
+    training runs do when OMP_NUM_THREADS=1. ``clock`` prices one call of a function (default:
+    its least CPU seconds over ``repeats`` calls); tests pass a FLOP counter, never a timer.
     """
     assert net.model is not None, "measure needs the network's module"
+    clock = clock or (lambda fn: _time(fn, repeats))
     model = net.model.train()
     layer_s = []
     for i, layer in enumerate(net.layers):
-        s = _time(_layer_step(layer, batch, input_grad=i > 0), repeats)
+        s = clock(_layer_step(layer, batch, input_grad=i > 0))
         layer_s.append(s / batch)
     x = torch.randn(batch, *net.input_shape)
 
     def whole() -> None:
         model(x).float().sum().backward()
 
-    whole_s = _time(whole, repeats) / batch
+    whole_s = clock(whole) / batch
     other = max(0.0, whole_s - sum(layer_s))
-    return Profile(tuple(layer_s), other, _optimizer_seconds(model), f"measured at batch {batch}")
+    opt_s = _optimizer_seconds(model, clock)
+    return Profile(tuple(layer_s), other, opt_s, f"measured at batch {batch}")
 
 
-def _optimizer_seconds(model: nn.Module) -> float:
+def _optimizer_seconds(model: nn.Module, clock: Clock) -> float:
     """Seconds per parameter scalar of one SGD step with momentum and weight decay."""
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.zeros_like(p)
     opt = torch.optim.SGD(params, lr=1e-9, momentum=0.9, weight_decay=5e-4)
-    seconds = _time(opt.step, 2)
+    seconds = clock(opt.step)
     model.zero_grad(set_to_none=True)
     return seconds / max(1, sum(p.numel() for p in params))
+
+
+# ---------------------------------------------------------------------------- reduced size
+# Forward FLOPs (all the per-rank images) up to which a network is profiled at its real size;
+# beyond, at a smaller one. Profiling runs about 6 forward + backward passes (each layer's
+# and the whole network's, with warm-ups), at ~50 GFLOP/s on one core: about 4 s here for
+# ResNet-50 at 256x256 (10.7 GFLOPs). Smaller images run less efficiently per FLOP, so a
+# profile scaled from them over-estimates: measured here, scaled from 256 to 512, ResNet-18
+# and -50 came out 5-25% slow; from 128, 35-70% (docs/parallelism.md).
+PROFILE_FLOPS = 12e9
+MIN_SIZE = 64  # smaller, the deepest feature maps of an ImageNet network shrink to a pixel
+
+
+def reduced_size(net: Net, image_size: int, batch: int, budget: float = PROFILE_FLOPS) -> int:
+    """The image size to profile ``net`` (walked at ``image_size``) at: ``image_size`` halved
+    until ``batch`` images cost at most ``budget`` forward FLOPs, but not below ``MIN_SIZE``.
+    Convolutions' counts fall with the square of the size."""
+    size, flops = image_size, batch * sum(layer.flops for layer in net.layers)
+    while flops > budget and size // 2 >= MIN_SIZE:
+        size, flops = size // 2, flops / 4
+    return size
+
+
+def operations(layer: Layer) -> float:
+    """What a layer's time grows with: FLOPs for convolutions and fully connected layers,
+    the elements it reads and writes for the rest (memory-bound)."""
+    if layer.kind in DENSE_KINDS:
+        return layer.flops
+    return float(layer.in_numel + layer.out_numel)
+
+
+def same_layers(full: Net, small: Net) -> bool:
+    """Whether two walks of a network at two sizes call the same layers in the same order
+    (false where the architecture depends on the image size, as DCGAN's does)."""
+    return [(x.name, x.kind) for x in full.layers] == [(x.name, x.kind) for x in small.layers]
+
+
+def scaled(prof: Profile, small: Net, full: Net) -> Profile:
+    """``prof``, measured on ``small``, carried to ``full``: the same network walked at a larger
+    size. Each layer's time grows by the ratio of its operation counts (:func:`operations`),
+    the rest of a pass (residual additions, the loss) by the ratio of all activations; the
+    optimizer's step does not depend on the size."""
+    if not same_layers(full, small):
+        raise ValueError(
+            f"plan: {full.name} has different layers at {full.input_shape} and "
+            f"{small.input_shape}; profile it at its real size"
+        )
+    layer_s = tuple(
+        t * operations(f) / operations(s) if operations(s) else t
+        for t, f, s in zip(prof.layer_s, full.layers, small.layers, strict=True)
+    )
+    acts = lambda net: sum(layer.out_numel for layer in net.layers)  # noqa: E731
+    other = prof.other_s * acts(full) / max(1, acts(small))
+    size = "x".join(map(str, small.input_shape[1:]))
+    return replace(prof, layer_s=layer_s, other_s=other,
+                   source=f"{prof.source} at {size}, scaled by operation counts")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- memory

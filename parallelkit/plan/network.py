@@ -53,16 +53,22 @@ class Network:
 # Figures per direction per device, the order of magnitude a plan needs; sources:
 # - NVLink 4 (H100 SXM): 900 GB/s total bidirectional per GPU = 450 GB/s per direction
 #   (NVIDIA H100 datasheet); NCCL's small-message latency within a node is a few us.
+# - NVLink 3 (A100 SXM): 600 GB/s total bidirectional per GPU = 300 GB/s per direction
+#   (NVIDIA A100 datasheet).
 # - InfiniBand NDR: 400 Gb/s = 50 GB/s per port; HDR: 200 Gb/s = 25 GB/s (NVIDIA/Mellanox
 #   ConnectX-7 / ConnectX-6 product briefs); ~2 us MPI latency (vendor ping-pong figures).
 # - TPU v4 ICI: 2,400 Gb/s per chip over 6 links (Google Cloud TPU v4 documentation; Jouppi
 #   et al., ISCA 2023) = 50 GB/s per link; collectives over ICI start in a few us.
+# - TPU v5e ICI: 1,600 Gb/s per chip over 4 links (Google Cloud TPU v5e documentation)
+#   = 50 GB/s per link.
 # - 100 Gb Ethernet: 12.5 GB/s, ~10 us with RDMA (RoCE).
 PRESETS: dict[str, Network] = {
     "nvlink4": Network(5e-6, 450e9, "nvlink4"),
+    "nvlink3": Network(5e-6, 300e9, "nvlink3"),
     "ib-ndr": Network(2e-6, 50e9, "ib-ndr"),
     "ib-hdr": Network(2e-6, 25e9, "ib-hdr"),
     "tpu-v4-ici": Network(5e-6, 50e9, "tpu-v4-ici"),
+    "tpu-v5e-ici": Network(5e-6, 50e9, "tpu-v5e-ici"),
     "ethernet-100g": Network(10e-6, 12.5e9, "ethernet-100g"),
 }
 
