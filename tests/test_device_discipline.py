@@ -30,6 +30,7 @@ from dp_cases import training_parity
 from functional_cases import adjoint_products
 from network_cases import NETWORKS, STRATEGY_GRIDS, network_parity
 from spatial_cases import layer_parity
+from volume_cases import volume_parity
 
 LAZY = "lazy"
 NETWORK_TOLERANCE = dict(rtol=1e-4, atol=1e-6)
@@ -96,6 +97,14 @@ def test_spatial_layers_on_the_device(device_ranks, kind, grid, kw):
     size = 4 if grid == (2, 2) else 2
     for triples in device_ranks(size).run(layer_parity, kind, (9, 8), grid, device=LAZY, **kw):
         assert_triples(triples)
+
+
+@pytest.mark.parametrize("net", ["volume", "signal"])
+def test_volumes_and_signals_on_the_device(device_ranks, net):
+    """Conv3d (edge path and halo fetch), ConvTranspose3d, BatchNorm3d, pooling and
+    trilinear upsampling; Conv1d and BatchNorm1d: every exchange on the device."""
+    for triples in device_ranks(2).run(volume_parity, net, None, steps=1, device=LAZY):
+        assert_results([(label, got, want, NETWORK_TOLERANCE) for label, got, want in triples])
 
 
 def test_data_parallel_on_the_device(device_ranks):

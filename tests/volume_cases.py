@@ -70,20 +70,23 @@ NETS = {"volume": (Volume, (2, 8, 12, 8)), "signal": (Signal, (2, 22))}
 
 def volume_parity(
     comm: Communicator, net: str, grid: dict | None, shape: tuple | None = None, steps: int = 2,
-    tamper: bool = False,
+    tamper: bool = False, device: str | None = None,
 ) -> list[Triple]:  # fmt: skip
     """``net`` under ``pk.parallelize`` on ``grid`` (None: the plain communicator, which
     splits the first spatial dimension) against the dense model over SGD steps: outputs,
     input and parameter gradients, and every parameter and buffer after each step.
-    ``tamper`` (a negative control) leaves the halo terms out of the edge path."""
+    ``tamper`` (a negative control) leaves the halo terms out of the edge path. ``device``:
+    where the parallel network trains (the dense one stays on the CPU)."""
     torch.manual_seed(0)
     g = pk.Grid(comm, **grid) if grid else None
     data = g.data if g else 1
     build, default = NETS[net]
     # InstanceNorm's running statistics follow each data replica's samples (as under DDP, which
     # does not merge buffers): checked without a data dimension.
-    dense = build(dropout=0.0 if data > 1 else 0.3, running=data == 1).double()
-    model = pk.parallelize(copy.deepcopy(dense), g or comm, g or "spatial")
+    # Dropout masks come from the CPU generator, which a device's does not follow.
+    dropout = 0.3 if data == 1 and device is None else 0.0
+    dense = build(dropout=dropout, running=data == 1).double()
+    model = pk.parallelize(copy.deepcopy(dense).to(device), g or comm, g or "spatial")
     rows = torch.arange(4).tensor_split(data)[g.coords[0] if g else 0]
     opt_dense = torch.optim.SGD(dense.parameters(), lr=0.05, momentum=0.9)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -102,7 +105,7 @@ def volume_parity(
             scale = 1 / (4 * x[0].numel())  # a mean over the samples' values: no runaway steps
             (sum(o.square().sum() for o in out) * scale).backward()
             torch.set_rng_state(rng)
-            x_mine = x.detach()[rows].clone().requires_grad_()
+            x_mine = x.detach()[rows].clone().to(device).requires_grad_()
             mine = model(x_mine)
             mine = mine if isinstance(mine, tuple) else (mine,)
             (sum(o.square().sum() for o in mine) * data * scale).backward()
