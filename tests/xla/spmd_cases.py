@@ -2,7 +2,8 @@
 
     PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 python tests/xla/spmd_cases.py OUT.json CASE...
 
-CASE is ``network:grid``, e.g. ``resnet18:rows=4`` or ``dcgan generator:data=2,rows=2``. For
+CASE is ``network:grid``, e.g. ``resnet18:rows=4``, ``dcgan generator:data=2,rows=2`` or
+``volume:depth=4`` (a small 3-D network on (N, C, D, H, W) volumes). For
 each, the dense network trains on the CPU and a copy, ``pk.parallelize(..., backend=
 "xla-spmd")``, on the XLA devices: the same whole batch, three SGD steps, float64. Written to
 OUT.json per case: the largest relative error of outputs, losses, gradients (every step) and
@@ -23,6 +24,8 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # network_cases.py
 import torch_xla
@@ -31,10 +34,26 @@ import torch_xla.runtime as xr
 
 import parallelkit as pk
 
-from network_cases import NETWORKS
+from network_cases import NETWORKS as IMAGES
 
 STEPS = 3
 BATCH = 4
+
+
+def volume_net() -> nn.Module:
+    """Conv3d, BatchNorm3d, MaxPool3d and a global average pool to 10 classes."""
+    return nn.Sequential(
+        nn.Conv3d(2, 4, 3, padding=1), nn.BatchNorm3d(4), nn.ReLU(), nn.MaxPool3d(2),
+        nn.Conv3d(4, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool3d(1), nn.Flatten(),
+        nn.Linear(8, 10),
+    )  # fmt: skip
+
+
+def _summed_cross_entropy(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out, target, reduction="sum")
+
+
+NETWORKS = {**IMAGES, "volume": (volume_net, (2, 8, 8, 8), _summed_cross_entropy, ())}
 
 
 def rel_err(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -89,7 +108,7 @@ def run_case(case: str) -> dict:
         buffers = dict(model.module.named_buffers())
         for key, b in dense.named_buffers():
             errors["buffer"] = max(errors["buffer"], rel_err(buffers[key], b.double()))
-    convs = (torch.nn.Conv2d, torch.nn.ConvTranspose2d)
+    convs = (torch.nn.Conv2d, torch.nn.ConvTranspose2d, torch.nn.Conv3d)
     first_conv = next(m for m in model.module.modules() if isinstance(m, convs))
     return {
         "errors": errors,

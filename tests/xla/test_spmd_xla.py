@@ -1,4 +1,5 @@
-"""SPMD on 4 XLA CPU devices: ResNet-18 and DCGAN sharded five ways match torch on the CPU.
+"""SPMD on 4 XLA CPU devices: ResNet-18 and DCGAN sharded five ways, and a 3-D network over
+depth and data x depth, match torch on the CPU.
 
 ``spmd_cases.py`` trains each network three SGD steps under each of its grids (ResNet-18 all
 five: data, rows, cols, a hybrid, channel; each DCGAN network data, channel, its hybrid and
@@ -23,6 +24,7 @@ HYBRID = {"resnet18": "data=2,rows=2", "dcgan generator": "rows=2,channel=2",
 ONE_WAY = {"resnet18": ("rows=4", "cols=4"), "dcgan generator": ("rows=4",),
            "dcgan discriminator": ("cols=4",)}  # fmt: skip
 SPATIAL = [f"{n}:{g}" for n in NETWORKS for g in (*ONE_WAY[n], HYBRID[n])]
+SPATIAL += ["volume:depth=4", "volume:data=2,depth=2"]  # (N, C, D, H, W): depth splits D
 OTHER = [f"{n}:{g}" for n in NETWORKS for g in ("data=4", "channel=4")]
 # The cases alternate between the two processes (13 cases: 7 and 6, every network in both,
 # where the spatial ones used to run 9 against 6); the first dumps its partitioned programs
@@ -35,7 +37,8 @@ assert set(FIRST) & set(SPATIAL)
 RTOL = 1e-6
 # Partition specs torch_xla reports: tile counts per dimension (N, C, H, W) for each grid.
 TILES = {"data=4": "[4,1,1,1]", "rows=4": "[1,1,4,1]", "cols=4": "[1,1,1,4]",
-         "data=2,rows=2": "[2,1,2,1]", "data=2,cols=2": "[2,1,1,2]"}  # fmt: skip
+         "data=2,rows=2": "[2,1,2,1]", "data=2,cols=2": "[2,1,1,2]",
+         "depth=4": "[1,1,4,1,1]", "data=2,depth=2": "[2,1,2,1,1]"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +78,7 @@ def test_really_sharded(spmd, case):
         assert result["weight_sharding"].startswith("{devices=["), result
     else:  # activations split as asked (the generator's 1 x 1 input cannot be, by height)
         assert TILES[grid] in result["tiles"], f"{case}: annotations {result['tiles']}"
-    if grid in ("data=4", "rows=4", "cols=4") and not case.startswith("dcgan generator"):
+    if grid in ("data=4", "rows=4", "cols=4", "depth=4") and not case.startswith("dcgan generator"):
         assert result["input_sharding"].startswith("{devices=" + TILES[grid]), result
 
 
