@@ -3,7 +3,10 @@ made-up rates and networks are given, so every number here is arithmetic.
 
 - the halo bytes the cost model takes from the geometry, against a brute-force count;
 - the ranking picks the obviously better grid in constructed cases;
-- the plan survives a JSON round trip; the command line's mistakes exit 2.
+- a profile taken at a reduced image size and scaled by the operation counts agrees with one
+  taken at the real size (priced by a FLOP counter, not a clock);
+- the device presets, and grids marked as not fitting a device's memory;
+- the plan survives a JSON round trip; the command line's help, progress lines and mistakes.
 """
 
 from __future__ import annotations
@@ -14,9 +17,24 @@ import types
 
 import pytest
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from parallelkit import cli
-from parallelkit.plan import Machine, Network, Option, Plan, build, from_flops, options, plan
+from parallelkit.plan import (
+    DEVICES,
+    PRESETS,
+    Machine,
+    Network,
+    Option,
+    Plan,
+    build,
+    command,
+    from_flops,
+    measure,
+    options,
+    plan,
+    table,
+)
 from parallelkit.plan.cost import activation_bytes, halo_bytes
 from parallelkit.plan.network import from_timings
 from parallelkit.plan.walk import Layer, walk
@@ -211,3 +229,179 @@ def test_cli_zoo_model_plans_and_writes_json(capsys, monkeypatch, tmp_path):
     saved = json.loads(out.read_text())
     assert saved["model"] == "timm:tiny" and len(saved["ranking"]) == 4  # data, rows, cols, channel
     assert saved["recommended"] == saved["ranking"][0]
+
+
+def test_cli_help_names_the_units_and_the_devices(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "--flop-rate FLOP_RATE GFLOP/s (1e9 FLOP/s) of one rank's device" in text
+    assert "--byte-rate BYTE_RATE GB/s of its memory" in text
+    assert "--memory-gib MEMORY_GIB GiB of one rank's device" in text
+    for name in DEVICES:
+        assert name in text
+    assert "bf16 FLOP/s, memory GB/s and size" in text
+
+
+def test_cli_prints_a_progress_line_per_stage_on_stderr(capsys):
+    assert cli.main(["plan", "--model", "resnet18", "--stem", "cifar", *ARGS]) == 0
+    out, err = capsys.readouterr()
+    assert "parallelkit plan: [" in err and "walking resnet18 at 32x32" in err
+    assert "walking" not in out and "recommended:" in out
+
+
+# ---------------------------------------------------------------------------- reduced size
+def flop_clock(fn) -> float:
+    """The FLOPs one call of ``fn`` executes (forward and backward), counted by torch: a
+    deterministic price in place of seconds."""
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return float(counter.get_total_flops())
+
+
+# The FLOPs a convolution or linear layer executes grow exactly as the walk's counts, so
+# priced by a FLOP counter the scaled profile must equal the full-size one up to rounding.
+# (Timed, a profile scaled from a smaller image over-estimates: docs/parallelism.md.)
+SCALING_TOLERANCE = 1e-6
+
+
+def test_profile_scaled_from_a_reduced_size_agrees_with_the_full_size_profile():
+    (full,) = build("resnet18", 64, stem="cifar")
+    (small,) = build("resnet18", 16, stem="cifar")
+    prof_full = measure.measure(full, 2, clock=flop_clock)
+    prof_small = measure.measure(small, 2, clock=flop_clock)
+    scaled = measure.scaled(prof_small, small, full)
+    assert sum(prof_small.layer_s) * 10 < sum(prof_full.layer_s)  # the sizes differ
+    assert scaled.layer_s == pytest.approx(prof_full.layer_s, rel=SCALING_TOLERANCE)
+    assert "at 16x16, scaled by operation counts" in scaled.source
+    # and so do the plans built on them, grid by grid
+    by = lambda prof: {  # noqa: E731
+        e.option: e.step_s for e in plan([full], [prof], 8, 4, FAST, CPU).estimates
+    }
+    assert by(scaled) == pytest.approx(by(prof_full), rel=SCALING_TOLERANCE)
+
+
+def test_scaled_profile_scales_each_layer_by_its_operation_count():
+    full = walk(plain_cnn(), (3, 32, 32))
+    small = walk(plain_cnn(), (3, 8, 8))
+    prof = measure.Profile(tuple(1.0 for _ in small.layers), 2.0, 3e-9, "made up")
+    scaled = measure.scaled(prof, small, full)
+    conv, relu, linear = (full.layers[i].kind for i in (0, 1, -1))
+    assert (conv, relu, linear) == ("conv", "act", "linear")
+    assert scaled.layer_s[0] == pytest.approx(16)  # 16x the output pixels
+    assert scaled.layer_s[1] == pytest.approx(16)  # 16x the elements read and written
+    assert scaled.layer_s[-1] == pytest.approx(1)  # after global pooling: the same
+    assert scaled.optimizer_s_per_param == 3e-9
+
+
+def test_reduced_size_halves_the_image_until_the_profile_is_cheap():
+    (r50,) = build("resnet50", 1024)
+    flops = sum(layer.flops for layer in r50.layers)
+    assert measure.reduced_size(r50, 1024, 1, budget=flops) == 1024
+    assert measure.reduced_size(r50, 1024, 1, budget=flops / 4) == 512
+    assert measure.reduced_size(r50, 1024, 1, budget=flops / 16) == 256
+    assert measure.reduced_size(r50, 1024, 4, budget=flops / 16) == 128  # 4 images
+    assert measure.reduced_size(r50, 1024, 1, budget=1.0) == measure.MIN_SIZE
+    assert measure.reduced_size(r50, 1024, 1) == 256  # the default budget, the issue's case
+
+
+def test_a_network_whose_layers_change_with_the_size_is_not_scaled():
+    (_, d64), (_, d32) = build("dcgan", 64), build("dcgan", 32)
+    assert not measure.same_layers(d64, d32)
+    prof = from_flops(d32, 1e9)
+    with pytest.raises(ValueError, match="different layers"):
+        measure.scaled(prof, d32, d64)
+
+
+def test_command_profiles_at_a_reduced_size_and_calibrates_memory_there(monkeypatch):
+    """The command's path on this machine, with the timing and the subprocesses replaced."""
+    seen = {}
+
+    def fake_measure(net, batch):
+        seen["measured"] = (net.input_shape, batch)
+        return from_flops(net, 1e9)
+
+    def fake_peak(name, size, classes, stem, batch):
+        seen["peak"] = (name, size, batch)
+        return 1000.0
+
+    monkeypatch.setattr(measure, "measure", fake_measure)
+    monkeypatch.setattr(measure, "peak_mib", fake_peak)
+    monkeypatch.setattr(command, "baseline_mib", lambda: 200.0)
+    args = command.parse(["--model", "resnet18", "--image-size", "512", "--batch", "4",
+                          "--ranks", "4", "--preset", "ib-hdr"])  # fmt: skip
+    lines: list[str] = []
+    p = command.make_plan(args, lines.append)
+    assert seen == {"measured": ((3, 256, 256), 1), "peak": ("resnet18", 256, 1)}
+    assert p.compute.endswith("at 256x256, scaled by operation counts")
+    assert any("profiling 1 image(s) at 256x256" in x and "scaled to 512" in x for x in lines)
+    assert p.machine.baseline_mib == 200.0 and p.machine.overhead_mib > 0
+    assert p.machine.device_mib is None  # this machine: no device limit
+
+
+# ---------------------------------------------------------------------------- devices
+def test_device_presets_carry_their_datasheet_figures():
+    a100, h100 = DEVICES["a100-80gb"], DEVICES["h100-sxm"]
+    v4, v5e = DEVICES["tpu-v4"], DEVICES["tpu-v5e"]
+    assert (a100.flop_rate, a100.byte_rate, a100.memory_bytes) == (312e12, 2.039e12, 80e9)
+    assert (h100.flop_rate, h100.byte_rate, h100.memory_bytes) == (989e12, 3.35e12, 80e9)
+    assert (v4.flop_rate, v4.byte_rate, v4.memory_bytes) == (275e12, 1.2e12, 32 << 30)
+    assert (v5e.flop_rate, v5e.byte_rate, v5e.memory_bytes) == (197e12, 819e9, 16 << 30)
+    assert v5e.memory_mib == 16384
+    for device in DEVICES.values():
+        assert device.link in PRESETS
+
+
+def test_cli_device_counts_compute_at_its_rates_and_takes_its_interconnect():
+    args = command.parse(["--model", "resnet18", "--image-size", "64", "--batch", "8",
+                          "--ranks", "4", "--device", "tpu-v4"])  # fmt: skip
+    p = command.make_plan(args)  # nothing measured or probed here
+    assert p.link == PRESETS["tpu-v4-ici"]
+    assert p.machine == Machine(cores=None, baseline_mib=0.0, device_mib=32 * 1024)
+    assert p.compute == "tpu-v4 datasheet, 275 TFLOP/s bf16 peak"
+    (net,) = build("resnet18", 64)
+    expected = plan([net], [from_flops(net, 275e12, 1.2e12)], 8, 4, p.link, p.machine)
+    assert [e.step_s for e in p.estimates] == [e.step_s for e in expected.estimates]
+    # --flop-rate (GFLOP/s) overrides the device's rate; --preset its interconnect
+    args = command.parse(["--model", "resnet18", "--image-size", "64", "--batch", "8",
+                          "--ranks", "4", "--device", "tpu-v4", "--flop-rate", "1000",
+                          "--preset", "ib-hdr"])  # fmt: skip
+    slow = command.make_plan(args)
+    assert slow.link.name == "ib-hdr" and "FLOPs at 1e+12/s" in slow.compute
+    (prof,) = command.counted_profiles(args, [net])
+    assert prof.layer_s[0] == pytest.approx(3 * net.layers[0].flops / 1e12)  # forward x 3
+
+
+# ---------------------------------------------------------------------------- fitting
+def test_grids_needing_more_than_the_device_memory_are_marked_as_not_fitting():
+    net = walk(plain_cnn(), (3, 64, 64))
+    prof = [from_flops(net, 1e9)]
+    roomy = plan([net], prof, 8, 4, FAST, Machine(baseline_mib=10.0)).estimates
+    peaks = sorted(e.peak_mib for e in roomy)
+    assert peaks[0] < peaks[-1] and all(e.feasible for e in roomy)
+    limit = (peaks[0] + peaks[-1]) / 2
+    p = plan([net], prof, 8, 4, FAST, Machine(baseline_mib=10.0, device_mib=limit))
+    for e in p.estimates:
+        fits = e.peak_mib <= limit
+        assert e.feasible == fits, (e.option, e.peak_mib, limit)
+        if not fits:
+            assert e.problems == [
+                f"does not fit: {e.peak_mib:.0f} MiB per rank, the device holds {limit:.0f} MiB"
+            ]
+    assert p.recommended.feasible  # the fitting grids rank first
+    assert "does not fit" in table(p)
+    none = plan([net], prof, 8, 4, FAST, Machine(baseline_mib=10.0, device_mib=1.0))
+    assert not any(e.feasible for e in none.estimates)
+    assert "recommended: none (no grid fits; see the notes)" in table(none)
+    assert Plan.from_dict(json.loads(json.dumps(p.to_dict()))).to_dict() == p.to_dict()
+
+
+def test_cli_memory_gib_marks_a_big_image_as_not_fitting(capsys):
+    args = ["--image-size", "1024", "--batch", "8", "--ranks", "8", "--device", "tpu-v5e"]
+    assert cli.main(["plan", "--model", "resnet50", *args]) == 0
+    out = capsys.readouterr().out
+    assert "does not fit: " in out and "the device holds 16384 MiB" in out  # 8 channel ranks
+    assert "recommended: data (8 data)" in out
+    assert cli.main(["plan", "--model", "resnet50", *args, "--memory-gib", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended: none" in out and "the device holds 1024 MiB" in out

@@ -9,7 +9,9 @@ It lives beside the layers it models and imports only what it reads (the geometr
 constructors); nothing in training depends on it. One idea per module:
 
     walk      the model's leaf layers, shapes, FLOPs and parameters (a meta-device forward)
-    measure   per-layer compute: timed on one rank, or FLOPs over a rate
+    measure   per-layer compute: timed on one rank (at a reduced size, scaled by operation
+              counts), or FLOPs over a rate
+    devices   accelerators from their datasheets: bf16 FLOP/s, memory bandwidth and size
     network   latency + bytes / bandwidth: probed here, given, or a preset (NVLink, IB, ICI)
     cost      step time and memory of one grid, from the three above (pure arithmetic)
     planner   every grid ranked; the table and the JSON
@@ -19,13 +21,16 @@ Its accuracy on this machine is in benchmarks/results/plan_vs_measured.md.
 """
 
 from parallelkit.plan.cost import Estimate, Machine, Option, estimate, options
+from parallelkit.plan.devices import DEVICES, Device
 from parallelkit.plan.measure import Profile, from_flops
 from parallelkit.plan.network import PRESETS, Network, probe
 from parallelkit.plan.planner import Plan, plan, table
 from parallelkit.plan.walk import Layer, Net, build
 
 __all__ = [
+    "DEVICES",
     "PRESETS",
+    "Device",
     "Estimate",
     "Layer",
     "Machine",
