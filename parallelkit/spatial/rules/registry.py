@@ -87,6 +87,10 @@ class Call:
 
 @dataclass(frozen=True)
 class Rule:
+    """One registration: the rule function, the signature its calls are normalized by, the
+    torch functions it serves, its docs-table verdict, and whether the guard asks it about
+    calls without a block too (a whole tensor resized to a block's size)."""
+
     fn: Callable[[Guard, Call], Any]
     params: inspect.Signature | None
     funcs: tuple[Callable, ...]
