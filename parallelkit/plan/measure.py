@@ -131,9 +131,10 @@ def _optimizer_seconds(model: nn.Module, clock: Clock) -> float:
 # Forward FLOPs (all the per-rank images) up to which a network is profiled at its real size;
 # beyond, at a smaller one. Profiling runs about 6 forward + backward passes (each layer's
 # and the whole network's, with warm-ups), at ~50 GFLOP/s on one core: about 4 s here for
-# ResNet-50 at 256x256 (10.7 GFLOPs). Smaller images run less efficiently per FLOP, so a
-# profile scaled from them over-estimates: measured here, scaled from 256 to 512, ResNet-18
-# and -50 came out 5-25% slow; from 128, 35-70% (docs/parallelism.md).
+# ResNet-50 at 256x256 (10.7 GFLOPs). Scaled, a profile is off by what the per-FLOP speed
+# changes with the size; measured here: from 256 to 512, ResNet-18 and -50 came out 5-25%
+# slow; from 256 to 1024, ResNet-50 22% fast (its large activations outgrow the caches);
+# from 128 to 512, 35-70% slow (docs/parallelism.md). Hence no smaller budget.
 PROFILE_FLOPS = 12e9
 MIN_SIZE = 64  # smaller, the deepest feature maps of an ImageNet network shrink to a pixel
 
