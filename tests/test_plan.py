@@ -401,7 +401,10 @@ def test_cli_memory_gib_marks_a_big_image_as_not_fitting(capsys):
     assert cli.main(["plan", "--model", "resnet50", *args]) == 0
     out = capsys.readouterr().out
     assert "does not fit: " in out and "the device holds 16384 MiB" in out  # 8 channel ranks
+    assert "each rank on its own device of 16384 MiB" in out
     assert "recommended: data (8 data)" in out
     assert cli.main(["plan", "--model", "resnet50", *args, "--memory-gib", "1"]) == 0
     out = capsys.readouterr().out
     assert "recommended: none" in out and "the device holds 1024 MiB" in out
+    assert cli.main(["plan", "--model", "resnet50", *args, "--memory-gib", "-1"]) == 2
+    assert "--memory-gib must be positive" in capsys.readouterr().err

@@ -196,8 +196,9 @@ def quiet(line: str) -> None:
 def make_plan(args: argparse.Namespace, progress: Callable[[str], None] = quiet) -> Plan:
     """Walk, measure (or count), probe (or take) the network, and plan; ``progress`` gets a
     line as each stage starts."""
-    for name in ("image_size", "batch", "ranks"):
-        if getattr(args, name) < 1:
+    for name in ("image_size", "batch", "ranks", "flop_rate", "byte_rate", "memory_gib"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
     device = devices.DEVICES[args.device] if args.device else None
     progress(f"walking {args.model} at {args.image_size}x{args.image_size}")

@@ -120,6 +120,8 @@ def table(p: Plan) -> str:
     """The ranking as aligned text, and the recommendation under it."""
     link, m = p.link, p.machine
     cores = "each rank on its own device" if m.cores is None else f"{m.cores:g} cores shared"
+    if m.device_mib is not None:
+        cores += f" of {m.device_mib:.0f} MiB"
     head = [
         f"parallelkit plan: {p.model} {p.image_size}x{p.image_size}, global batch {p.batch}, "
         f"{p.ranks} ranks",
