@@ -6,7 +6,8 @@ model.
 corners on 2-D and 3-D grids), a strided and an anisotropic convolution (the halo fetch),
 BatchNorm3d, GroupNorm and InstanceNorm3d (running statistics too), max and average pooling
 (``count_include_pad=False``), a transposed convolution, trilinear upsampling, dropout3d, a
-skip connection joined along channels and a global mean. ``Signal`` has the 1-D ones.
+circular-padded convolution (``F.pad``'s rule, then the convolution's), a skip connection
+joined along channels and a global mean. ``Signal`` has the 1-D ones, reflect padding too.
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ from network_cases import Triple, _grads
 class Volume(nn.Module):
     def __init__(self, dropout: float = 0.0, running: bool = True) -> None:
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv3d(2, 4, 3, padding=1), nn.BatchNorm3d(4), nn.ReLU())
+        self.stem = nn.Sequential(
+            nn.Conv3d(2, 4, 3, padding=1), nn.BatchNorm3d(4), nn.ReLU(),
+            nn.Conv3d(4, 4, 3, padding=1, padding_mode="circular"),
+        )  # fmt: skip
         self.down = nn.Sequential(
             nn.Conv3d(4, 4, 3, stride=2, padding=1), nn.GroupNorm(2, 4), nn.ReLU()
         )
@@ -55,6 +59,7 @@ class Signal(nn.Module):
         )
         self.b = nn.Sequential(
             nn.Conv1d(4, 4, 3, padding="same", dilation=2), nn.ReLU(), nn.Dropout1d(dropout),
+            nn.Conv1d(4, 4, 3, padding=1, padding_mode="reflect"),
             nn.AvgPool1d(3, 1, 1, count_include_pad=False),
         )  # fmt: skip
         self.up = nn.Upsample(scale_factor=2, mode="linear")
