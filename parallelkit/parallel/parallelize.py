@@ -55,6 +55,8 @@ def parallelize(
     keep_dense: Sequence[str] = (),
     backend: str | None = None,
     spatial_output: str = "whole",
+    spatial_input: str = "whole",
+    spatial_size: Sequence[int] | None = None,
     fallback: str = "refuse",
     **data_parallel_kwargs,
 ) -> nn.Module:
@@ -71,6 +73,12 @@ def parallelize(
         parallelism outputs that are still split come back as this rank's block, as
         ``pk.spatial.scatter(output, grid.spatial_comm, grid.spatial)`` would cut them, for a
         loss computed on blocks and reduced exactly (segmentation at full resolution).
+    spatial_input: "whole" (every rank passes the whole input, the region cuts its block) or
+        "blocks": every rank passes only its block of the input, in the layout
+        ``pk.spatial.scatter`` cuts, so that no rank ever holds a whole sample (a block
+        reader's output). The whole size comes from ``spatial_size`` (the sample's spatial
+        size, e.g. ``(D, H, W)``), or else from one small host all-gather of the blocks'
+        sizes per forward, which also checks the layout.
     fallback: under spatial parallelism, what an operation without an exact rule for blocks
         does: "refuse" (a ValueError naming it, before any rank waits) or "gather" (the
         smallest module holding it runs on the whole images, gathered on every rank, and its
@@ -84,10 +92,9 @@ def parallelize(
         return parallelize_spmd(model, comm, strategy)  # type: ignore[arg-type]
     if backend is not None:
         raise ValueError(f"parallelize: backend must be None or 'xla-spmd', got {backend!r}")
-    if spatial_output not in ("whole", "blocks"):
-        raise ValueError(
-            f"parallelize: spatial_output must be 'whole' or 'blocks', got {spatial_output!r}"
-        )
+    for key, value in (("spatial_output", spatial_output), ("spatial_input", spatial_input)):
+        if value not in ("whole", "blocks"):
+            raise ValueError(f"parallelize: {key} must be 'whole' or 'blocks', got {value!r}")
     check_fallback(fallback, "parallelize")
     grid = _grid(comm, strategy)
     spatial = grid.dims.spatial_size
@@ -119,7 +126,7 @@ def parallelize(
     if strategy == "spatial":
         model = SpatialRegion(
             model, grid.spatial_comm, shape, grid.data_comm, spatial_output, shares=True,
-            fallback=fallback,
+            fallback=fallback, input=spatial_input, size=spatial_size,
         )
         # Its parameters' gradients are shares: summed over data x spatial, divided by the
         # data dimension. With no data dimension this is an implementation detail: parameters

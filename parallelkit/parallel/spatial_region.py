@@ -17,6 +17,7 @@ DataParallel over the data x spatial group, whose bucketed all-reduces overlap w
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -42,25 +43,33 @@ class SpatialRegion(nn.Module):
     ``shares``: leave the parameters' gradients as shares (see the module docstring).
     ``fallback``: "refuse" (an operation without an exact rule raises a ValueError) or
     "gather" (the module holding it runs on gathered whole images: ``spatial_fallback``).
+    ``input``: "whole" (the input is the whole batch, the region cuts this rank's block) or
+    "blocks" (the input is this rank's block already, as ``pk.spatial.scatter`` cuts it: no
+    rank holds a whole sample); ``size``, the whole samples' spatial size, then saves the
+    host all-gather of the blocks' sizes (which also checks their layout) at every forward.
     """
 
     def __init__(
         self,
         module: nn.Module,
         comm: Communicator,
-        grid: tuple[int, int],
+        grid: Sequence[int] | None,
         whole_comm: Communicator | None = None,
         output: str = "whole",
         shares: bool = False,
         fallback: str = "refuse",
+        input: str = "whole",
+        size: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
-        if output not in ("whole", "blocks"):
-            raise ValueError(f"SpatialRegion: output must be 'whole' or 'blocks', got {output!r}")
+        for key, value in (("output", output), ("input", input)):
+            if value not in ("whole", "blocks"):
+                raise ValueError(f"SpatialRegion: {key} must be 'whole' or 'blocks', got {value!r}")
         check_fallback(fallback, "SpatialRegion")
         self.module, self.comm, self.grid = module, comm, grid
         self.whole_comm, self.output, self.shares = whole_comm, output, shares
-        self.fallback = fallback
+        self.fallback, self.input = fallback, input
+        self.size = None if size is None else tuple(int(n) for n in size)
         self._blocks = grid_of(comm, grid)  # the sub-groups, made once (split is collective)
         self._gathered: set[nn.Module] = set()  # modules found to need whole images
         self._warned: set = set()  # what the guards warned of, once per region
@@ -68,7 +77,10 @@ class SpatialRegion(nn.Module):
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if self.comm.size == 1:  # one rank holds the whole image: nothing to follow
             return self.module(x, *args, **kwargs)
-        x_blk = scatter(x, self.comm, self._blocks)
+        if self.input == "blocks":
+            size, x_blk = self._whole_size(x), x
+        else:
+            size, x_blk = tuple(x.shape[2:]), scatter(x, self.comm, self._blocks)
         if self.shares:  # whole inputs' gradient shares are summed on the way out
             args, kwargs = tree_map(self._summed_on_exit, (args, kwargs))
 
@@ -77,7 +89,7 @@ class SpatialRegion(nn.Module):
                 self.module, self.comm, self._blocks, self.whole_comm, self.shares, self._gathered
             )
             guard.warned = self._warned
-            guard.mark(x_blk, size=tuple(x.shape[2:]))
+            guard.mark(x_blk, size=size)
             with guard:
                 return guard, self.module(x_blk, *args, **kwargs)
 
@@ -96,6 +108,23 @@ class SpatialRegion(nn.Module):
             return t
 
         return tree_map(out, y)
+
+    def _whole_size(self, x_blk: torch.Tensor) -> tuple[int, ...]:
+        """The whole samples' spatial size of the input block ``x_blk``: ``size`` (this rank's
+        block checked against it: a rank whose block is wrong raises, and the others stop at
+        their next collective, by the communicator's timeout), else one host all-gather of
+        the blocks' sizes, which checks the layout on every rank alike."""
+        name = "pk.parallelize(spatial_input='blocks')"
+        if self.size is None:
+            return tuple(self._blocks.global_size(x_blk, name))
+        want = tuple(s.stop - s.start for s in self._blocks.block(*self.size))
+        if tuple(x_blk.shape[2:]) != want:
+            raise ValueError(
+                f"{name}: rank {self.comm.rank}'s block has spatial size "
+                f"{tuple(x_blk.shape[2:])}, but its block of a {self.size} sample is {want} "
+                "(pk.spatial.scatter's layout)"
+            )
+        return self.size
 
     def _summed_on_exit(self, t: Any) -> Any:
         if isinstance(t, torch.Tensor) and t.requires_grad:
