@@ -55,7 +55,10 @@ class Window:
 
     Output row ``o`` reads input rows ``o * stride - pad_lo + dilation * t`` for
     ``t = 0 .. kernel - 1``; rows outside ``[0, n)`` are padding. ``pad_lo`` and ``pad_hi`` may
-    differ ("same" padding of an even kernel pads more at the end, as torch does).
+    differ ("same" padding of an even kernel pads more at the end, as torch does). ``ceil``:
+    pooling's ``ceil_mode``, one more output row where a last window would start inside the
+    input or its leading padding and overhang the end (it reads rows past the padding, which
+    pooling leaves out).
     """
 
     kernel: int
@@ -63,6 +66,7 @@ class Window:
     pad_lo: int = 0
     pad_hi: int = 0
     dilation: int = 1
+    ceil: bool = False
 
     @property
     def span(self) -> int:
@@ -71,7 +75,11 @@ class Window:
 
     def out_size(self, n: int) -> int:
         """Output rows for ``n`` input rows (what torch's conv and pooling give)."""
-        return (n + self.pad_lo + self.pad_hi - self.span) // self.stride + 1
+        room = n + self.pad_lo + self.pad_hi - self.span
+        if not self.ceil:
+            return room // self.stride + 1
+        m = -(-room // self.stride) + 1
+        return m - 1 if (m - 1) * self.stride >= n + self.pad_lo else m
 
     def needs(self, o0: int, o1: int) -> Range:
         """Input rows that output rows ``[o0, o1)`` read; ``(o0*stride - pad_lo,)*2`` if empty."""

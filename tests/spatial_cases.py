@@ -153,6 +153,13 @@ POOL_CONFIGS = [
     ("avgpool", dict(kernel_size=3, stride=2, padding=1, count_include_pad=False)),
     ("avgpool", dict(kernel_size=2)),
     ("avgpool", dict(kernel_size=4, stride=3, padding=2, divisor_override=5)),
+    # ceil_mode: last windows past the padding (counted up to its end, or not at all)
+    ("maxpool", dict(kernel_size=2, ceil_mode=True)),
+    ("maxpool", dict(kernel_size=3, stride=2, padding=1, ceil_mode=True)),
+    ("avgpool", dict(kernel_size=2, ceil_mode=True)),
+    ("avgpool", dict(kernel_size=3, stride=2, padding=1, ceil_mode=True)),
+    ("avgpool", dict(kernel_size=3, stride=2, padding=1, ceil_mode=True, count_include_pad=False)),
+    ("avgpool", dict(kernel_size=2, stride=3, ceil_mode=True, divisor_override=3)),
     ("upsample", dict(scale_factor=2)),
     ("upsample", dict(scale_factor=3)),
     ("upsample", dict(scale_factor=2, mode="bilinear")),

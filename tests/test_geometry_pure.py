@@ -53,6 +53,22 @@ def test_window_out_size_and_needs_by_brute_force(n):
                 assert (lo, hi) == (first, last + win.dilation * (win.kernel - 1) + 1)
 
 
+@pytest.mark.parametrize("n", [1, 4, 5, 12])
+def test_ceil_mode_out_size_matches_torch_pooling(n):
+    """``Window(..., ceil=True)`` gives max_pool1d's ceil_mode output length (torch allows
+    padding up to half the kernel)."""
+    for k, s, d in itertools.product((1, 2, 3, 4), (1, 2, 3), (1, 2)):
+        for p in range(k // 2 + 1):
+            win = Window(k, s, p, p, d, ceil=True)
+            x = torch.zeros(1, 1, n)
+            try:
+                want = F.max_pool1d(x, k, s, p, d, ceil_mode=True).shape[-1]
+            except RuntimeError:  # output too small: the window rejects it too
+                assert win.out_size(n) < 1, (win, n)
+                continue
+            assert win.out_size(n) == want, (win, n)
+
+
 def test_same_padding_puts_the_extra_row_at_the_end():
     assert conv_padding("same", (4, 3), (1, 2)) == [(1, 2), (2, 2)]
     assert conv_padding("valid", (4, 3), (1, 1)) == [(0, 0), (0, 0)]

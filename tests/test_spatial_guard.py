@@ -61,6 +61,8 @@ BLOCKS = {
     "F.interpolate x2, nearest": lambda x: F.interpolate(x, scale_factor=2),
     "F.max_pool2d": lambda x: F.max_pool2d(x, 3, 2, 1),
     "F.avg_pool2d": lambda x: F.avg_pool2d(x, 3, 1, 1, count_include_pad=False),
+    "F.max_pool2d, ceil_mode": lambda x: F.max_pool2d(x, 2, ceil_mode=True),
+    "F.avg_pool2d, ceil_mode": lambda x: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True),
     "F.interpolate to a block's size, twice its own, bilinear": lambda x: F.interpolate(
         x, size=F.interpolate(x, scale_factor=2).shape[-2:], mode="bilinear"
     ),
@@ -204,7 +206,6 @@ GATHERED = {
     "F.interpolate to a block's size, bicubic": lambda x: F.interpolate(
         x, size=F.avg_pool2d(x, 2).shape[-2:], mode="bicubic"
     ),
-    "F.max_pool2d, ceil_mode": lambda x: F.max_pool2d(x, 2, ceil_mode=True),
 }
 
 

@@ -47,8 +47,6 @@ class _SpatialPool(nn.Module):
     def __init__(self, kernel_size, stride, padding, dilation, ceil_mode, comm, grid) -> None:
         super().__init__()
         name = type(self).__name__
-        if ceil_mode:
-            raise ValueError(f"{name}: ceil_mode=True is not supported; pad the input instead")
         k, d = pair(kernel_size, self.dims), pair(dilation, self.dims)
         s = pair(stride, self.dims) if stride is not None else k
         p = pair(padding, self.dims)
@@ -57,12 +55,17 @@ class _SpatialPool(nn.Module):
                 f"{name}: padding {p} must be at most half the kernel {k}, as in torch"
             )
         self.kernel_size, self.stride, self.padding, self.dilation = k, s, p, d
-        self.windows = tuple(Window(k[i], s[i], p[i], p[i], d[i]) for i in range(self.dims))
+        self.ceil_mode = bool(ceil_mode)
+        self.windows = tuple(
+            Window(k[i], s[i], p[i], p[i], d[i], self.ceil_mode) for i in range(self.dims)
+        )
         self.comm, self.grid = comm, grid_of(comm, grid)
 
     def _fetch(self, x_blk: torch.Tensor, size, native: bool = True):
-        """(fetched block, output block size, padding left to the torch operation)."""
+        """(fetched block, output block size, padding left to the torch operation). With
+        ``ceil_mode`` every row is fetched (padding too), and the operation pads nothing."""
         size = size or self.grid.global_size(x_blk, type(self).__name__)
+        native = native and not self.ceil_mode
         return fetch(x_blk, self.grid, self.windows, size, self.fill, native)
 
     def out_size(self, size: Sequence[int]) -> tuple[int, ...]:
@@ -70,12 +73,16 @@ class _SpatialPool(nn.Module):
         return tuple(w.out_size(n) for w, n in zip(self.windows, size, strict=True))
 
     def extra_repr(self) -> str:
-        return f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}"
+        return (
+            f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}, "
+            f"ceil_mode={self.ceil_mode}"
+        )
 
 
 class SpatialMaxPool2d(_SpatialPool):
-    """``nn.MaxPool2d`` on images split over a grid of ranks (padding rows are -inf);
-    :class:`SpatialMaxPool1d` and :class:`SpatialMaxPool3d` alike."""
+    """``nn.MaxPool2d`` on images split over a grid of ranks (padding rows are -inf, and so
+    are rows past the padding that a ``ceil_mode`` window reads); :class:`SpatialMaxPool1d`
+    and :class:`SpatialMaxPool3d` alike."""
 
     fill = float("-inf")
     dense: type[nn.Module] = nn.MaxPool2d
@@ -113,7 +120,9 @@ class SpatialMaxPool2d(_SpatialPool):
         )  # fmt: skip
 
     def to_dense(self) -> nn.Module:
-        return self.dense(self.kernel_size, self.stride, self.padding, self.dilation)
+        return self.dense(
+            self.kernel_size, self.stride, self.padding, self.dilation, ceil_mode=self.ceil_mode
+        )
 
 
 class SpatialMaxPool1d(SpatialMaxPool2d):
@@ -129,7 +138,8 @@ class SpatialAvgPool2d(_SpatialPool):
     :class:`SpatialAvgPool3d` alike.
 
     ``count_include_pad=False`` divides by the number of real (non-padding) inputs in each
-    window, which each rank computes locally from the geometry.
+    window, which each rank computes locally from the geometry; so does ``ceil_mode``, whose
+    last windows count only the rows up to the end of the padding, as torch's do.
     """
 
     dense: type[nn.Module] = nn.AvgPool2d
@@ -153,9 +163,10 @@ class SpatialAvgPool2d(_SpatialPool):
         if not layout.is_split(x_blk):  # a whole tensor inside a spatial region
             return self.to_dense()(x_blk)
         size = size or self.grid.global_size(x_blk, type(self).__name__)
-        # Zero padding counted in the mean (or none): avg_pool may pad by itself.
-        plain = (
-            self.divisor_override is not None or self.count_include_pad or max(self.padding) == 0
+        # Zero padding counted in the mean (or none), and no window past the padding: avg_pool
+        # may pad by itself.
+        plain = self.divisor_override is not None or (
+            not self.ceil_mode and (self.count_include_pad or max(self.padding) == 0)
         )
         x, out_size, pad = self._fetch(x_blk, size, native=plain)
         if min(out_size) == 0:
@@ -167,16 +178,18 @@ class SpatialAvgPool2d(_SpatialPool):
         return _avg_pool(x, k, s, zero, 1) / _avg_pool(self._real(x, size), k, s, zero, 1)
 
     def _real(self, x: torch.Tensor, size: Sequence[int]) -> torch.Tensor:
-        """1 where the fetched block holds the sample, 0 on padding (pure geometry)."""
+        """1 where the fetched block holds what the mean counts (the sample, and its padding
+        with ``count_include_pad``), 0 elsewhere (pure geometry)."""
         mask = x.new_ones((1, 1) + (1,) * self.dims)
         axes = self.grid.axes(self.dims)
         for dim, (win, n, (_, parts, idx)) in enumerate(zip(self.windows, size, axes, strict=True)):
             _, _, want = win.plan(n, parts)
             lo, hi = want[idx]
             rows = torch.arange(lo, hi, device=x.device)
+            first, stop = (-win.pad_lo, n + win.pad_hi) if self.count_include_pad else (0, n)
             shape = [1] * (2 + self.dims)
             shape[2 + dim] = -1
-            mask = mask * ((rows >= 0) & (rows < n)).to(x.dtype).view(shape)
+            mask = mask * ((rows >= first) & (rows < stop)).to(x.dtype).view(shape)
         return mask
 
     @classmethod
@@ -189,8 +202,9 @@ class SpatialAvgPool2d(_SpatialPool):
     def to_dense(self) -> nn.Module:
         extra = () if self.dims == 1 else (self.divisor_override,)
         return self.dense(
-            self.kernel_size, self.stride, self.padding, False, self.count_include_pad, *extra
-        )
+            self.kernel_size, self.stride, self.padding, self.ceil_mode, self.count_include_pad,
+            *extra,
+        )  # fmt: skip
 
 
 class SpatialAvgPool1d(SpatialAvgPool2d):

@@ -176,10 +176,9 @@ _GLOBAL_POOLS = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3
 def _spatial_layer(m: nn.Module, comm: Communicator, shape: Any) -> nn.Module | None:
     kind = type(m)
     # A padding_mode other than zeros stays dense: its forward's F.pad and F.conv meet the
-    # spatial guard, whose rules fetch the mirrored rows and convolve the blocks. Pooling with
-    # ceil_mode and upsampling the spatial layers do not cover stay dense too: their
-    # functional calls meet the spatial guard, which runs them on the gathered whole samples.
-    if getattr(m, "padding_mode", "zeros") != "zeros" or getattr(m, "ceil_mode", False):
+    # spatial guard, whose rules fetch the mirrored rows and convolve the blocks. Upsampling
+    # the spatial layer does not cover stays dense too: its functional call meets the guard.
+    if getattr(m, "padding_mode", "zeros") != "zeros":
         return None
     if kind in _SPATIAL_LAYERS:
         return _SPATIAL_LAYERS[kind].from_dense(m, comm, shape)

@@ -80,8 +80,6 @@ def _pool(g: Guard, call: Call, layer_class: type, options: dict) -> Tensor:
         raise g.refuse(call.name, f"a block with {x.dim() - 2} spatial dimensions")
     if call.get("return_indices"):
         raise g.refuse(call.name, "return_indices has no exact rule")
-    if call["ceil_mode"]:  # its last windows' geometry: not covered
-        return on_gathered(g, call, x, **{k: v for k, v in call.named.items() if k != "input"})
     key = (layer_class, *sorted((k, str(v)) for k, v in options.items()))
     if key not in g.layers:
         g.layers[key] = layer_class(**options, comm=g.comm, grid=g.grid)
@@ -97,9 +95,9 @@ _AVG_LAYERS = {1: spool.SpatialAvgPool1d, 2: spool.SpatialAvgPool2d, 3: spool.Sp
       params="input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, "
       "return_indices=False")  # fmt: skip
 def max_pool(g: Guard, call: Call) -> Tensor:
-    """The spatial pooling layer's halo fetch (Inception's functional pooling); with
-    ``ceil_mode=True`` on the gathered whole samples, scattered back (warned)."""
-    keys = ("kernel_size", "stride", "padding", "dilation")
+    """The spatial pooling layer's halo fetch (Inception's functional pooling), ``ceil_mode``
+    too (its last windows read rows past the padding, which count for nothing)."""
+    keys = ("kernel_size", "stride", "padding", "dilation", "ceil_mode")
     return _pool(g, call, _MAX_LAYERS[MAX_POOLS[call.func]], {k: call[k] for k in keys})
 
 
@@ -108,7 +106,8 @@ def max_pool(g: Guard, call: Call) -> Tensor:
       "count_include_pad=True, divisor_override=None")  # fmt: skip
 def avg_pool(g: Guard, call: Call) -> Tensor:
     """As ``F.max_pool2d`` (``count_include_pad`` and ``divisor_override`` kept)."""
-    keys = ("kernel_size", "stride", "padding", "count_include_pad", "divisor_override")
+    keys = ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad",
+            "divisor_override")  # fmt: skip
     options = {k: call[k] for k in keys}
     if AVG_POOLS[call.func] == 1:
         options.pop("divisor_override")  # avg_pool1d has none
