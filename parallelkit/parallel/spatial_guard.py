@@ -82,7 +82,7 @@ class SpatialGuard(TorchFunctionMode):
         # Modules to run on gathered whole images (fallback="gather"), and how many now run.
         self.gathered, self._gathering = gathered or set(), 0
         self.warned: set[Any] = set()  # what warn_once warned of (a region keeps one set)
-        self.layers: dict[tuple, nn.Module] = {}  # spatial layers made for functional calls
+        self.layers: dict[tuple, Any] = {}  # spatial layers and weights for functional calls
         self.names = {m: name for name, m in model.named_modules()}
         # id -> (the block, where its spatial dimensions are, the whole size if known)
         self._blocks: dict[int, tuple[weakref.ref, Dims, Size | None]] = {}

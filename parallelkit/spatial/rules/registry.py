@@ -44,7 +44,7 @@ class Guard(Protocol):
     grid: SpatialGrid
     size_now: Size | None  # the whole spatial size of the call's first block
     read_sizes: set[tuple[Size, Size | None]]  # blocks' spatial sizes forward code read, whole
-    layers: dict[tuple, nn.Module]  # spatial layers made for functional calls, by arguments
+    layers: dict[tuple, Any]  # spatial layers and weights made for functional calls, by arguments
 
     def is_split(self, t: Any) -> bool: ...
     def dims(self, t: Tensor) -> Dims: ...

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from parallelkit.nn import spatial_pooling as spool
+from parallelkit.nn import spatial_resample
 from parallelkit.spatial.grid import scatter
 from parallelkit.spatial.rules.registry import Call, Guard, nchw, pair, rule
-from parallelkit.spatial.rules.windows import on_gathered
 
 Size = tuple[int, ...]
 INTERPOLATING = {"linear": 1, "bilinear": 2, "trilinear": 3}
@@ -48,8 +48,9 @@ def whole_of_read(g: Guard, asked: Size) -> Size | None:
 def interpolate(g: Guard, call: Call) -> Any:
     """A block by one integer factor, nearest or (bi-, tri-)linear without ``align_corners``,
     given as ``scale_factor=`` or as a ``size=`` read from a block's shape: the spatial
-    upsampling layer's fetch. Other modes, ``align_corners`` and other factors: on the
-    gathered whole samples, scattered back (warned). A whole tensor to a ``size=`` read from a
+    upsampling layer's fetch. Any other mode, ``align_corners``, factor or ``antialias``: per
+    dimension, the weights of torch's own interpolation of the identity, applied to the rows
+    each output block reads (nothing gathered). A whole tensor to a ``size=`` read from a
     block (DeepLab's pooled branch, resized to the feature map beside it): interpolated to
     that block's whole size and scattered to blocks. Any other ``size=``: refused."""
     if not call.blocks:
@@ -72,15 +73,33 @@ def interpolate(g: Guard, call: Call) -> Any:
     covered = (mode == "nearest" or INTERPOLATING.get(mode) == ndim) and not call["align_corners"]
     integer = len(set(factors)) == 1 and int(factors[0]) == factors[0] and factors[0] >= 1
     if not covered or call["antialias"] or not integer:
-        rest = {k: v for k, v in call.named.items() if k != "input"}
-        if whole_out is not None:
-            rest = {**rest, "size": whole_out}
-        return on_gathered(g, call, x, **rest)
+        return _resampled(g, call, x, whole_out)
     key = (int(factors[0]), mode)
     if key not in g.layers:
         g.layers[key] = spool.SpatialUpsample(*key, comm=g.comm, grid=g.grid)
     layer = g.layers[key]
     return g.marked(layer(x), size=layer.out_size(g.size_now) if g.size_now else None)
+
+
+def _resampled(g: Guard, call: Call, x: Tensor, whole_out: Size | None) -> Tensor:
+    """``F.interpolate`` of the block by per-dimension weights (:mod:`spatial_resample`), to
+    ``whole_out`` (the whole size a ``size=`` stands for) or by ``scale_factor``."""
+    ndim = x.dim() - 2
+    size = g.size_now or g.grid.global_size(x, call.name)
+    nothing = (None,) * ndim
+    outs = whole_out or nothing
+    scales = nothing if whole_out else pair(call["scale_factor"], ndim)
+    args = (call["mode"], call["align_corners"], call["recompute_scale_factor"], call["antialias"])
+    mats = []
+    for n, m, scale in zip(size, outs, scales, strict=True):
+        key = ("interpolate", n, m, scale, *args)
+        if key not in g.layers:  # the weights, once per shape and arguments
+            mode, corners, recompute, antialias = args
+            op = spatial_resample.interpolation(mode, m, scale, corners, recompute, antialias)
+            g.layers[key] = spatial_resample.matrix(n, op)
+        mats.append(g.layers[key])
+    y = spatial_resample.resample(x, g.grid, size, mats)
+    return g.marked(y, size=tuple(a.shape[0] for a in mats))
 
 
 def _whole_to_block(g: Guard, call: Call) -> Tensor:

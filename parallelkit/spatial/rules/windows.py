@@ -5,14 +5,14 @@ images and volumes alike) that pure geometry names
 (:mod:`parallelkit.geometry`); what a rank does not hold it fetches from the ranks that do, and
 backward sends the gradients back. Forward code calls these functionally (a Conv2d subclass,
 weight standardization, Inception's ``F.max_pool2d``, a ``padding_mode`` other than zeros), so
-the rules run the spatial layers' own code with the call's arguments. Geometry the fetches do
-not cover (``ceil_mode``, adaptive pooling to a fixed size) runs on the gathered whole samples,
-exactly, at that memory cost, with a warning.
+the rules run the spatial layers' own code with the call's arguments, ``ceil_mode`` included.
+Adaptive average pooling to a fixed size applies torch's own weights per dimension to the rows
+each block reads (:mod:`parallelkit.nn.spatial_resample`); adaptive maximum pooling to a size
+other than 1 runs on the gathered whole samples (its ties pick one place), exactly, at that
+memory cost.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,29 +23,16 @@ from parallelkit.comm import tensor_split_sizes
 from parallelkit.geometry import starts
 from parallelkit.nn import spatial_parallel as sp
 from parallelkit.nn import spatial_pooling as spool
-from parallelkit.spatial.grid import gather, scatter
+from parallelkit.nn import spatial_resample
+from parallelkit.spatial.grid import gather
 from parallelkit.spatial.rules import compat
 from parallelkit.spatial.rules.reductions import extreme, mean_spatial
-from parallelkit.spatial.rules.registry import Call, Guard, all_, nchw, rule
+from parallelkit.spatial.rules.registry import Call, Guard, all_, nchw, pair, rule
 
 MAX_POOLS = {F.max_pool1d: 1, F.max_pool2d: 2, F.max_pool3d: 3, torch.max_pool1d: 1,
              torch.max_pool2d: 2, torch.max_pool3d: 3}  # fmt: skip
 AVG_POOLS = {F.avg_pool1d: 1, F.avg_pool2d: 2, F.avg_pool3d: 3, torch.avg_pool1d: 1}
 ADAPTIVE_AVG = (F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d)
-
-
-def on_gathered(g: Guard, call: Call, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-    """``call.func(whole x, *args, **kwargs)`` on the whole samples gathered from the blocks,
-    cut back into blocks: exact, but every rank holds this layer's whole input and output for
-    a moment, so it warns once per operation."""
-    nchw(g, call, x)
-    g.warn_once(
-        call.func,
-        f"spatial parallelism: {call.name} with these arguments runs on the whole samples, "
-        "gathered on every rank (exact, but this layer's activations are not split)",
-    )
-    y = call.func(gather(x, g.comm, g.grid), *args, **kwargs)
-    return g.marked(scatter(y, g.comm, g.grid), size=tuple(y.shape[2:]))
 
 
 @rule(F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d,
@@ -118,15 +105,26 @@ def avg_pool(g: Guard, call: Call) -> Tensor:
       params="input, output_size, return_indices=False")  # fmt: skip
 def adaptive_pool(g: Guard, call: Call) -> Tensor:
     """To size 1: a mean (maximum) over the spatial dimensions, whole (CBAM's channel
-    attention). To another size (VGG's 7x7, PSPNet's pyramid): the whole samples gathered
-    (one all-gather of this feature map) and pooled; the result is whole."""
+    attention). Average pooling to another size (VGG's 7x7, PSPNet's pyramid): per
+    dimension, torch's own pooling weights applied to the rows each output block reads, and
+    the small result gathered whole. Maximum pooling to another size: the whole samples
+    gathered (one all-gather of this feature map) and pooled (its ties pick one place, which
+    blocks cannot reproduce); the result is whole."""
     x = call["input"]
     ndim = nchw(g, call, x)
     if all_(call["output_size"], 1) and not call["return_indices"]:
         if call.func in ADAPTIVE_AVG:
             return mean_spatial(g, x)
         return extreme(g, x, list(range(2, 2 + ndim)), largest=True)
-    return call.func(gather(x, g.comm, g.grid), *call.args[1:], **call.kwargs)
+    if call.func not in ADAPTIVE_AVG:
+        return call.func(gather(x, g.comm, g.grid), *call.args[1:], **call.kwargs)
+    size = g.size_now or g.grid.global_size(x, call.name)
+    asked = pair(call["output_size"], ndim)
+    outs = [n if m is None else m for m, n in zip(asked, size, strict=True)]
+    mats = [spatial_resample.matrix(n, spatial_resample.adaptive_average(m))
+            for n, m in zip(size, outs, strict=True)]  # fmt: skip
+    y = spatial_resample.resample(x, g.grid, size, mats)
+    return gather(y, g.comm, g.grid, size=tuple(outs))
 
 
 @rule(F.pad, params="input, pad, mode='constant', value=None")
