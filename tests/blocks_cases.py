@@ -50,13 +50,13 @@ NETS = {
 
 def _parallel(comm: Communicator, grid: dict, net: str, gathers: bool = False, **kw) -> tuple:
     """(dense, its parallel copy taking blocks, the process grid, the spatial grid, the sample
-    shape). ``gathers``: a max pool with ``ceil_mode`` at the end, which runs on the gathered
-    whole samples (a negative control)."""
+    shape). ``gathers``: an adaptive max pool to a size other than 1 at the end, which runs on
+    the gathered whole samples (a negative control)."""
     torch.manual_seed(0)
     build, shape = NETS[net]
     dense = build().double()
     if gathers:
-        dense = nn.Sequential(dense, nn.MaxPool2d(3, stride=1, padding=1, ceil_mode=True))
+        dense = nn.Sequential(dense, nn.AdaptiveMaxPool2d((5, 4)))
     g = pk.Grid(comm, **grid)
     model = pk.parallelize(
         copy.deepcopy(dense), g, g, spatial_input="blocks", spatial_output="blocks", **kw
