@@ -1,6 +1,7 @@
 """Spatial parallelism of signals (N, C, L) and volumes (N, C, D, H, W): a small 3-D U-Net-like
 network and a 1-D one against the dense model over 2 SGD steps, on the plain communicator
-(the first spatial dimension split), depth, rows, a 2-D grid over D and W, data x depth, uneven
+(the first spatial dimension split), depth, rows, a 2-D grid over D and W, a 2x2x2 grid (8
+ranks), data x depth, uneven
 blocks (3 ranks), with a negative control; and the grids that cannot split a sample, refused
 with the same message on every rank."""
 
@@ -19,7 +20,8 @@ from volume_cases import refused_grid, volume_parity
         (2, dict(depth=2)),
         (3, dict(depth=3)),  # 8 planes: 3 3 2; 4 after the strided conv: 2 1 1
         (2, dict(rows=2)),
-        (4, dict(depth=2, cols=2)),  # faces, edges and corners
+        (4, dict(depth=2, cols=2)),  # faces and edges
+        (8, dict(depth=2, rows=2, cols=2)),  # faces, edges and corners of a 3-D grid
         (4, dict(data=2, depth=2)),
     ],
 )
