@@ -1,9 +1,8 @@
 """Spatial parallelism of signals (N, C, L) and volumes (N, C, D, H, W): a small 3-D U-Net-like
 network and a 1-D one against the dense model over 2 SGD steps, on the plain communicator
-(the first spatial dimension split), depth, rows, a 2-D grid over D and W, a 2x2x2 grid (8
-ranks), data x depth, uneven
-blocks (3 ranks), with a negative control; and the grids that cannot split a sample, refused
-with the same message on every rank."""
+(the first spatial dimension split), depth, rows, a 2-D grid over D and W, a 2x2x2 grid of 8
+ranks, data x depth, uneven blocks (3 ranks), with a negative control; and the grids that
+cannot split a sample, refused with the same message on every rank."""
 
 from __future__ import annotations
 
