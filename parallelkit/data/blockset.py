@@ -1,0 +1,239 @@
+"""A segmentation data set read by blocks: each spatial rank reads only its block.
+
+    root/train/images/<name>.<ext>     root/train/masks/<name>.<ext>
+    root/test/images/...  (or val)     root/test/masks/...
+
+``<ext>``: any format of :mod:`parallelkit.data.readers` (.zarr, .ome.zarr, .tif, .tiff, .nii,
+.nii.gz, .npy), one sample per file (or per zarr group); a mask pairs with the image of the same
+name, in any of them.
+
+    grid = pk.spatial.grid_of(spatial_comm, (rows, cols))
+    data = BlockDataset(root, "train", block=grid.block, crop=(512, 512), flip=(0, 1))
+    data.set_epoch(epoch)
+    image, mask = data[i]    # (C, *block) float32 and (*block) int64: this rank's block only
+
+What every rank of a spatial group agrees on, so that their blocks tile the same sample:
+
+- **Crops** are drawn from a generator seeded by ``(seed, epoch, index)``, never by rank: the
+  same position on every rank. Outside training (``augment=False``) the crop is centred.
+- **Flips** are drawn the same way. A rank's block of a flipped sample is the mirrored block of
+  the sample, reversed: it reads only those rows (:meth:`View.source`).
+- **Normalization**: ``(x - mean[c]) / std[c]`` with per-channel statistics of the training
+  images, computed once by streaming slabs of each file (:func:`channel_stats`) and kept in
+  ``root/channel_stats.json`` (or in memory where root is read-only), keyed by the files'
+  names, shapes and modification times.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from parallelkit.data.readers import Block, SampleReader, format_of, slab_blocks, stem_of
+from parallelkit.data.segfolder import check_labels
+
+STATS_FILE = "channel_stats.json"
+_STATS: dict[str, tuple[list[float], list[float]]] = {}  # in memory, by the files' key
+
+
+@dataclass(frozen=True)
+class View:
+    """The part of a sample that the model sees: a crop at ``start`` of ``size``, flipped
+    along the spatial axes where ``flips`` is True."""
+
+    start: tuple[int, ...]
+    size: tuple[int, ...]
+    flips: tuple[bool, ...]
+
+    @classmethod
+    def whole(cls, size: Sequence[int]) -> View:
+        return cls((0,) * len(size), tuple(size), (False,) * len(size))
+
+    def source(self, block: Block) -> Block:
+        """The sample's rows that ``block`` of this view shows: block ``[a, b)`` of a crop of
+        ``s`` at ``o`` is ``[o + a, o + b)``, or ``[o + s - b, o + s - a)`` reversed if flipped."""
+        out = []
+        for s, o, n, flip in zip(block, self.start, self.size, self.flips, strict=True):
+            a, b = (n - s.stop, n - s.start) if flip else (s.start, s.stop)
+            out.append(slice(o + a, o + b))
+        return tuple(out)
+
+    def read(self, reader: SampleReader, block: Block) -> np.ndarray:
+        """``block`` of this view of ``reader``'s sample, ``(C, *block)``."""
+        data = reader.read(self.source(block))
+        axes = tuple(1 + d for d, flip in enumerate(self.flips) if flip)
+        return np.flip(data, axes) if axes else data
+
+
+def draw_view(
+    size: Sequence[int],
+    crop: Sequence[int] | None,
+    flip: Sequence[int],
+    rng: np.random.Generator | None,
+) -> View:
+    """A crop of ``crop`` (the whole sample if None) and flips along the axes in ``flip``, each
+    with probability 1/2: drawn from ``rng``, or centred and unflipped if ``rng`` is None."""
+    size = tuple(size)
+    crop = size if crop is None else tuple(int(c) for c in crop)
+    if len(crop) != len(size) or any(not 0 < c <= n for c, n in zip(crop, size, strict=True)):
+        raise ValueError(f"crop {crop} does not fit in samples of size {size}")
+    if rng is None:
+        return View(tuple((n - c) // 2 for n, c in zip(size, crop, strict=True)), crop,
+                    (False,) * len(size))
+    start = tuple(int(rng.integers(0, n - c + 1)) for n, c in zip(size, crop, strict=True))
+    flips = tuple(bool(rng.integers(0, 2)) if d in flip else False for d in range(len(size)))
+    return View(start, crop, flips)
+
+
+def channel_stats(readers: Sequence[SampleReader], max_elements: int = 1 << 22,
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel mean and (population) standard deviation over every value of every
+    sample, streaming: slabs of at most ``max_elements`` values, merged by count (Chan)."""
+    count, mean, m2 = 0, 0.0, 0.0
+    for reader in readers:
+        for block in slab_blocks(reader.size, reader.channels, max_elements):
+            x = reader.read(block).reshape(reader.channels, -1).astype(np.float64)
+            n = x.shape[1]
+            if n == 0:
+                continue
+            m = x.mean(1)
+            delta, total = m - mean, count + n
+            mean = mean + delta * (n / total)
+            m2 = m2 + ((x - m[:, None]) ** 2).sum(1) + delta**2 * (count * n / total)
+            count = total
+    if count == 0:
+        raise ValueError("channel_stats: no values to average")
+    return np.asarray(mean), np.sqrt(np.asarray(m2) / count)
+
+
+def cached_stats(readers: Sequence[SampleReader], cache: Path | None,
+                 max_elements: int = 1 << 22) -> tuple[list[float], list[float]]:
+    """:func:`channel_stats`, computed once: kept in memory and in the JSON file ``cache``."""
+    key = hashlib.sha1(json.dumps([
+        [str(r.path), list(r.shape), str(r.dtype), os.stat(r.path).st_mtime_ns] for r in readers
+    ]).encode()).hexdigest()
+    if key in _STATS:
+        return _STATS[key]
+    try:
+        saved = json.loads(cache.read_text()) if cache is not None else {}
+    except (OSError, ValueError):
+        saved = {}
+    if saved.get("key") == key:
+        _STATS[key] = saved["mean"], saved["std"]
+        return _STATS[key]
+    mean, std = channel_stats(readers, max_elements)
+    _STATS[key] = mean.tolist(), std.tolist()
+    if cache is not None:
+        try:  # written whole or not at all: other ranks may be writing the same numbers
+            tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"key": key, "mean": _STATS[key][0],
+                                       "std": _STATS[key][1], "files": len(readers)}))
+            os.replace(tmp, cache)
+        except OSError:
+            pass  # a read-only data set: the statistics stay in memory
+    return _STATS[key]
+
+
+def pairs(root: str | Path, split: str) -> list[tuple[Path, Path]]:
+    """``(image, mask)`` paths of ``root/<split>``, paired by name (see the module's docs)."""
+    base = Path(root)
+    names = ("train",) if split == "train" else ("test", "val")
+    dirs = [base / n for n in names if (base / n / "images").is_dir()]
+    if not dirs:
+        tried = " or ".join(str(base / n / "images") for n in names)
+        raise ValueError(f"block data set: no {split} images: expected {tried}")
+    images = sorted(p for p in (dirs[0] / "images").iterdir() if format_of(p))
+    if not images:
+        raise ValueError(f"block data set: no zarr, TIFF, NIfTI or npy samples in {dirs[0]}")
+    masks = {stem_of(p): p for p in (dirs[0] / "masks").glob("*") if format_of(p)}
+    if missing := [p.name for p in images if stem_of(p) not in masks]:
+        raise ValueError(
+            f"block data set: no mask in {dirs[0] / 'masks'} for {missing[0]}"
+            + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+        )
+    return [(p, masks[stem_of(p)]) for p in images]
+
+
+class BlockDataset(Dataset):
+    """This rank's block of each image ``(C, *block)`` float32 and mask ``(*block)`` int64.
+
+    ``block``: called as ``block(*size)`` with the view's spatial size, it returns this rank's
+    slices (``SpatialGrid.block``); None reads whole samples. ``dims``: spatial dimensions (2,
+    or 3 for volumes; default 3 for NIfTI, else 2). ``crop``: the view's size (None: whole
+    samples, which must then all have the same size to be batched). ``flip``: the spatial axes
+    flipped at random. ``augment``: random crops and flips (default: on the train split only).
+    ``layout`` / ``mask_layout``: see :mod:`parallelkit.data.readers`. ``normalize``:
+    ``"stats"`` (the training images' per-channel mean and std), ``(mean, std)``, or None.
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        split: str,
+        block: Callable[..., Block] | None = None,
+        dims: int | None = None,
+        crop: Sequence[int] | None = None,
+        flip: Sequence[int] = (),
+        augment: bool | None = None,
+        layout: str | None = None,
+        mask_layout: str | None = None,
+        normalize: str | tuple[Sequence[float], Sequence[float]] | None = "stats",
+        num_classes: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        found = pairs(root, split)
+        dims = dims or (3 if format_of(found[0][0]) == "nifti" else 2)
+        self.images = [SampleReader(p, dims, layout) for p, _ in found]
+        self.masks = [SampleReader(m, dims, mask_layout) for _, m in found]
+        for image, mask in zip(self.images, self.masks, strict=True):
+            if mask.size != image.size or mask.channels != 1:
+                raise ValueError(
+                    f"mask {mask.path} is {mask.channels} x {mask.size} but its image "
+                    f"{image.path} is {image.channels} x {image.size}: a mask has one channel "
+                    "and its image's spatial size"
+                )
+        self.block, self.crop, self.flip = block, crop, tuple(flip)
+        self.augment = split == "train" if augment is None else augment
+        self.num_classes, self.seed, self.epoch = num_classes, seed, 0
+        if normalize == "stats":
+            train = self.images if split == "train" else [
+                SampleReader(p, dims, layout) for p, _ in pairs(root, "train")]
+            normalize = cached_stats(train, Path(root) / STATS_FILE)
+        self.mean, self.std = (None, None) if normalize is None else (
+            np.asarray(normalize[0], np.float32), np.asarray(normalize[1], np.float32))
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Crops and flips are drawn anew each epoch (the same on every rank)."""
+        self.epoch = epoch
+
+    def view(self, index: int) -> View:
+        """Sample ``index``'s crop and flips this epoch: a function of (seed, epoch, index)."""
+        rng = np.random.default_rng((self.seed, self.epoch, index)) if self.augment else None
+        return draw_view(self.images[index].size, self.crop, self.flip, rng)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        view = self.view(index)
+        block = self.block(*view.size) if self.block else tuple(slice(0, n) for n in view.size)
+        image = view.read(self.images[index], block).astype(np.float32)
+        if self.mean is not None:
+            shape = (-1,) + (1,) * len(block)
+            std = np.where(self.std > 0, self.std, 1).reshape(shape)  # constant channels
+            image = (image - self.mean.reshape(shape)) / std
+        mask = view.read(self.masks[index], block)[0]
+        if mask.dtype.kind == "f" and not np.array_equal(mask, np.round(mask)):
+            raise ValueError(f"mask {self.masks[index].path} holds non-integer values")
+        labels = torch.from_numpy(np.ascontiguousarray(mask, dtype=np.int64))
+        if self.num_classes is not None:
+            check_labels(labels, self.num_classes, str(self.masks[index].path))
+        return torch.from_numpy(np.ascontiguousarray(image)), labels
