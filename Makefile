@@ -24,12 +24,12 @@ TORCH_XLA ?= torch==2.9.0 torch_xla==2.9.0
 XLA_TEST_ENV := PJRT_DEVICE=CPU PARALLELKIT_TIMEOUT=120
 # The model-zoo tier needs torchvision, which only imports beside the torch it was built for
 # (not the CPU torch 2.13.0 of .venv): its own venv with a matched pair that lies on the
-# machine (a CUDA build, ~5.5 GB, that runs on the CPU), and timm and smp pinned so that the
-# table of expected outcomes (tests/zoo/zoo_cases.py) stays the table of these versions.
+# machine (a CUDA build, ~5.5 GB, that runs on the CPU), and timm, smp and monai pinned so that
+# the table of expected outcomes (tests/zoo/zoo_cases.py) stays the table of these versions.
 ZOO_VENV ?= .venv-zoo
 ZOO_PY := $(ZOO_VENV)/bin/python
 TORCH_ZOO ?= torch==2.14.1 torchvision==0.29.1
-ZOO_MODELS ?= timm==1.0.31 segmentation_models_pytorch==0.6.0
+ZOO_MODELS ?= timm==1.0.31 segmentation_models_pytorch==0.6.0 monai==1.6.1
 ZOO_TEST_ENV := HF_HUB_OFFLINE=1 PARALLELKIT_TIMEOUT=120
 # The peers benchmark runs ChainerMN (inside chainer 7.8.1) under its own mpiexec: chainer
 # needs numpy<2 and an old setuptools to build, so it has its own venv.
@@ -60,7 +60,7 @@ $(ZOO_VENV)/.installed: pyproject.toml Makefile
 	$(ZOO_PY) -m pip install -q --disable-pip-version-check $(TORCH_ZOO)
 	$(ZOO_PY) -m pip install -q --disable-pip-version-check $(ZOO_MODELS) $(TORCH_ZOO)
 	$(ZOO_PY) -m pip install -q --disable-pip-version-check -e ".[dev]" $(TORCH_ZOO)
-	$(ZOO_PY) -c "import torch, torchvision, timm, segmentation_models_pytorch; \
+	$(ZOO_PY) -c "import torch, torchvision, timm, segmentation_models_pytorch, monai; \
 	  assert torch.__version__.startswith('2.14.1'), torch.__version__; print('zoo venv: torch', \
 	  torch.__version__, 'torchvision', torchvision.__version__, 'timm', timm.__version__)"
 	touch $@

@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+import torch
+from torch import nn
 
 from parallelkit import models
 from parallelkit.train import config
@@ -69,3 +71,44 @@ def test_zoo_names():
     assert not models.zoo.is_zoo_name("foo:bar")  # not a library this knows: a plain name
     with pytest.raises(ValueError, match="is not a model here"):
         config.load(None, ["model.name=foo:bar"])
+
+
+# ----------------------------------------------------------------------------- monai:NAME
+# MONAI installs beside .venv's torch (the data extra): its networks are built here.
+@pytest.mark.parametrize(
+    ("name", "kwargs", "shape", "out"),
+    [
+        ("monai:UNet", dict(channels=[4, 8], strides=[2]), (2, 1, 8, 8, 8), (2, 3, 8, 8, 8)),
+        ("monai:resnet18", {}, (2, 1, 8, 8, 8), (2, 3)),  # n_input_channels, num_classes
+        ("monai:UNet", dict(spatial_dims=2, channels=[4, 8], strides=[2]), (2, 1, 8, 8),
+         (2, 3, 8, 8)),
+    ],
+)  # fmt: skip
+def test_monai_networks_by_name(name, kwargs, shape, out):
+    pytest.importorskip("monai")
+    model = models.create(name, num_classes=3, in_channels=1, **kwargs)
+    assert model(torch.randn(shape)).shape == out
+
+
+def test_monai_defaults_never_download_and_kwargs_win():
+    pytest.importorskip("monai")
+    # EfficientNetBN defaults to pretrained=True: it is built with pretrained=False.
+    net = models.create("monai:EfficientNetBN", num_classes=2, in_channels=1,
+                        model_name="efficientnet-b0", spatial_dims=3)  # fmt: skip
+    assert net._fc.out_features == 2
+    stem = next(m for m in net.modules() if isinstance(m, nn.Conv3d))
+    assert stem.in_channels == 1  # spatial_dims=3 given: 3-D convolutions
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model.name=monai:UNet"], r"needs model.kwargs \['channels', 'strides'\]"),
+        (["model.name=monai:UNett"], r"no network 'UNett'; similar names: \['UNet'"),
+        (["model.name=monai:UNet", "model.kwargs={pretrained: true}"], "without pretrained"),
+    ],
+)
+def test_monai_config_errors(overrides, message):
+    pytest.importorskip("monai")
+    with pytest.raises(ValueError, match=message):
+        config.load(None, ["train.task=segment", *overrides])
