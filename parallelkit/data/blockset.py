@@ -190,7 +190,7 @@ class BlockDataset(Dataset):
         seed: int = 0,
     ) -> None:
         found = pairs(root, split)
-        dims = dims or (3 if format_of(found[0][0]) == "nifti" else 2)
+        dims = dims or (3 if format_of(found[0][0]) == "nifti" else 2)  # the same for masks
         self.images = [SampleReader(p, dims, layout) for p, _ in found]
         self.masks = [SampleReader(m, dims, mask_layout) for _, m in found]
         for image, mask in zip(self.images, self.masks, strict=True):

@@ -239,15 +239,18 @@ class Layout:
 
 
 class SampleReader:
-    """One image or mask on disk, read as ``(C, *spatial)`` blocks.
+    """One image or mask on disk, read as ``(C, *spatial)`` blocks; ``dims`` spatial
+    dimensions (default: 3 for NIfTI, 2 otherwise), ``layout`` as in the module's docs.
 
     The file is opened once here for its header (shape, dtype, axes), and again for each
     :meth:`read` (so a reader may be handed to DataLoader workers, which cannot share one open
     file handle).
     """
 
-    def __init__(self, path: str | Path, dims: int = 2, layout: str | None = None) -> None:
+    def __init__(self, path: str | Path, dims: int | None = None,
+                 layout: str | None = None) -> None:
         self.path = path
+        dims = dims or (3 if format_of(path) == "nifti" else 2)
         with open_array(path) as array:
             self.shape, self.dtype, self.mode = array.shape, array.dtype, array.mode
             self.layout = Layout.resolve(array.shape, dims, array.axes, layout, str(path))
