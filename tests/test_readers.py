@@ -111,6 +111,13 @@ def write_tiff(path, a, **kw):
     tifffile.imwrite(path, a, **kw)
 
 
+def write_pyramid(path, a, **kw):
+    """An OME-TIFF of 2 levels (level 1 in a SubIFD), tiled RGB."""
+    with tifffile.TiffWriter(path) as tif:
+        tif.write(a, subifds=1, tile=(16, 16), photometric="rgb", **kw)
+        tif.write(a[::2, ::2], subfiletype=1, tile=(16, 16), photometric="rgb", **kw)
+
+
 def write_nifti(path, a):
     nib.save(nib.Nifti1Image(a, np.eye(4)), path)
 
@@ -155,6 +162,8 @@ CASES = [
     ("tiff striped zlib planar", 2, "x.tif", (3, *SIZE_2D),
      lambda p, a: write_tiff(p, a, rowsperstrip=5, compression="zlib",
                              photometric="rgb", planarconfig="separate"), chw),
+    ("ome-tiff pyramid zlib rgb", 2, "x.ome.tif", (*SIZE_2D, 3),
+     lambda p, a: write_pyramid(p, a, compression="zlib"), hwc),
     ("tiff pages DHW", 3, "x.tif", SIZE_3D, write_tiff, one),
     ("tiff tiled zlib DHW", 3, "x.tif", SIZE_3D,
      lambda p, a: write_tiff(p, a, tile=(16, 16), compression="zlib"), one),

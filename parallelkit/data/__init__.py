@@ -11,6 +11,8 @@ Modules, one idea each:
     datasets     map-style datasets: digits, synthetic, image folders, CIFAR-10 batches
     shapes       generated segmentation data: textured shapes and their masks
     segfolder    a folder of images and PNG masks
+    readers      block readers: a block of a zarr, TIFF, NIfTI or npy array, read alone
+    blockset     BlockDataset: each spatial rank's block of images and masks on disk
     sampler      RankSampler: torch's DistributedSampler + exact evaluation cover + resume
     shardio      tar shards on disk: write_shards, manifest.json, reading and decoding samples
     shardstream  which shard pieces each data rank and DataLoader worker streams
