@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import itertools
 import json
+import pickle
 
 import numpy as np
 import pytest
 import torch
 
 from parallelkit.data import blockset
-from parallelkit.data.blockset import BlockDataset, View, channel_stats, draw_view
+from parallelkit.data.blockset import BlockDataset, RankBlock, View, channel_stats, draw_view
 from parallelkit.data.readers import Layout, SampleReader, open_array
 from parallelkit.geometry import blocks
 
@@ -35,17 +36,6 @@ def rank_blocks(size, counts):
     """Every rank's block of a sample of ``size`` over a grid of ``counts``, in rank order."""
     per_dim = [[slice(a, b) for a, b in blocks(n, p)] for n, p in zip(size, counts, strict=True)]
     return list(itertools.product(*per_dim))
-
-
-def block_of(counts, coords):
-    """``SpatialGrid.block`` of the rank at ``coords`` of a grid of ``counts``, without one."""
-
-    def block(*size):
-        return tuple(
-            slice(*blocks(n, p)[i]) for n, p, i in zip(size, counts, coords, strict=True)
-        )
-
-    return block
 
 
 def assemble(parts, counts):
@@ -74,6 +64,9 @@ def test_rank_blocks_are_tensor_split():
         ]
         got = [x[s] for s in rank_blocks(SIZE_3D, counts)]
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        coords = itertools.product(*[range(p) for p in counts])  # rank order
+        mine = [x[RankBlock(counts, c)(*SIZE_3D)] for c in coords]
+        assert all(torch.equal(a, b) for a, b in zip(mine, got, strict=True))
         assert np.array_equal(assemble(got, counts), x.numpy())
 
 
@@ -411,7 +404,7 @@ def test_every_rank_gets_its_block_of_the_same_crop_and_flip(spec, tmp_path):
             assert np.array_equal(x.numpy(), want_x) and np.array_equal(y.numpy(), want_y)
             for counts in grids:
                 coords = list(itertools.product(*[range(p) for p in counts]))
-                ranks = [BlockDataset(tmp_path, "train", block=block_of(counts, c), **kw)
+                ranks = [BlockDataset(tmp_path, "train", block=RankBlock(counts, c), **kw)
                          for c in coords]
                 for r in ranks:
                     r.set_epoch(epoch)
@@ -446,7 +439,7 @@ def test_normalization_statistics_computed_once_and_cached(tmp_path, monkeypatch
     images, _ = write_set(tmp_path, "train", 3, SIZE_2D, 3, ".tif", ".npy")
     write_set(tmp_path, "test", 1, SIZE_2D, 3, ".tif", ".npy", seed=1)
     values = np.concatenate([i.reshape(3, -1) for i in images], 1).astype(np.float64)
-    data = BlockDataset(tmp_path, "train", block=block_of((2, 2), (1, 0)))
+    data = BlockDataset(tmp_path, "train", block=RankBlock((2, 2), (1, 0)))
     saved = json.loads((tmp_path / blockset.STATS_FILE).read_text())
     assert np.allclose(saved["mean"], values.mean(1)) and np.allclose(saved["std"], values.std(1))
     x, _ = data[0]
@@ -477,3 +470,18 @@ def test_mask_labels_checked(tmp_path):
     write_set(tmp_path, "train", 1, SIZE_2D, 0, ".npy", ".npy")
     with pytest.raises(ValueError, match=r"outside 0\.\.2"):
         BlockDataset(tmp_path, "train", normalize=None, num_classes=3)[0]
+
+
+def test_data_loader_workers_read_blocks(tmp_path):
+    """Readers reopen their files in each worker (zarr's I/O loop and tifffile's handles are
+    not shared across a fork); a RankBlock pickles into spawned workers too."""
+    write_set(tmp_path, "train", 4, SIZE_2D, 3, ".zarr", ".tif")
+    data = BlockDataset(tmp_path, "train", block=RankBlock((2, 1), (1, 0)), crop=(30, 20),
+                        flip=(1,), normalize=None)
+    want = [data[i] for i in range(4)]
+    loader = torch.utils.data.DataLoader(data, batch_size=2, num_workers=1,
+                                         multiprocessing_context="fork")
+    xs, ys = zip(*loader, strict=True)
+    assert torch.equal(torch.cat(xs), torch.stack([x for x, _ in want]))
+    assert torch.equal(torch.cat(ys), torch.stack([y for _, y in want]))
+    assert pickle.loads(pickle.dumps(data))[2][1].equal(want[2][1])

@@ -39,9 +39,27 @@ from torch.utils.data import Dataset
 
 from parallelkit.data.readers import Block, SampleReader, format_of, slab_blocks, stem_of
 from parallelkit.data.segfolder import check_labels
+from parallelkit.geometry import blocks
 
 STATS_FILE = "channel_stats.json"
 _STATS: dict[str, tuple[list[float], list[float]]] = {}  # in memory, by the files' key
+
+
+@dataclass(frozen=True)
+class RankBlock:
+    """The block of a sample that the rank at ``coords`` of a grid of ``counts`` holds, for
+    samples of any size: ``SpatialGrid.block``'s layout (``torch.tensor_split`` along each
+    dimension) without its communicators, so that it pickles into DataLoader workers."""
+
+    counts: tuple[int, ...]
+    coords: tuple[int, ...]
+
+    def __call__(self, *size: int) -> Block:
+        if len(size) != len(self.counts):
+            raise ValueError(f"a grid of {self.counts} splits samples of {len(self.counts)} "
+                             f"spatial dimensions, not {size}")
+        return tuple(slice(*blocks(n, p)[i])
+                     for n, p, i in zip(size, self.counts, self.coords, strict=True))
 
 
 @dataclass(frozen=True)
@@ -166,7 +184,8 @@ class BlockDataset(Dataset):
     """This rank's block of each image ``(C, *block)`` float32 and mask ``(*block)`` int64.
 
     ``block``: called as ``block(*size)`` with the view's spatial size, it returns this rank's
-    slices (``SpatialGrid.block``); None reads whole samples. ``dims``: spatial dimensions (2,
+    slices (``SpatialGrid.block``, or :class:`RankBlock` for DataLoader workers that do not
+    fork); None reads whole samples. ``dims``: spatial dimensions (2,
     or 3 for volumes; default 3 for NIfTI, else 2). ``crop``: the view's size (None: whole
     samples, which must then all have the same size to be batched). ``flip``: the spatial axes
     flipped at random. ``augment``: random crops and flips (default: on the train split only).
