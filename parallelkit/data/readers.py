@@ -165,10 +165,9 @@ class NiftiReader(ArrayReader):
     def __init__(self, path: str | Path) -> None:
         image = _need("nibabel").load(str(path))
         self._array, self.shape = image.dataobj, tuple(image.shape)
-        self.axes = ("XYZ" + {4: "C", 5: "TC"}.get(len(self.shape), "")
-                     if 3 <= len(self.shape) <= 5 else None)
-        if len(self.shape) == 5 and self.shape[3] != 1:
-            self.axes = None
+        # (X, Y, Z), (X, Y, Z, C), (X, Y, Z, 1, C); anything else needs layout=
+        named = {3: "XYZ", 4: "XYZC", 5: "XYZTC" if self.shape[3:4] == (1,) else None}
+        self.axes = named.get(len(self.shape))
 
     @property
     def dtype(self) -> np.dtype:  # the scaled values' type: that of one voxel read
