@@ -87,6 +87,13 @@ class Task:
     def check(cls, cfg: Config) -> None:
         """What this task alone refuses in a config: a one-line ValueError naming the key."""
 
+    @classmethod
+    def dense_networks(cls, cfg: Config, train: Loader) -> dict[str, nn.Module]:
+        """The task's dense networks by name, in the order ``__init__`` adds them, built on the
+        current default device: :mod:`parallelkit.train.preflight` builds them on the meta
+        device before any rank starts, to find a ``model.kwargs`` they do not take."""
+        raise NotImplementedError
+
     def __init__(self, cfg: Config, grid: Grid, device: torch.device, train: Loader) -> None:
         self.cfg, self.grid, self.device = cfg, grid, device
         self.steps_per_epoch = len(train)

@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import parallelkit.functional as pkf
 from parallelkit.data import Loader
@@ -49,16 +50,21 @@ class Segment(Task):
     trains = "unet, smp:ARCH or a torchvision segmentation model"
     masks = True
 
-    def __init__(self, cfg: Config, grid: Grid, device: torch.device, train: Loader) -> None:
-        super().__init__(cfg, grid, device, train)
+    @classmethod
+    def dense_networks(cls, cfg: Config, train: Loader) -> dict[str, nn.Module]:
         if not train.masks:
             raise ValueError(
                 f"train.task=segment: data.name={cfg.data.name} ({cfg.data.root}) holds labels, "
                 "not masks; write shards from a data set with masks (shapes, segfolder:DIR)"
             )
-        self.classes = train.num_classes
         w = cfg.model.width
-        dense = network(cfg, self.classes, train.channels, widths=(w, 2 * w, 4 * w, 8 * w))
+        dense = network(cfg, train.num_classes, train.channels, widths=(w, 2 * w, 4 * w, 8 * w))
+        return {"model": dense}
+
+    def __init__(self, cfg: Config, grid: Grid, device: torch.device, train: Loader) -> None:
+        super().__init__(cfg, grid, device, train)
+        self.classes = train.num_classes
+        dense = self.dense_networks(cfg, train)["model"]
         self.model = self.add("model", dense, spatial_output="blocks")
 
     def logits(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

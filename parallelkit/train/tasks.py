@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from PIL import Image
+from torch import nn
 
 from parallelkit import models
 from parallelkit.data import Loader
@@ -43,14 +44,18 @@ class Classify(Task):
     networks = ("resnet18", "resnet34", "resnet50")
     trains = "resnet18/34/50, torchvision:NAME or timm:NAME"
 
-    def __init__(self, cfg: Config, grid: Grid, device: torch.device, train: Loader) -> None:
-        super().__init__(cfg, grid, device, train)
+    @classmethod
+    def dense_networks(cls, cfg: Config, train: Loader) -> dict[str, nn.Module]:
         w = cfg.model.width
         dense = network(
             cfg, train.num_classes, train.channels, stem=cfg.model.stem,
             widths=(w, 2 * w, 4 * w, 8 * w),
         )  # fmt: skip
-        self.model = self.add("model", dense)
+        return {"model": dense}
+
+    def __init__(self, cfg: Config, grid: Grid, device: torch.device, train: Loader) -> None:
+        super().__init__(cfg, grid, device, train)
+        self.model = self.add("model", self.dense_networks(cfg, train)["model"])
 
     def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> Losses:
         acc = self.cfg.train.accumulate
@@ -129,14 +134,21 @@ class Gan(Task):
         if cfg.train.accumulate > 1:
             raise ValueError("config: train.accumulate > 1 is for train.task=classify or segment")
 
-    def __init__(self, cfg: Config, grid: Grid, device: torch.device, train: Loader) -> None:
-        super().__init__(cfg, grid, device, train)
+    @classmethod
+    def dense_networks(cls, cfg: Config, train: Loader) -> dict[str, nn.Module]:
         m, w = cfg.model, cfg.model.width
         channels, size = train.channels, train.image_size
         generator = models.create(
             "dcgan_generator", nz=m.nz, ngf=w, nc=channels, image_size=size, **m.kwargs
         )
         discriminator = models.create("dcgan_discriminator", ndf=w, nc=channels, image_size=size)
+        return {"generator": generator, "discriminator": discriminator}
+
+    def __init__(self, cfg: Config, grid: Grid, device: torch.device, train: Loader) -> None:
+        super().__init__(cfg, grid, device, train)
+        m = cfg.model
+        dense = self.dense_networks(cfg, train)
+        generator, discriminator = dense["generator"], dense["discriminator"]
         spatial = grid.dims.spatial_size > 1
         self.generator = self.add("generator", generator)
         # The 4x4 -> 1x1 head runs on the whole image (see parallelkit.models.dcgan).

@@ -1,0 +1,127 @@
+"""Checks made before any rank starts: a mistake is one line and exit status 2, not a traceback
+from every rank.
+
+:func:`parallelkit.train.config.validate` checks each value alone. What needs the world size,
+the data or the model is checked here, where ``parallelkit train`` starts its ranks
+(:mod:`parallelkit.cli`), in this order:
+
+    grid        the model-parallel grid divides the ranks; the global batch splits over the
+                data ranks and the micro-batches (``train.accumulate``)
+    data        the training split gives every data rank at least one full batch (the data
+                set is opened, not read: digits and generated sets are small, folders listed)
+    model       the task's dense networks built on the meta device (no memory, no time): a
+                ``model.kwargs`` the constructor does not take is named
+    run_dir     ``train.run_dir`` is a directory, or can be made one (no file on the way), this
+                user may write there, and its file system has room for the checkpoints kept
+                and the exported model (estimated from the meta-built networks)
+
+Ranks started by torchrun, mpiexec or srun skip the launcher; they check the grid themselves
+(:func:`check_grid`, the same verdict on every rank), and the rest fails later, as before.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from parallelkit.data import Loader, build_loader
+from parallelkit.train.config import Config, grid_dims
+from parallelkit.train.tasks import TASKS
+
+MiB = 2**20
+# Per parameter, what an optimizer keeps beside it in a checkpoint (momentum; Adam's moments).
+OPTIMIZER_SLOTS = {"sgd": 1, "lars": 1, "adam": 2}
+
+
+def check(cfg: Config, world: int | None) -> None:
+    """Everything that can be checked before ``world`` ranks start (None: not known here, as
+    under torch_xla.launch); a one-line ``ValueError`` for the first mistake."""
+    dims = check_grid(cfg, world) if world is not None else None
+    loader = check_data(cfg, dims)
+    nets = build_on_meta(cfg, loader)
+    check_run_dir(Path(cfg.train.run_dir), space_needed(cfg, nets) if nets else 0)
+
+
+def check_grid(cfg: Config, world: int) -> dict[str, int]:
+    """The grid's dimensions for ``world`` ranks; the global batch must split over them."""
+    dims = grid_dims(cfg.parallel, world)
+    t = cfg.train
+    if t.batch_size % (dims["data"] * t.accumulate):
+        raise ValueError(
+            f"config: train.batch_size={t.batch_size} must split into {dims['data']} "
+            f"data-parallel ranks x {t.accumulate} micro-batches (train.accumulate); "
+            f"choose a multiple of {dims['data'] * t.accumulate}"
+        )
+    return dims
+
+
+def check_data(cfg: Config, dims: dict[str, int] | None) -> Loader:
+    """Data rank 0's training loader (not iterated: no worker starts, no image is read)."""
+    data = dims["data"] if dims else 1
+    block = (dims["rows"], dims["cols"], 0, 0) if dims else None
+    return build_loader(
+        cfg.data,
+        "train",
+        rank=0,
+        size=data,
+        batch_size=cfg.train.batch_size // data,
+        seed=cfg.train.seed,
+        block=block,
+    )
+
+
+def build_on_meta(cfg: Config, loader: Loader) -> dict[str, nn.Module] | None:
+    """The task's dense networks on the meta device; a constructor that refuses the config's
+    arguments is a config mistake. None when a network cannot be built on the meta device for
+    another reason (the ranks then build it for real, and say what is wrong)."""
+    m = cfg.model
+    try:
+        with torch.device("meta"):
+            return TASKS[cfg.train.task].dense_networks(cfg, loader)
+    except (TypeError, ValueError) as e:
+        what = " ".join(str(e).split())[:300]
+        kwargs = f" with model.kwargs={dict(m.kwargs)}" if m.kwargs else ""
+        raise ValueError(f"config: model.name={m.name} cannot be built{kwargs}: {what}") from None
+    except Exception:
+        return None
+
+
+def space_needed(cfg: Config, nets: dict[str, nn.Module]) -> int:
+    """Bytes the run writes at most: ``train.keep_checkpoints`` checkpoints and the one being
+    written (weights, buffers and the optimizer's state), and the exported dense model."""
+    weights = sum(
+        t.numel() * t.element_size()
+        for net in nets.values()
+        for t in (*net.parameters(), *net.buffers())
+    )
+    params = sum(p.numel() * p.element_size() for net in nets.values() for p in net.parameters())
+    checkpoint = weights + OPTIMIZER_SLOTS.get(cfg.optim.name, 1) * params
+    return (cfg.train.keep_checkpoints + 1) * checkpoint + weights
+
+
+def check_run_dir(run_dir: Path, need: int) -> None:
+    """``run_dir`` is a directory or can be made one, writable here, with ``need`` bytes free."""
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent  # the nearest part of the path that is there
+    key = f"train.run_dir={run_dir}"
+    if not existing.is_dir():
+        where = "is a file" if existing == run_dir else f"lies under {existing}, which is a file"
+        raise ValueError(f"{key} {where}, not a directory; choose another train.run_dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "it" if existing == run_dir else f"{existing}, where it would be made,"
+        raise ValueError(
+            f"{key}: {what} is not writable by this user; choose another train.run_dir"
+        )
+    free = shutil.disk_usage(existing).free
+    if free < need:
+        raise ValueError(
+            f"{key}: {free / MiB:.0f} MiB free on its file system, and the run needs about "
+            f"{need / MiB:.0f} MiB (the checkpoints kept, the one being written and the "
+            "exported model); free some space, lower "
+            "train.keep_checkpoints, or choose another train.run_dir"
+        )
