@@ -50,7 +50,9 @@ def train(argv: list[str]) -> int:
     A mistake found before any rank starts (a config value, a run directory that belongs to
     another run) is one line on stderr and exit status 2.
     """
-    from parallelkit.train import config, launch, procs, rundir, trainer
+    from parallelkit.train import config, launch, preflight, procs, rundir, trainer
+    from parallelkit.train.agree import Stop
+    from parallelkit.train.stopping import exit_now
 
     parser = argparse.ArgumentParser(
         prog="parallelkit train",
@@ -71,9 +73,14 @@ def train(argv: list[str]) -> int:
             return 0
         if launch.under_launcher():
             procs.die_with_launcher()
-            trainer.run(cfg)
+            try:
+                trainer.run(cfg)
+            except Stop as stop:  # every rank stops alike; one of them says why
+                exit_now(stop.status, f"parallelkit train: error: {stop}" if stop.report else "")
             return 0
-        rundir.check(cfg)  # before any rank starts; the ranks check again
+        # Before any rank starts: the grid, the data, the model, run_dir; the ranks check again.
+        preflight.check(cfg, None if cfg.parallel.backend == "xla" else cfg.parallel.ranks)
+        rundir.check(cfg)
         if cfg.parallel.backend == "xla":
             launch.launch_xla(cfg)
             return 0
@@ -86,11 +93,13 @@ def train(argv: list[str]) -> int:
     if command is None:  # one rank, in this process
         try:
             trainer.run(cfg)
-        except ValueError as e:
+        except (ValueError, Stop) as e:
             print(f"parallelkit train: error: {e}", file=sys.stderr)
-            return 2
+            return e.status if isinstance(e, Stop) else 2
         return 0
     status = launch.launch(command, cfg.parallel.ranks)
+    if status == procs.REFUSED_EXIT:
+        return status  # the ranks stopped together, and one of them said why
     if status and status - 128 not in (signal.SIGINT, signal.SIGTERM):
         print(f"parallelkit train: a rank failed (exit status {status}); see above",
               file=sys.stderr)  # fmt: skip

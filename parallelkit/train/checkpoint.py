@@ -10,15 +10,21 @@ Layout of ``<run_dir>/checkpoints/step-000120/``::
 
 Data-parallel replicas hold identical state, so only replica 0 writes; on resume every rank
 reads the shard of its own position in the model-parallel group, and checks its SHA-256
-against the manifest before unpickling anything. A directory without a manifest is an
-interrupted write and is ignored. Every file goes to a temporary name first and is renamed
+against the manifest before unpickling anything: a shard the manifest holds no checksum for
+cannot be verified, and is not loaded. A directory without a manifest is an interrupted write
+(or a checkpoint whose manifest was deleted): the next run removes it and says so. Every file
+goes to a temporary name first and is renamed
 into place (:mod:`parallelkit.train.files`), so a crash never leaves a half-written file under
 a final name. Files are loaded with ``torch.load(weights_only=True)``: plain tensors and
 containers, never pickled code.
 
-On resume, a checkpoint that cannot be used on some rank (missing or damaged shard, a
-checksum that does not match) is reported, and the next older complete one is tried
-(``train.resume_fallback``). Pruning removes only older checkpoints of the same run.
+On resume, a checkpoint that cannot be used on some rank (a folder that cannot be read, a
+missing, damaged or unverifiable shard, a file that is no training checkpoint, a state that
+does not fit the model) is reported once, and the next older one is tried
+(``train.resume_fallback``); when none is left the ranks stop together with one line
+(:mod:`parallelkit.train.agree`). A save that cannot be written (a full disk) stops the ranks
+the same way, naming the file; the previous checkpoint stays. Pruning removes only older
+checkpoints of the same run.
 
 The dense model (channel shards gathered, the original module tree) is exported separately
 as ``<run_dir>/model.pt`` at the end of training, for use without parallelkit.
@@ -28,14 +34,17 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from parallelkit.parallel import Grid
+from parallelkit.train.agree import Stop, agree
 from parallelkit.train.files import atomic_text, atomic_torch_save, sha256
 
 MANIFEST = "manifest.json"
@@ -60,17 +69,23 @@ def save(
     identity: dict[str, Any] | None = None,
 ) -> Path:
     """Write this step's checkpoint (collective over ``grid.comm``); keep the newest ``keep``
-    of this run (``identity["run_id"]``)."""
+    of this run (``identity["run_id"]``). A file that cannot be written (a full disk) stops
+    every rank (:class:`Stop`, exit status 1) naming it; the previous checkpoints stay."""
     folder = Path(run_dir) / "checkpoints" / f"step-{step:09d}"
-    if grid.comm.rank == 0:
-        folder.mkdir(parents=True, exist_ok=True)
-    grid.comm.barrier()
     shards = [f"shard-{i}.pt" for i in range(grid.dims.model)]
+    problem = ""
+    if grid.comm.rank == 0:
+        problem = _written(folder, lambda: folder.mkdir(parents=True, exist_ok=True))
+    _agree_on_write(grid, problem, folder)
     if grid.coords[0] == 0:
         name = shards[model_rank(grid)]
-        digest = atomic_torch_save(folder / name, state)
-        atomic_text(folder / (name + DIGEST), digest)
-    grid.comm.barrier()  # every shard is in place before the manifest says so
+
+        def write_shard() -> None:
+            digest = atomic_torch_save(folder / name, state)
+            atomic_text(folder / (name + DIGEST), digest)
+
+        problem = _written(folder / name, write_shard)
+    _agree_on_write(grid, problem, folder)  # every shard is in place before the manifest says so
     if grid.comm.rank == 0:
         manifest = {
             "step": step,
@@ -79,7 +94,10 @@ def save(
             "sha256": {s: (folder / (s + DIGEST)).read_text().strip() for s in shards},
             **(identity or {}),
         }
-        atomic_text(folder / MANIFEST, json.dumps(manifest, indent=2))
+        text = json.dumps(manifest, indent=2)
+        problem = _written(folder / MANIFEST, lambda: atomic_text(folder / MANIFEST, text))
+    _agree_on_write(grid, problem, folder)
+    if grid.comm.rank == 0:
         for s in shards:
             (folder / (s + DIGEST)).unlink(missing_ok=True)
         run_id = (identity or {}).get("run_id")
@@ -89,17 +107,64 @@ def save(
     return folder
 
 
+def _written(path: Path, write: Callable[[], None]) -> str:
+    """Run ``write``; the problem in one line when the file system refuses it, else ''."""
+    try:
+        write()
+    except OSError as e:
+        return f"checkpoint file {path} could not be written: {e.strerror or e}"
+    return ""
+
+
+def _agree_on_write(grid: Grid, problem: str, folder: Path) -> None:
+    """Where any rank failed to write, remove the unfinished checkpoint and stop every rank."""
+    try:
+        agree(grid.comm, problem, status=1)
+    except Stop as stop:
+        if grid.comm.rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+        previous = [p for p in complete(folder.parent) if p != folder]
+        kept = f"; the previous checkpoint {previous[-1]} is kept" if previous else ""
+        raise Stop(f"{stop}{kept}", stop.report, stop.status) from None
+
+
 def complete(run_dir: str | Path) -> list[Path]:
     """Checkpoint folders that have a manifest, oldest first."""
+    return [p for p, kind in folders(run_dir) if kind == "complete"]
+
+
+def candidates(run_dir: str | Path) -> list[Path]:
+    """What ``--resume`` tries, oldest first: the complete checkpoints and the folders that
+    cannot be read (reported when tried, not passed over in silence)."""
+    return [p for p, kind in folders(run_dir) if kind in ("complete", "unreadable")]
+
+
+def folders(run_dir: str | Path) -> list[tuple[Path, str]]:
+    """Every ``step-*`` folder, oldest first, with what it is: "complete" (a manifest),
+    "incomplete" (none: an interrupted write, or a deleted manifest) or "unreadable"."""
     root = Path(run_dir) / "checkpoints"
-    return sorted(p.parent for p in root.glob(f"step-*/{MANIFEST}"))
+    try:
+        entries = sorted(p for p in root.iterdir() if p.name.startswith("step-"))
+    except OSError:  # no checkpoints yet (or the folder itself cannot be read)
+        return []
+    found = []
+    for p in entries:
+        try:
+            names = os.listdir(p)
+        except NotADirectoryError:
+            continue
+        except OSError:
+            found.append((p, "unreadable"))
+            continue
+        found.append((p, "complete" if MANIFEST in names else "incomplete"))
+    return found
 
 
 def remove_incomplete(run_dir: str | Path) -> list[Path]:
-    """Remove checkpoint folders without a manifest: writes a killed run left unfinished.
-    Only while no other process writes there (the run directory's lock is held)."""
-    root = Path(run_dir) / "checkpoints"
-    stale = [p for p in root.glob("step-*") if p.is_dir() and not (p / MANIFEST).is_file()]
+    """Remove checkpoint folders without a manifest: writes a killed run left unfinished, or
+    checkpoints whose manifest was deleted (unverifiable). Folders that cannot be read are
+    left alone. Only while no other process writes there (the run directory's lock is held)."""
+    stale = [p for p, kind in folders(run_dir) if kind == "incomplete"]
     for p in stale:
         shutil.rmtree(p, ignore_errors=True)
     return stale
@@ -139,7 +204,9 @@ def _run_id(folder: Path) -> str | None:
 
 def load(folder: Path, grid: Grid) -> dict[str, Any]:
     """This rank's shard of the checkpoint in ``folder``, its checksum verified; the grid must
-    match the one saved (``ValueError``), the files must be intact (:class:`Unreadable`)."""
+    match the one saved (``ValueError``); anything else that makes it unusable (a folder or
+    shard that cannot be read, a checksum that is missing or does not match, a file that is
+    not a training checkpoint) is :class:`Unreadable`."""
     manifest = read_manifest(folder)
     saved = manifest["grid"]
     here = {"rows": grid.rows, "cols": grid.cols, "channel": grid.channel}
@@ -148,21 +215,31 @@ def load(folder: Path, grid: Grid) -> dict[str, Any]:
             f"checkpoint {folder} was written by a model grid {saved}, this run has {here}; "
             "resume with the same parallel.rows/cols/channel (the data dimension may differ)"
         )
-    name = manifest["shards"][model_rank(grid)]
-    path = folder / name
+    try:
+        name = manifest["shards"][model_rank(grid)]
+        path = folder / name
+    except (IndexError, KeyError, TypeError):
+        message = f"checkpoint {folder}: its manifest lists no shard for this rank"
+        raise Unreadable(message) from None
     try:
         data = path.read_bytes()
     except OSError as e:
-        raise Unreadable(f"checkpoint shard {path} cannot be read: {e}") from None
-    want = manifest.get("sha256", {}).get(name)
-    if want is not None and sha256(data) != want:
+        raise Unreadable(f"checkpoint shard {path} cannot be read: {e.strerror or e}") from None
+    sums = manifest.get("sha256")
+    want = sums.get(name) if isinstance(sums, dict) else None
+    if want is None:
+        raise Unreadable(
+            f"checkpoint shard {path} cannot be verified: its manifest holds no SHA-256 for it"
+        )
+    if sha256(data) != want:
         raise Unreadable(f"checkpoint shard {path} is damaged: its SHA-256 is not the manifest's")
     try:
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # any unpickling failure means the same: not usable
-        raise Unreadable(f"checkpoint shard {path} cannot be read: {e}") from None
+        what = " ".join(str(e).split())[:300]
+        raise Unreadable(f"checkpoint shard {path} cannot be read: {what}") from None
     if not isinstance(state, dict) or "step" not in state or "task" not in state:
-        raise ValueError(
+        raise Unreadable(
             f"checkpoint shard {path} is not a parallelkit train checkpoint "
             "(it has no 'step' and 'task' entries)"
         )
@@ -170,29 +247,40 @@ def load(folder: Path, grid: Grid) -> dict[str, Any]:
 
 
 def load_newest_usable(
-    run_dir: Path, grid: Grid, device: torch.device, fallback: bool
+    run_dir: Path,
+    grid: Grid,
+    device: torch.device,
+    fallback: bool,
+    apply: Callable[[Path, dict[str, Any]], None] = lambda folder, state: None,
 ) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint every rank can read, and this rank's state from it (collective).
+    """The newest checkpoint every rank can read and ``apply`` (which raises
+    :class:`Unreadable` for a state that does not fit), and this rank's state from it
+    (collective). None when ``run_dir`` has no checkpoint.
 
-    The ranks agree with one all-reduce per checkpoint tried; the rank that cannot read its
-    shard says why, and with ``fallback`` the next older one is tried. None when ``run_dir``
-    has no checkpoint.
+    Per checkpoint tried, the first data rank that cannot use its shard says why (the other
+    data ranks read the same file: it is said once), the ranks agree with one all-reduce, and
+    with ``fallback`` the next older one is tried. When none is left, or without ``fallback``,
+    every rank raises :class:`Stop` (one line on rank 0).
     """
-    found = complete(run_dir)
+    found = candidates(run_dir)
     for folder in reversed(found):
         problem, state = "", None
         try:
             state = load(folder, grid)
+            apply(folder, state)
         except Unreadable as e:
             problem = str(e)
-            print(f"parallelkit train: {problem}", file=sys.stderr, flush=True)
+        except ValueError as e:  # another model grid: every rank reads the same manifest
+            raise Stop(str(e), report=grid.comm.rank == 0) from None
+        _report_once(grid, problem, device)
         failed = torch.tensor([1.0 if problem else 0.0], device=device)
         if grid.comm.all_reduce(failed, "max").item() == 0:
             return folder, state
         if not fallback:
-            raise ValueError(
+            raise Stop(
                 f"checkpoint {folder} cannot be used (see above); train.resume_fallback=true "
-                "resumes from the next older one"
+                "resumes from the next older one",
+                report=grid.comm.rank == 0,
             )
         if grid.comm.rank == 0:
             print(
@@ -202,5 +290,20 @@ def load_newest_usable(
                 flush=True,
             )
     if found:
-        raise ValueError(f"no usable checkpoint in {run_dir} (every one failed, see above)")
+        raise Stop(
+            f"no usable checkpoint in {run_dir} (each of the {len(found)} is named above); "
+            "start a new run without --resume (train.overwrite=true replaces the old one's "
+            "outputs), or choose another train.run_dir",
+            report=grid.comm.rank == 0,
+        )
     return None
+
+
+def _report_once(grid: Grid, problem: str, device: torch.device) -> None:
+    """Print ``problem`` on the first data rank that has it (collective over the data group:
+    the ranks of one model position, which all read the same shard)."""
+    data = grid.data_comm
+    mine = torch.tensor([float(data.rank if problem else data.size)], device=device)
+    first = int(data.all_reduce(mine, "min").item())
+    if problem and data.rank == first:
+        print(f"parallelkit train: {problem}", file=sys.stderr, flush=True)

@@ -7,7 +7,12 @@ gloo/NCCL, or one ``mpiexec``) and stays in front of them:
   passes it on itself). The ranks stop (see :mod:`parallelkit.train.stopping`); whatever is
   still running ``grace`` seconds later is killed. A second signal kills at once.
 - When a rank exits non-zero, the others get SIGTERM and, ``FAIL_GRACE_S`` later, SIGKILL;
-  the launcher names the rank that failed first.
+  the launcher names the rank that failed first. A rank that left because its collective
+  failed or timed out (``PEER_FAILED_EXIT``) is not the cause: when only such ranks have left
+  and others still run a moment later, those are named as the ranks that stopped answering
+  (a rank stopped by SIGSTOP, or stuck without failing). Ranks that exit with
+  ``REFUSED_EXIT`` stopped together and said why (:mod:`parallelkit.train.agree`): nothing
+  is added.
 - Each child runs in a session of its own, so a Ctrl-C at the terminal reaches the launcher
   only (once), and the launcher decides. Each rank also asks the kernel for SIGKILL
   when the launcher dies (``PR_SET_PDEATHSIG``), so even ``kill -9`` of the launcher leaves no
@@ -26,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 
 from parallelkit.comm.base import PEER_FAILED_EXIT
+from parallelkit.train.agree import REFUSED as REFUSED_EXIT
 
 GRACE_S = 30.0  # after a signal: time to finish the step, save a checkpoint and exit
 FAIL_GRACE_S = 5.0  # after a rank failed: the others have nothing left to save
@@ -104,7 +110,15 @@ def _wait(children: list[Child], procs: list[subprocess.Popen], state: _State, g
                 state.failed = (name, code)
                 state.deadline = time.monotonic() + FAIL_GRACE_S
                 what = "stopping the others" if len(procs) > 1 else "stopping"
-                _say(f"{name} failed first (exit status {_status(code)}); {what}")
+                running = [(c, p) for c, p, code in zip(children, procs, codes, strict=True)
+                           if code is None]  # fmt: skip
+                if code == REFUSED_EXIT:
+                    pass  # the ranks stopped together, and one of them said why
+                elif not cause and running:
+                    _say(f"{_stalled(running)} stopped answering: {name} gave up waiting "
+                         f"(exit status {code}, after parallel.timeout); {what}")  # fmt: skip
+                else:
+                    _say(f"{name} failed first (exit status {_status(code)}); {what}")
                 _kill(procs, signal.SIGTERM)
         if all(c is not None for c in codes):
             break
@@ -132,6 +146,25 @@ def _kill(procs: list[subprocess.Popen], signum: int) -> None:
                 os.killpg(p.pid, signum)
             else:
                 p.send_signal(signum)
+
+
+def _stalled(running: list[tuple[Child, subprocess.Popen]]) -> str:
+    """``rank 1 (its process is stopped)``: the ranks still running when the others gave up."""
+    names = []
+    for child, proc in running:
+        stopped = _proc_state(proc.pid) in ("T", "t")
+        names.append(child.name + (" (its process is stopped, as by SIGSTOP)" if stopped else ""))
+    return ", ".join(names)
+
+
+def _proc_state(pid: int) -> str:
+    """The one-letter state of ``pid`` in /proc (Linux), or '' where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return ""
+    return text[text.rindex(")") + 2 :].split()[0]
 
 
 def _status(code: int) -> str:

@@ -63,15 +63,19 @@ ALLOWED_TO_DIFFER = (
     "parallel.bucket_cap_mb",
     "data.workers",
 )
-OUTPUTS = (  # what train.overwrite=true deletes
-    "checkpoints",
+# What train.overwrite=true deletes: the files an earlier run wrote, by their names, and a
+# directory only when that leaves it empty; anything else a user keeps there stays.
+OUTPUTS = (
+    "checkpoints/step-*",
     "metrics.jsonl",
-    "tensorboard",
-    "samples",
+    "tensorboard/**/events.out.tfevents.*",
+    "samples/epoch-*.png",
     "model.pt",
     "generator.pt",
     "discriminator.pt",
+    "curves.png",
 )
+OUTPUT_DIRS = ("checkpoints", "tensorboard", "samples")
 
 
 def flat_config(cfg: Config) -> dict[str, Any]:
@@ -150,8 +154,10 @@ def check(cfg: Config, lock: bool = True) -> str | None:
                 "train.overwrite=true"
             )
         return None
-    if not found:
+    if not checkpoint.candidates(run_dir):
         return f"--resume: no checkpoint in {run_dir}; starting a new run"
+    if not found:
+        return None  # none can be read: --resume reports each one
     saved = (checkpoint.read_manifest_or_none(found[-1]) or {}).get("config")
     if saved is not None and (diff := differences(saved, identity_config(cfg))):
         raise ValueError(
@@ -163,13 +169,23 @@ def check(cfg: Config, lock: bool = True) -> str | None:
 
 
 def clear_outputs(run_dir: Path) -> None:
-    """train.overwrite=true: remove the earlier run's outputs (rank 0, under the lock)."""
-    for name in OUTPUTS:
-        path = run_dir / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink(missing_ok=True)
+    """train.overwrite=true: remove the earlier run's outputs, and only those (rank 0, under
+    the lock): its files by their names, then its directories where they are left empty."""
+    for pattern in OUTPUTS:
+        for path in sorted(run_dir.glob(pattern)):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+    for name in OUTPUT_DIRS:
+        folder = run_dir / name
+        if folder.is_dir() and not folder.is_symlink():
+            for sub in sorted(folder.rglob("*"), reverse=True):  # deepest first
+                if sub.is_dir() and not sub.is_symlink():
+                    with contextlib.suppress(OSError):
+                        sub.rmdir()  # only when empty
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
 
 class Lock:

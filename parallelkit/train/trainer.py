@@ -23,6 +23,7 @@ exception ends the whole job at once (the communicator's exit hook).
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,8 +33,9 @@ import torch
 import parallelkit as pk
 from parallelkit.data import build_loader
 from parallelkit.parallel import Grid
-from parallelkit.train import checkpoint, rundir, tasks
-from parallelkit.train.config import Config, grid_dims, to_yaml
+from parallelkit.train import checkpoint, preflight, rundir, tasks
+from parallelkit.train.agree import agree, same_everywhere
+from parallelkit.train.config import Config, to_yaml
 from parallelkit.train.faults import maybe_fail
 from parallelkit.train.files import atomic_text, atomic_torch_save, remove_stale
 from parallelkit.train.monitor import Monitor, table
@@ -94,17 +96,34 @@ def end_of_step(device: torch.device) -> None:
 def open_run_dir(cfg: Config, comm: pk.Communicator) -> tuple[rundir.Lock | None, str | None]:
     """Check that ``run_dir`` is this run's to use (every rank, the same files: the same
     verdict), then on rank 0 take its lock, remove stale temporary files and unfinished
-    checkpoints, clear an earlier run's outputs when overwriting, and save ``config.yaml``.
-    Returns the lock and a note for the user (or None)."""
+    checkpoints (saying so), clear an earlier run's outputs when overwriting, and save
+    ``config.yaml``. Returns the lock and a note for the user (or None).
+
+    The ranks agree on the verdict before going on: when another run took the lock between
+    the launcher's check and this one (two runs started at once), every rank stops with one
+    line (:mod:`agree`)."""
     t, lead = cfg.train, comm.rank == 0
     run_dir = Path(t.run_dir)
-    note = rundir.check(cfg, lock=lead)
-    lock = None
+    problem, note, lock = "", None, None
+    try:
+        note = rundir.check(cfg, lock=lead)
+        if lead:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            lock = rundir.Lock(run_dir)
+    except ValueError as e:
+        problem = str(e)
+    except OSError as e:
+        problem = f"train.run_dir={run_dir} cannot be used: {e.strerror or e}"
+    agree(comm, problem)
     if lead:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        lock = rundir.Lock(run_dir)
         remove_stale(run_dir)
-        checkpoint.remove_incomplete(run_dir)
+        for folder in checkpoint.remove_incomplete(run_dir):
+            print(
+                f"parallelkit train: removed checkpoint {folder}: it has no manifest (a save "
+                "that was interrupted, or a manifest that was deleted), so it cannot be verified",
+                file=sys.stderr,
+                flush=True,
+            )
         if t.overwrite and not t.resume:
             rundir.clear_outputs(run_dir)
         atomic_text(run_dir / "config.yaml", to_yaml(cfg))
@@ -115,23 +134,28 @@ def open_run_dir(cfg: Config, comm: pk.Communicator) -> tuple[rundir.Lock | None
 def resume(
     cfg: Config, task: Task, grid: Grid, device: torch.device
 ) -> tuple[int, rundir.Identity]:
-    """The step to start from and the run's identity: a new one, or the checkpoint's."""
+    """The step to start from and the run's identity: a new one, or the checkpoint's. A
+    checkpoint whose state does not fit the task is reported like a damaged one, and the next
+    older one is tried."""
     identity = rundir.new_identity(cfg)
     if not cfg.train.resume:
         return 0, identity
+
+    def fit(folder: Path, state: dict[str, Any]) -> None:
+        try:
+            task.load_state(state["task"])
+        except (KeyError, RuntimeError, ValueError, TypeError) as e:
+            what = "; ".join(str(e).strip().splitlines())[:400]
+            raise checkpoint.Unreadable(
+                f"checkpoint {folder} does not fit this run's model ({cfg.model.name}) or "
+                f"optimizer ({cfg.optim.name}): {type(e).__name__}: {what}"
+            ) from None
+
     run_dir = Path(cfg.train.run_dir)
-    found = checkpoint.load_newest_usable(run_dir, grid, device, cfg.train.resume_fallback)
+    found = checkpoint.load_newest_usable(run_dir, grid, device, cfg.train.resume_fallback, fit)
     if found is None:
         return 0, identity
     folder, state = found
-    try:
-        task.load_state(state["task"])
-    except (KeyError, RuntimeError, ValueError, TypeError) as e:
-        what = "; ".join(str(e).strip().splitlines())[:400]
-        raise ValueError(
-            f"checkpoint {folder} does not fit this run's model ({cfg.model.name}) or optimizer "
-            f"({cfg.optim.name}): {type(e).__name__}: {what}"
-        ) from None
     run_id = checkpoint.read_manifest(folder).get("run_id")
     return state["step"], rundir.new_identity(cfg, run_id)
 
@@ -173,13 +197,12 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
         timeout=cfg.parallel.timeout,
         device=requested_device(cfg.parallel.device),
     )
-    grid = Grid(comm, **grid_dims(cfg.parallel, comm.size))
+    try:  # checked by the launcher already; ranks started by torchrun or mpiexec check here
+        dims = preflight.check_grid(cfg, comm.size)
+    except ValueError as e:
+        raise same_everywhere(str(e), comm) from None
+    grid = Grid(comm, **dims)
     t = cfg.train
-    if t.batch_size % (grid.data * t.accumulate):
-        raise ValueError(
-            f"train.batch_size={t.batch_size} must split into {grid.data} data-parallel ranks x "
-            f"{t.accumulate} micro-batches (train.accumulate)"
-        )
     device = device_for(comm)
     run_dir = Path(t.run_dir)
     lead = comm.rank == 0
