@@ -16,6 +16,9 @@ each plot shows, so that where each strategy wins is visible at a glance:
     sync_batchnorm  SyncBatchNorm time / local BatchNorm time per shape and rank count
     collectives     bus bandwidth vs message size, parallelkit and the raw backend
     peers           step times side by side, and the float64 error of each framework
+    spatial_volume  the 3-D U-Net's and the Conv3d stack's step, dense on 1 rank against 2
+                    ranks split over depth (the ratio over each pair of bars), and the 2-rank
+                    step split into halo exchange, reductions and compute
 
 matplotlib (the ``bench`` extra) draws with the Agg backend: no display is needed.
 """
@@ -265,6 +268,38 @@ def short(framework: str) -> str:
     )
 
 
+# ---------------------------------------------------------------------------- spatial_volume
+VOLUME_PARTS = ("compute and the rest", "halo exchange", "reductions", "host metadata")
+
+
+def spatial_volume(record: dict, out: Path) -> list[Path]:
+    """Step time per workload and variant, and the 2-rank step's split, side by side."""
+    rows = record["rows"]
+    fig, (times, split) = plt.subplots(1, 2, figsize=(11, 4))
+    variants = list(dict.fromkeys(v for r in rows for v in r["ms"]))
+    width = 0.8 / len(variants)
+    for i, v in enumerate(variants):
+        xs = [j + i * width for j, r in enumerate(rows) if v in r["ms"]]
+        ms = [r["ms"][v] for r in rows if v in r["ms"]]
+        bars = times.bar(xs, ms, width, label=v, color=f"C{i}")
+        if v != "dense":
+            ratios = [r["ms"]["dense"] / r["ms"][v] for r in rows if v in r["ms"]]
+            times.bar_label(bars, [f"{x:.2f}x" for x in ratios], fontsize=7)
+    labels = [r["workload"] for r in rows]
+    times.set_xticks([j + width * (len(variants) - 1) / 2 for j in range(len(rows))], labels)
+    times.set(ylabel="ms per forward + backward", title="step: dense 1 rank vs 2 ranks over D")
+    times.legend(fontsize=7, title="dense / variant over the bars", title_fontsize=7)
+    bottom = [0.0] * len(rows)
+    for part in VOLUME_PARTS:
+        ms = [r.get("split_ms", {}).get(part, 0.0) for r in rows]
+        split.bar(range(len(rows)), ms, bottom=bottom, label=part)
+        bottom = [b + m for b, m in zip(bottom, ms, strict=True)]
+    split.set_xticks(range(len(rows)), labels)
+    split.set(ylabel="ms (rank 0)", title="2-rank step: where the time goes")
+    split.legend(fontsize=7)
+    return [save_fig(fig, out.with_name("spatial_volume.png"))]
+
+
 # ---------------------------------------------------------------------------- driver
 PLOTTERS: dict[str, Callable[[dict, Path], list[Path]]] = {
     "model_parallel": model_parallel,
@@ -273,6 +308,7 @@ PLOTTERS: dict[str, Callable[[dict, Path], list[Path]]] = {
     "sync_batchnorm": sync_batchnorm,
     "collectives": collectives,
     "peers": peers,
+    "spatial_volume": spatial_volume,
 }
 
 

@@ -94,3 +94,55 @@ def test_plots_write_pngs(tmp_path: Path) -> None:
     ]
     assert all(p.read_bytes().startswith(b"\x89PNG") for p in written)
     assert plots.plot(tmp_path / "unknown.json") == []
+
+
+def volume_row(workload: str, dense: float, pk: float) -> dict:
+    """A spatial_volume row in the shape the script saves (2 layers fetching along D)."""
+    layer = {"layer": "0", "kind": "Conv3d", "input": [1, 8, 4, 4, 4], "planes": [1, 1]}
+    planes = [
+        {**layer, "bytes": [512, 512], "grad": False},
+        {**layer, "bytes": [512, 512], "grad": True},
+    ]
+    split = {"halo exchange": 2.0, "reductions": 1.0, "host metadata": 0.0}
+    return {
+        "workload": workload,
+        "ranks": 2,
+        "times": {"dense": [dense / 1e3], "pk": [pk / 1e3]},
+        "ms": {"dense": dense, "pk": pk},
+        "loss": {"dense": 0.5, "pk": 0.5},
+        "split_ms": {**split, "compute and the rest": pk - 3.0, "step": pk},
+        "idle_rank": {"cpu_s": 0.01, "wall_s": 1.0},
+        "other_load_cores": 0.1,
+        "bytes_fwd": [{"sent": 1024, "received": 1024, "self_copied": 0}] * 2,
+        "bytes_bwd": [{"sent": 512, "received": 512, "self_copied": 0}] * 2,
+        "layers": planes,
+    }
+
+
+def test_spatial_volume_report_and_halo_check() -> None:
+    import spatial_volume as sv
+
+    rows = [volume_row("unet", 100.0, 50.0), volume_row("stack", 100.0, 80.0)]
+    for row in rows:
+        row["halo"] = sv.halo_check(row)
+    assert rows[0]["halo"]["predicted"] == [1024, 1024]  # both layers forward
+    assert rows[0]["halo"]["predicted_bwd"] == [512, 512]  # the input needs no gradient
+    assert rows[0]["halo"]["agree"]
+    env = {"command": "python benchmarks/spatial_volume.py --quick", "torch": "2.13.0"}
+    text = sv.report(sv.Config(unet_size=32, stack_size=64, repeats=1), rows, env, 9.0)
+    assert "dense 100 ms, 2 ranks 50 ms, ratio 2.00 (goal >= 1.6): met" in text
+    assert "dense 100 ms, 2 ranks 80 ms, ratio 1.25 (goal >= 1.6): MISSED" in text
+    assert "counted == predicted by geometry on every rank: yes" in text
+    assert "| 2 (4%) | 1 (2%) | 0 (0%) | 47 (94%) | 50 |" in text  # the split of the unet step
+    rows[1]["bytes_bwd"] = [{"sent": 1024, "received": 1024, "self_copied": 0}] * 2
+    assert not sv.halo_check(rows[1])["agree"]  # a gradient sent back for the input: caught
+
+
+def test_spatial_volume_plot(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    import plots
+
+    path = tmp_path / "spatial_volume.json"
+    path.write_text(json.dumps({"rows": [volume_row("unet", 100.0, 50.0)]}))
+    assert [p.name for p in plots.plot(path)] == ["spatial_volume.png"]
+    assert (tmp_path / "spatial_volume.png").read_bytes().startswith(b"\x89PNG")
