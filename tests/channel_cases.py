@@ -1,6 +1,8 @@
-"""Rank-side ChannelParallelConv2d cases, shared by the gloo and mpiexec tiers.
+"""Rank-side ChannelParallelConv1d/2d/3d cases, shared by the gloo and mpiexec tiers.
 
-Every rank builds the same dense ``nn.Conv2d`` (fixed seed), the same whole input and output
+A case's spatial size (``hw``) says which: one size is a signal (``nn.Conv1d``), two an image
+(``nn.Conv2d``), three a volume (``nn.Conv3d``); their names start with "1d" and "3d".
+Every rank builds the same dense ``nn.Conv*d`` (fixed seed), the same whole input and output
 gradient, and runs the dense convolution on them. The parallel layer is made with
 ``from_dense``; a replicated input or output is compared whole, a split one by this rank's
 channel block. Blocks are computed here with ``torch.tensor_split`` (of the channels, or of the
@@ -18,9 +20,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import parallelkit as pk
 import parallelkit.functional as pkf
 from parallelkit.comm import Communicator
-from parallelkit.nn import ChannelParallelConv2d
+from parallelkit.nn import (
+    ChannelParallelConv1d,
+    ChannelParallelConv2d,
+    ChannelParallelConv3d,
+    ChannelParallelConvTranspose1d,
+    ChannelParallelConvTranspose2d,
+    ChannelParallelConvTranspose3d,
+)
 
 from bn_cases import counting
 
@@ -59,6 +69,21 @@ CASES: dict[str, dict] = {
     "groups 4": dict(in_c=8, out_c=12, groups=4),
     "depthwise": dict(in_c=6, out_c=6, groups=6),
     "depthwise x2 k5 s2": dict(in_c=5, out_c=10, groups=5, k=5, stride=2, padding=2),
+    # Volumes (N, C, D, H, W) and signals (N, C, L): the same splits along dim 1.
+    "3d k3 p1": dict(hw=(5, 6, 4)),
+    "3d k (3,1,2) s (2,1,1) p (1,0,1)": dict(
+        k=(3, 1, 2), stride=(2, 1, 1), padding=(1, 0, 1), hw=(5, 6, 4)
+    ),
+    "3d same d2 reflect, no bias": dict(
+        padding="same", dilation=2, padding_mode="reflect", bias=False, hw=(5, 6, 5)
+    ),
+    "3d float64 k4 s2 circular": dict(
+        k=4, stride=2, padding=1, padding_mode="circular", dtype=torch.float64, hw=(6, 5, 5)
+    ),
+    "3d groups 2": dict(in_c=6, out_c=4, groups=2, hw=(4, 5, 4)),
+    "1d k5 s2 p2": dict(k=5, stride=2, padding=2, hw=(17,)),
+    "1d same d3 replicate": dict(padding="same", dilation=3, padding_mode="replicate", hw=(13,)),
+    "1d depthwise x2": dict(in_c=5, out_c=10, groups=5, hw=(11,)),
 }
 # (case, split, options) beyond the defaults gather_output=True, input_is_split=False.
 OPTIONS: list[tuple[str, str, dict]] = [
@@ -72,6 +97,12 @@ OPTIONS: list[tuple[str, str, dict]] = [
     ("groups 4", "out", dict(input_is_split=True, gather_output=False)),
     ("groups 4", "in", dict(scatter_output=True)),
     ("depthwise", "in", dict(input_is_split=True)),
+    ("3d k3 p1", "out", dict(gather_output=False)),
+    ("3d k3 p1", "out", dict(input_is_split=True)),
+    ("3d k3 p1", "in", dict(scatter_output=True)),
+    ("3d float64 k4 s2 circular", "in", dict(input_is_split=True, scatter_output=True)),
+    ("1d k5 s2 p2", "in", dict(input_is_split=True)),
+    ("1d k5 s2 p2", "out", dict(gather_output=False)),
 ]
 # Chains of layers: (dense conv kwargs, split, options, ReLU after). Every layer but the first
 # takes the previous one's output layout; the last returns the whole output.
@@ -93,6 +124,10 @@ CHAINS: dict[str, list[tuple[dict, str, dict, bool]]] = {
             True,
         ),
         (dict(in_c=12, out_c=6, k=1, padding=0), "in", dict(input_is_split=True), False),
+    ],
+    "3d out -> relu -> in": [
+        (dict(in_c=7, out_c=10, hw=(5, 4, 6)), "out", dict(gather_output=False), True),
+        (dict(in_c=10, out_c=6, stride=2, hw=(5, 4, 6)), "in", dict(input_is_split=True), False),
     ],
 }
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float64: {}}
@@ -122,19 +157,28 @@ def block(total: int, groups: int, comm: Communicator) -> slice:
     return slice(start, start + len(mine) * per)
 
 
+DENSE = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
+LAYERS = {1: ChannelParallelConv1d, 2: ChannelParallelConv2d, 3: ChannelParallelConv3d}
+
+
 def _conv_args(spec: dict) -> tuple:
-    """nn.Conv2d's positional arguments for a case, in its order."""
+    """nn.Conv*d's positional arguments for a case, in its order."""
     keys = ("in_c", "out_c", "k", "stride", "padding", "dilation", "groups", "bias", "padding_mode")
     return tuple(spec[key] for key in keys)
 
 
-def dense_conv(spec: dict, seed: int = 0) -> nn.Conv2d:
+def layer_type(spec: dict) -> type[ChannelParallelConv2d]:
+    """The channel-parallel layer for a case's number of spatial dimensions."""
+    return LAYERS[len(spec["hw"])]
+
+
+def dense_conv(spec: dict, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Conv2d(*_conv_args(spec), dtype=spec["dtype"])
+    return DENSE[len(spec["hw"])](*_conv_args(spec), dtype=spec["dtype"])
 
 
 def parameter_results(
-    layer: ChannelParallelConv2d, dense: nn.Conv2d, split: str, comm: Communicator, at: str = ""
+    layer: nn.Module, dense: nn.Module, split: str, comm: Communicator, at: str = ""
 ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """This rank's weight/bias and their gradients against the dense ones' block."""
     groups = dense.groups
@@ -157,12 +201,12 @@ def parameter_results(
 def parity(
     comm: Communicator, name: str, split: str, device: str | None = None, **options
 ) -> list[Result]:
-    """ChannelParallelConv2d over ``comm`` vs. nn.Conv2d on the whole input, same weights;
+    """ChannelParallelConv*d over ``comm`` vs. nn.Conv*d on the whole input, same weights;
     ``device``: where the parallel layer runs."""
     spec = spec_of(name)
     dtype, groups = spec["dtype"], spec["groups"]
     dense = dense_conv(spec)
-    layer = ChannelParallelConv2d.from_dense(dense, comm, split=split, **options).to(device)
+    layer = layer_type(spec).from_dense(dense, comm, split=split, **options).to(device)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, spec["in_c"], *spec["hw"], generator=g, dtype=dtype, requires_grad=True)
     y = dense(x)
@@ -187,12 +231,14 @@ def chain(comm: Communicator, name: str) -> list[Result]:
     """Layers passing channel shards to each other vs. the dense convolutions in a row."""
     links = CHAINS[name]
     denses = [dense_conv({**DEFAULTS, **spec}, seed=i) for i, (spec, *_) in enumerate(links)]
+    kind = layer_type({**DEFAULTS, **links[0][0]})
     layers = [
-        ChannelParallelConv2d.from_dense(d, comm, split=split, **options)
+        kind.from_dense(d, comm, split=split, **options)
         for d, (_, split, options, _) in zip(denses, links, strict=True)
     ]
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(2, links[0][0]["in_c"], 9, 8, generator=g, requires_grad=True)
+    hw = links[0][0].get("hw", DEFAULTS["hw"])
+    x = torch.randn(2, links[0][0]["in_c"], *hw, generator=g, requires_grad=True)
     x_mine = x.detach().clone().requires_grad_()
     y, y_mine = x, x_mine
     for dense, layer, (*_, relu) in zip(denses, layers, links, strict=True):
@@ -217,7 +263,8 @@ def grouped_shortcut(comm: Communicator, name: str) -> list[Result]:
     rows, cols = block(spec["out_c"], 1, comm), block(spec["in_c"], 1, comm)
     bias = None if dense.bias is None else dense.bias[rows]
     w = dense.weight[rows, cols]
-    y_shard = F.conv2d(x[:, cols], w, bias, dense.stride, dense.padding, dense.dilation)
+    conv = (F.conv1d, F.conv2d, F.conv3d)[len(spec["hw"]) - 1]
+    y_shard = conv(x[:, cols], w, bias, dense.stride, dense.padding, dense.dilation)
     sizes = comm.all_gather(torch.tensor([y_shard.shape[1]])).tolist()
     y = pkf.gather_from_group(y_shard, comm, 1, sizes)
     return [("output", y, dense(x).detach(), TOLERANCE[torch.float32])]
@@ -225,18 +272,19 @@ def grouped_shortcut(comm: Communicator, name: str) -> list[Result]:
 
 def round_trip(comm: Communicator, name: str, split: str) -> list[Result]:
     """from_dense then to_dense gives the dense conv back; a layer constructed under the same
-    random state holds the shard of the nn.Conv2d constructed under it; both compute alike."""
+    random state holds the shard of the nn.Conv*d constructed under it; both compute alike."""
     spec = spec_of(name)
     dense = dense_conv(spec, seed=3)
-    back = ChannelParallelConv2d.from_dense(dense, comm, split=split).to_dense()
+    kind = layer_type(spec)
+    back = kind.from_dense(dense, comm, split=split).to_dense()
     torch.manual_seed(3)
-    layer = ChannelParallelConv2d(*_conv_args(spec), dtype=spec["dtype"], comm=comm, split=split)
+    layer = kind(*_conv_args(spec), dtype=spec["dtype"], comm=comm, split=split)
     made = layer.to_dense()
     x = torch.randn(2, spec["in_c"], *spec["hw"], dtype=spec["dtype"])
     exact: dict = dict(rtol=0, atol=0)
     out: list[Result] = []
     for what, conv in (("from_dense -> to_dense", back), ("constructed -> to_dense", made)):
-        same = type(conv) is nn.Conv2d and _config(conv) == _config(dense)
+        same = type(conv) is type(dense) and _config(conv) == _config(dense)
         out.append((f"{what} type and config", torch.tensor(same), torch.tensor(True), exact))
         out.append((f"{what} weight", conv.weight.detach(), dense.weight.detach(), exact))
         if dense.bias is not None:
@@ -246,7 +294,7 @@ def round_trip(comm: Communicator, name: str, split: str) -> list[Result]:
     return out
 
 
-def _config(conv: nn.Conv2d) -> tuple:
+def _config(conv: nn.Module) -> tuple:
     names = ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation")
     return (*(getattr(conv, n) for n in names), conv.groups, conv.padding_mode, conv.weight.dtype)
 
@@ -257,11 +305,13 @@ def replicated_bias(comm: Communicator) -> torch.Tensor:
     return ChannelParallelConv2d(7, 10, 3, comm=comm, split="in").bias.detach()
 
 
-def collective_counts(comm: Communicator, split: str, **options) -> tuple[int, int]:
+def collective_counts(
+    comm: Communicator, split: str, name: str = "k3 p1", **options
+) -> tuple[int, int]:
     """How many collectives one forward and one backward issue on this rank."""
-    spec = spec_of("k3 p1")
-    layer = ChannelParallelConv2d.from_dense(dense_conv(spec), comm, split=split, **options)
-    x = torch.randn(2, spec["in_c"], 9, 8, requires_grad=True)
+    spec = spec_of(name)
+    layer = layer_type(spec).from_dense(dense_conv(spec), comm, split=split, **options)
+    x = torch.randn(2, spec["in_c"], *spec["hw"], requires_grad=True)
     with counting(comm) as forward:
         y = layer(x)
     with counting(comm) as backward:
@@ -310,3 +360,100 @@ def errors(comm: Communicator) -> list[str]:
         comm.debug = debug
     messages.append(str(info.value))
     return messages
+
+
+# ----------------------------------------------------------------------------- transposed
+TRANSPOSED = {1: ChannelParallelConvTranspose1d, 2: ChannelParallelConvTranspose2d,
+              3: ChannelParallelConvTranspose3d}  # fmt: skip
+DENSE_TRANSPOSED = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
+# name -> (in, out channels, kernel, stride, padding, output_padding, dilation, bias, size)
+TRANSPOSED_CASES: dict[str, tuple] = {
+    "2d k4 s2 p1": (7, 5, 4, 2, 1, 0, 1, True, (4, 5)),
+    "3d k4 s2 p1": (7, 5, 4, 2, 1, 0, 1, True, (3, 4, 3)),
+    "3d k3 s2 p1 op1 d1, no bias": (6, 9, 3, 2, 1, 1, 1, False, (3, 2, 4)),
+    "3d k (2,3,3) s (1,2,2) d2": (5, 7, (2, 3, 3), (1, 2, 2), 0, 0, 2, True, (3, 3, 2)),
+    "3d float64 k2 s2": (4, 5, 2, 2, 0, 0, 1, True, (2, 3, 3)),
+    "1d k5 s3 p2 op1": (7, 10, 5, 3, 2, 1, 1, True, (6,)),
+}
+
+
+def transposed_parity(comm: Communicator, name: str, split: str) -> list[Result]:
+    """ChannelParallelConvTranspose*d over ``comm`` vs. nn.ConvTranspose*d on the whole input:
+    output, input gradient, this rank's weight and bias and their gradients."""
+    c_in, c_out, k, stride, pad, out_pad, dil, bias, size = TRANSPOSED_CASES[name]
+    dtype = torch.float64 if "float64" in name else torch.float32
+    torch.manual_seed(0)
+    dense = DENSE_TRANSPOSED[len(size)](
+        c_in, c_out, k, stride, pad, out_pad, 1, bias, dil, dtype=dtype
+    )
+    layer = TRANSPOSED[len(size)].from_dense(dense, comm, split=split)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, c_in, *size, generator=g, dtype=dtype, requires_grad=True)
+    y = dense(x)
+    dy = torch.randn(y.shape, generator=g, dtype=dtype)
+    y.backward(dy)
+    x_mine = x.detach().clone().requires_grad_()
+    y_mine = layer(x_mine)
+    y_mine.backward(dy)
+    # The weight (C, C'/groups, *k): "out" holds a block of dim 1, "in" a block of dim 0.
+    dim, total = (1, c_out) if split == "out" else (0, c_in)
+    mine = block(total, 1, comm)
+    w_block = lambda w: w[:, mine] if dim == 1 else w[mine]  # noqa: E731
+    triples = [
+        ("output", y_mine, y),
+        ("input grad", x_mine.grad, x.grad),
+        ("weight", layer.weight, w_block(dense.weight)),
+        ("weight grad", layer.weight.grad, w_block(dense.weight.grad)),
+    ]
+    if bias:
+        b_block = (lambda b: b[mine]) if split == "out" else (lambda b: b)
+        triples.append(("bias grad", layer.bias.grad, b_block(dense.bias.grad)))
+    return [(label, got, want.detach(), TOLERANCE[dtype]) for label, got, want in triples]
+
+
+# ----------------------------------------------------------------------------- the strategy
+def _nothing_to_split() -> dict[str, tuple[nn.Module, tuple[int, ...]]]:
+    """Models in which the channel strategy over 4 ranks finds no layer to split."""
+    return {
+        "no convolutions": (nn.Sequential(nn.Flatten(), nn.Linear(24, 8)), (2, 3, 8)),
+        "narrow 3-D convolutions": (
+            nn.Sequential(nn.Conv3d(1, 3, 3, padding=1), nn.ReLU(), nn.Conv3d(3, 2, 1)),
+            (1, 1, 4, 4, 4),
+        ),
+        "everything kept dense": (nn.Sequential(nn.Conv3d(1, 8, 1)), (1, 1, 2, 2, 2)),
+    }
+
+
+def channel_refusal(comm: Communicator, name: str) -> str:
+    """The channel strategy's refusal of a model it cannot split, on this rank."""
+    model, _ = _nothing_to_split()[name]
+    keep = ["0"] if name == "everything kept dense" else []
+    with pytest.raises(ValueError, match="splits nothing") as info:
+        pk.parallelize(model, comm, "channel", keep_dense=keep)
+    return str(info.value)
+
+
+def swapped_layers(comm: Communicator) -> list[str]:
+    """The classes the channel strategy puts in place of a 3-D and a 1-D network's layers."""
+    model = nn.Sequential(
+        nn.Conv3d(1, 6, 3, padding=1), nn.ConvTranspose3d(6, 5, 2, stride=2),
+        nn.Conv3d(5, 2, 1), nn.Conv3d(2, 2, 1),  # the last: too narrow for 3 ranks, kept dense
+        nn.Conv1d(2, 4, 3), nn.ConvTranspose1d(4, 2, 3),
+    )  # fmt: skip
+    model = pk.parallelize(model, comm, "channel")
+    return [type(m).__name__ for m in model]
+
+
+def volume_parity_without_input_sum(comm: Communicator, net: str, grid: dict) -> list[str]:
+    """Negative control: split="out" layers whose backward leaves the partial input gradients
+    unsummed (``copy_to_group`` replaced by the identity); the labels that then mismatch."""
+    from cases import mismatches
+    from volume_cases import volume_parity
+
+    copy_to_group = pkf.copy_to_group
+    pkf.copy_to_group = lambda x, comm: x
+    try:
+        triples = volume_parity(comm, net, grid, steps=1)
+    finally:
+        pkf.copy_to_group = copy_to_group
+    return mismatches([(label, got, want, {}) for label, got, want in triples])

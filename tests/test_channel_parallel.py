@@ -1,6 +1,7 @@
-"""ChannelParallelConv2d: parity with nn.Conv2d on the whole input over 1-4 gloo ranks (both
-splits, split inputs and outputs, chains), a negative control (the grouped-convolution
-shortcut), collective counts, initialization and the dense round trip, and bad input."""
+"""ChannelParallelConv1d/2d/3d: parity with nn.Conv1d/2d/3d on the whole input over 1-4 gloo
+ranks (both splits, split inputs and outputs, chains), a negative control (the
+grouped-convolution shortcut), collective counts, initialization and the dense round trip, and
+bad input; ChannelParallelConvTranspose1d/2d/3d's parity with the dense layer."""
 
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ import torch
 from torch import nn
 
 from parallelkit.comm.local import LocalCommunicator
-from parallelkit.nn import ChannelParallelConv2d
+from parallelkit.nn import (
+    ChannelParallelConv1d,
+    ChannelParallelConv2d,
+    ChannelParallelConv3d,
+    ChannelParallelConvTranspose3d,
+)
 
 from cases import WORLD_SIZES, assert_results, mismatches
 from channel_cases import (
@@ -17,6 +23,7 @@ from channel_cases import (
     CASES,
     CHAINS,
     OPTIONS,
+    TRANSPOSED_CASES,
     chain,
     collective_counts,
     errors,
@@ -25,6 +32,7 @@ from channel_cases import (
     replicated_bias,
     round_trip,
     spec_of,
+    transposed_parity,
     valid,
 )
 
@@ -59,12 +67,21 @@ def test_chained_layers_equal_dense_convs(ranks, size, name):
         assert_results(results)
 
 
+@pytest.mark.parametrize("name", ["k3 p1", "3d k3 p1", "1d k5 s2 p2"])
 @pytest.mark.parametrize("size", WORLD_SIZES)
-def test_grouped_shortcut_does_not_match(ranks, size):
+def test_grouped_shortcut_does_not_match(ranks, size, name):
     """Negative control: the harness catches a grouped conv sold as a channel-parallel one
     (and, on one rank, where it is the dense conv, passes it)."""
-    for results in ranks(size).run(grouped_shortcut, "k3 p1"):
+    for results in ranks(size).run(grouped_shortcut, name):
         assert ("output" in mismatches(results)) == (size > 1)
+
+
+@pytest.mark.parametrize("split", ["out", "in"])
+@pytest.mark.parametrize("name", list(TRANSPOSED_CASES))
+@pytest.mark.parametrize("size", WORLD_SIZES)
+def test_transposed_parity_with_dense(ranks, size, name, split):
+    for results in ranks(size).run(transposed_parity, name, split):
+        assert_results(results)
 
 
 @pytest.mark.parametrize(
@@ -77,15 +94,18 @@ def test_grouped_shortcut_does_not_match(ranks, size):
         ("out", dict(gather_output=False), (0, 1)),
     ],
 )
+@pytest.mark.parametrize("name", ["k3 p1", "3d k3 p1"])
 @pytest.mark.parametrize("size", [1, 3])
-def test_collective_counts(ranks, size, split, options, counts):
+def test_collective_counts(ranks, size, name, split, options, counts):
     want = counts if size > 1 else (0, 0)
-    assert ranks(size).run(collective_counts, split, **options) == [want] * size
+    assert ranks(size).run(collective_counts, split, name, **options) == [want] * size
 
 
 @pytest.mark.parametrize(
-    ("name", "split"), [("k3 p1", "out"), ("k3 p1", "in"), ("depthwise", "in"), ("k1 p0", "out")]
-)
+    ("name", "split"),
+    [("k3 p1", "out"), ("k3 p1", "in"), ("depthwise", "in"), ("k1 p0", "out"),
+     ("3d k3 p1", "out"), ("3d same d2 reflect, no bias", "in"), ("1d k5 s2 p2", "in")],
+)  # fmt: skip
 @pytest.mark.parametrize("size", [1, 3, 4])
 def test_round_trip_and_initialization(ranks, size, name, split):
     for results in ranks(size).run(round_trip, name, split):
@@ -139,6 +159,32 @@ def test_split_input_of_the_wrong_size_raises():
 def test_from_dense_needs_a_conv2d():
     with pytest.raises(ValueError, match=r"expected an nn\.Conv2d"):
         ChannelParallelConv2d.from_dense(nn.Conv1d(2, 2, 3), LocalCommunicator())
+    with pytest.raises(ValueError, match=r"Conv3d.from_dense: expected an nn\.Conv3d"):
+        ChannelParallelConv3d.from_dense(nn.Conv2d(2, 2, 3), LocalCommunicator())
+    with pytest.raises(ValueError, match=r"expected an nn\.ConvTranspose3d"):
+        ChannelParallelConvTranspose3d.from_dense(nn.Conv3d(2, 2, 3), LocalCommunicator())
+
+
+@pytest.mark.parametrize(
+    ("kind", "shape", "message"),
+    [
+        (ChannelParallelConv3d, (2, 4, 5, 5), r"expected an \(N, C, D, H, W\) input"),
+        (ChannelParallelConv1d, (2, 4, 5, 5), r"expected an \(N, C, L\) input"),
+        (ChannelParallelConv3d, (2, 4, 5, 1, 5), "smaller than the dilated kernel"),
+    ],
+)
+def test_volumes_and_signals_check_their_input(kind, shape, message):
+    layer = kind(4, 6, 3, comm=LocalCommunicator())
+    with pytest.raises(ValueError, match=rf"{kind.__name__}\(4, 6.*{message}"):
+        layer(torch.zeros(shape))
+
+
+def test_3d_same_padding_needs_stride_1_and_repr_names_the_kind():
+    with pytest.raises(ValueError, match=r"ChannelParallelConv3d.*padding='same' needs stride"):
+        ChannelParallelConv3d(4, 6, 3, (1, 2, 1), "same", comm=LocalCommunicator())
+    layer = ChannelParallelConv3d(4, 6, 3, dilation=(1, 2, 1), comm=LocalCommunicator())
+    assert layer.weight.shape == (6, 4, 3, 3, 3)
+    assert "dilation=(1, 2, 1)" in repr(layer) and layer.to_dense().__class__ is nn.Conv3d
 
 
 def test_world_communicator_needed_when_comm_is_none(monkeypatch):

@@ -1,10 +1,16 @@
-"""A dense 2-D convolution whose channels are split over the ranks of a communicator.
+"""A dense convolution (1-D, 2-D or 3-D) whose channels are split over the ranks of a
+communicator.
 
 ``ChannelParallelConv2d`` computes exactly what ``torch.nn.Conv2d`` computes, with each rank
-holding one block of the weight. It is a dense convolution: every output channel still sums
-over every input channel. (Running a grouped convolution with ``groups=comm.size`` instead,
-each rank convolving its own input block into its own output block, drops all the cross-block
-terms; it is a different, smaller model, and the tests check that it does not match.)
+holding one block of the weight; ``ChannelParallelConv1d`` and ``ChannelParallelConv3d`` do the
+same for ``nn.Conv1d`` on signals (N, C, L) and ``nn.Conv3d`` on volumes (N, C, D, H, W). The
+three differ only in the number of spatial dimensions (``dims``): the channels are dim 1 in
+every case, so the splits, collectives and checks below are written once.
+
+It is a dense convolution: every output channel still sums over every input channel. (Running
+a grouped convolution with ``groups=comm.size`` instead, each rank convolving its own input
+block into its own output block, drops all the cross-block terms; it is a different, smaller
+model, and the tests check that it does not match.)
 
 Two ways to split, both exact:
 
@@ -22,7 +28,8 @@ Blocks follow ``torch.tensor_split`` (``tensor_split_sizes``: the first blocks o
 group), which makes its input and output blocks one self-contained grouped convolution: no
 partial sums exist, and the two modes differ only in the bias and in their options.
 
-Legend: N batch, C / C' input / output channels, H W / H' W' input / output size, r this rank,
+Legend: N batch, C / C' input / output channels, H W / H' W' input / output size (read L or
+D H W for 1-D and 3-D; the tables below show 2-D), r this rank,
 c = in_sizes[r], c' = out_sizes[r]; "replicated" = the same tensor on every rank; every rank
 computes the same loss from a replicated output, so it holds the whole gradient of it; a shard
 (``_shard``) gets the gradient of its own block only. The collectives are the autograd pairs of
@@ -63,7 +70,7 @@ block in backward), not ``all_gather``. The replicated bias is added by block th
 ``scatter_to_group``, whose backward all-gathers the block gradients, so every rank again holds
 the whole bias gradient, as with ``reduce_from_group``.
 
-Every padding of ``nn.Conv2d`` works: ints, tuples, "valid", "same" (stride 1), and padding
+Every padding of ``nn.Conv*d`` works: ints, tuples, "valid", "same" (stride 1), and padding
 modes "zeros", "reflect", "replicate", "circular": the image is never split, so padding stays a
 local, per-channel operation. Bad arguments raise ``ValueError`` at construction, and bad inputs
 before the first collective, the same way on every rank (for a replicated input, whose shape
@@ -84,37 +91,45 @@ import parallelkit.functional as pkf
 from parallelkit.comm import Communicator, world
 from parallelkit.geometry import pair, tensor_split_sizes
 
+Size = int | tuple[int, ...]
+
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 SPLITS = ("out", "in")
 
 
-class ChannelParallelConv2d(nn.Module):
-    """``torch.nn.Conv2d`` with its channels split over the ranks of ``comm`` (exact, dense).
+class ChannelParallelConvNd(nn.Module):
+    """``torch.nn.Conv{dims}d`` with its channels split over the ranks of ``comm`` (exact,
+    dense); use :class:`ChannelParallelConv1d`, :class:`ChannelParallelConv2d` or
+    :class:`ChannelParallelConv3d`.
 
-    Takes ``nn.Conv2d``'s arguments plus:
+    Takes ``nn.Conv*d``'s arguments plus:
         comm: the channel-parallel group (``None``: the world communicator of ``pk.init()``).
         split: "out" (each rank owns output channels) or "in" (input channels); see the module
             docstring for the collectives and which one suits which layer.
-        gather_output: "out" only; False returns this rank's output channels (N, c', H', W').
-        input_is_split: take this rank's input channels (N, c, H, W) instead of the whole input.
+        gather_output: "out" only; False returns this rank's output channels (N, c', *S').
+        input_is_split: take this rank's input channels (N, c, *S) instead of the whole input.
         scatter_output: "in" only; True returns this rank's output channels, reduce-scattered.
 
     ``in_sizes`` / ``out_sizes`` list every rank's input / output channel block (the layout of
     split inputs and outputs); ``split_output`` says whether the output is such a block.
     Every rank must construct the layer: with ``split="in"`` the replicated bias is broadcast
-    from rank 0, so that ranks seeded differently agree. Weights are drawn as ``nn.Conv2d``
+    from rank 0, so that ranks seeded differently agree. Weights are drawn as ``nn.Conv*d``
     draws them (the whole weight, then this rank's block is kept), so under the same random
-    state the layer holds the shard of the ``nn.Conv2d`` it replaces.
+    state the layer holds the shard of the ``nn.Conv*d`` it replaces.
     """
+
+    dims: int = 2
+    """Spatial dimensions: 1 (N, C, L), 2 (N, C, H, W), 3 (N, C, D, H, W)."""
+    dense_type: type[nn.Module] = nn.Conv2d
 
     def __init__(
         self,
         in_channels: int,
         out_channels: int,
-        kernel_size: int | tuple[int, int],
-        stride: int | tuple[int, int] = 1,
-        padding: str | int | tuple[int, int] = 0,
-        dilation: int | tuple[int, int] = 1,
+        kernel_size: Size,
+        stride: Size = 1,
+        padding: str | Size = 0,
+        dilation: Size = 1,
         groups: int = 1,
         bias: bool = True,
         padding_mode: str = "zeros",
@@ -130,9 +145,10 @@ class ChannelParallelConv2d(nn.Module):
         super().__init__()
         self.comm = comm if comm is not None else world()
         self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
-        self.kernel_size, self.stride = pair(kernel_size), pair(stride)
-        self.dilation = pair(dilation)
-        self.padding = padding if isinstance(padding, str) else pair(padding)
+        dims = self.dims
+        self.kernel_size, self.stride = pair(kernel_size, dims), pair(stride, dims)
+        self.dilation = pair(dilation, dims)
+        self.padding = padding if isinstance(padding, str) else pair(padding, dims)
         self.padding_mode, self.split = padding_mode, split
         self.gather_output, self.input_is_split = gather_output, input_is_split
         self.scatter_output = scatter_output
@@ -168,7 +184,7 @@ class ChannelParallelConv2d(nn.Module):
 
     # ------------------------------------------------------------------ parameters
     def _weight_block(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's block of a dense weight (C', C/groups, kh, kw)."""
+        """This rank's block of a dense weight (C', C/groups, *kernel_size)."""
         rank = self.comm.rank
         if self.split == "in" and self.groups == 1:
             return full.narrow(1, self.in_start, self.in_sizes[rank])
@@ -180,7 +196,7 @@ class ChannelParallelConv2d(nn.Module):
         return full.narrow(0, self.out_start, self.out_sizes[self.comm.rank])
 
     def reset_parameters(self) -> None:
-        """``nn.Conv2d``'s initialization of the whole weight; this rank keeps its block."""
+        """``nn.Conv*d``'s initialization of the whole weight; this rank keeps its block."""
         w = self.weight
         shape = (self.out_channels, self.in_channels // self.groups, *self.kernel_size)
         full = torch.empty(shape, dtype=w.dtype, device=w.device)
@@ -197,16 +213,17 @@ class ChannelParallelConv2d(nn.Module):
 
     @classmethod
     def from_dense(
-        cls, dense: nn.Conv2d, comm: Communicator | None = None, **kw
-    ) -> ChannelParallelConv2d:
+        cls, dense: nn.Module, comm: Communicator | None = None, **kw
+    ) -> ChannelParallelConvNd:
         """A layer holding this rank's block of ``dense``'s weight and bias (copies).
 
         ``kw``: ``split``, ``gather_output``, ``input_is_split``, ``scatter_output``.
         Every rank must pass the same ``dense``.
         """
-        if not isinstance(dense, nn.Conv2d):
+        if not isinstance(dense, cls.dense_type):
             raise ValueError(
-                f"ChannelParallelConv2d.from_dense: expected an nn.Conv2d, got {type(dense)}"
+                f"{cls.__name__}.from_dense: expected an nn.{cls.dense_type.__name__}, got "
+                f"{type(dense)}"
             )
         layer = cls(
             dense.in_channels,
@@ -232,10 +249,10 @@ class ChannelParallelConv2d(nn.Module):
             layer.bias = nn.Parameter(bias, requires_grad=dense.bias.requires_grad)
         return layer.train(dense.training)
 
-    def to_dense(self) -> nn.Conv2d:
-        """The equivalent ``nn.Conv2d``, its weight gathered from every rank (call it on all)."""
+    def to_dense(self) -> nn.Module:
+        """The equivalent ``nn.Conv*d``, its weight gathered from every rank (call it on all)."""
         w = self.weight.detach()
-        dense = nn.Conv2d(
+        dense = self.dense_type(
             self.in_channels,
             self.out_channels,
             self.kernel_size,
@@ -270,11 +287,11 @@ class ChannelParallelConv2d(nn.Module):
 
     def _forward_out(self, x: torch.Tensor) -> torch.Tensor:
         """split="out": whole input, this rank's output channels."""
-        if self.input_is_split:  # x_shard (N, c, H, W); backward reduce-scatters
+        if self.input_is_split:  # x_shard (N, c, *S); backward reduce-scatters
             x = pkf.all_gather(x, self.comm, 1, self.in_sizes)
         else:  # replicated x; backward sums the partial input gradients
             x = pkf.copy_to_group(x, self.comm)
-        y_shard = self._conv(x, self.bias, 1)  # (N, c', H', W')
+        y_shard = self._conv(x, self.bias, 1)  # (N, c', *S')
         if not self.gather_output:
             return y_shard
         return pkf.gather_from_group(y_shard, self.comm, 1, self.out_sizes)
@@ -282,10 +299,10 @@ class ChannelParallelConv2d(nn.Module):
     def _forward_in(self, x: torch.Tensor) -> torch.Tensor:
         """split="in": this rank's input channels, a partial sum of every output channel."""
         x_shard = x if self.input_is_split else self._scatter_input(x)
-        partial = self._conv(x_shard, None, 1)  # (N, C', H', W'), this rank's share of the sum
+        partial = self._conv(x_shard, None, 1)  # (N, C', *S'), this rank's share of the sum
         if not self.scatter_output:
             return _add_bias(pkf.reduce_from_group(partial, self.comm), self.bias)
-        y_shard = pkf.reduce_scatter(partial, self.comm, 1, self.out_sizes)  # (N, c', H', W')
+        y_shard = pkf.reduce_scatter(partial, self.comm, 1, self.out_sizes)  # (N, c', *S')
         return _add_bias(y_shard, self._bias_shard())
 
     def _forward_groups(self, x: torch.Tensor) -> torch.Tensor:
@@ -305,10 +322,11 @@ class ChannelParallelConv2d(nn.Module):
         return pkf.scatter_to_group(x, self.comm, 1, self.in_sizes)
 
     def _conv(self, x: torch.Tensor, bias: torch.Tensor | None, groups: int) -> torch.Tensor:
+        conv = _CONV[self.dims]
         if self.padding_mode != "zeros":
             x = F.pad(x, self._pad, mode=self.padding_mode)
-            return F.conv2d(x, self.weight, bias, self.stride, 0, self.dilation, groups)
-        return F.conv2d(x, self.weight, bias, self.stride, self.padding, self.dilation, groups)
+            return conv(x, self.weight, bias, self.stride, 0, self.dilation, groups)
+        return conv(x, self.weight, bias, self.stride, self.padding, self.dilation, groups)
 
     def _bias_shard(self) -> torch.Tensor | None:
         """This rank's block of the replicated bias; backward all-gathers the block gradients,
@@ -320,7 +338,7 @@ class ChannelParallelConv2d(nn.Module):
     # ------------------------------------------------------------------ checks
     def _name(self) -> str:
         return (
-            f"ChannelParallelConv2d({self.in_channels}, {self.out_channels}, "
+            f"{type(self).__name__}({self.in_channels}, {self.out_channels}, "
             f"kernel_size={self.kernel_size}, groups={self.groups}, split={self.split!r})"
         )
 
@@ -343,7 +361,7 @@ class ChannelParallelConv2d(nn.Module):
                 raise ValueError(
                     f"{name}: padding must be 'same', 'valid' or ints, got {self.padding!r}"
                 )
-            if self.padding == "same" and self.stride != (1, 1):
+            if self.padding == "same" and set(self.stride) != {1}:
                 raise ValueError(f"{name}: padding='same' needs stride 1, got {self.stride}")
         elif min(self.padding) < 0:
             raise ValueError(f"{name}: padding must be >= 0, got {self.padding}")
@@ -374,9 +392,9 @@ class ChannelParallelConv2d(nn.Module):
     def _check_input(self, x: torch.Tensor) -> None:
         """Input mistakes, raised before any collective."""
         name = self._name()
-        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        if not isinstance(x, torch.Tensor) or x.dim() != self.dims + 2:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"{name}: expected an (N, C, H, W) input, got {shape}")
+            raise ValueError(f"{name}: expected an {_LAYOUT[self.dims]} input, got {shape}")
         if self.input_is_split:
             self._check_shard(x)
         elif x.shape[1] != self.in_channels:
@@ -386,7 +404,8 @@ class ChannelParallelConv2d(nn.Module):
             )
         for d, n in enumerate(x.shape[2:]):
             reach = self.dilation[d] * (self.kernel_size[d] - 1) + 1
-            padded = n + self._pad[2 * (1 - d)] + self._pad[2 * (1 - d) + 1]
+            at = 2 * (self.dims - 1 - d)  # F.pad lists the last dim first
+            padded = n + self._pad[at] + self._pad[at + 1]
             if padded < reach:
                 raise ValueError(
                     f"{name}: input {tuple(x.shape)} is {padded} wide along dim {d + 2} after "
@@ -416,7 +435,7 @@ class ChannelParallelConv2d(nn.Module):
             f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
             f"stride={self.stride}, padding={self.padding}"
         )
-        if self.dilation != (1, 1):
+        if set(self.dilation) != {1}:
             s += f", dilation={self.dilation}"
         if self.groups != 1:
             s += f", groups={self.groups}"
@@ -435,20 +454,48 @@ class ChannelParallelConv2d(nn.Module):
         return s
 
 
+class ChannelParallelConv1d(ChannelParallelConvNd):
+    """``torch.nn.Conv1d`` on (N, C, L) with its channels split over ``comm``; see
+    :class:`ChannelParallelConvNd` for the arguments."""
+
+    dims, dense_type = 1, nn.Conv1d
+
+
+class ChannelParallelConv2d(ChannelParallelConvNd):
+    """``torch.nn.Conv2d`` on (N, C, H, W) with its channels split over ``comm``; see
+    :class:`ChannelParallelConvNd` for the arguments."""
+
+    dims, dense_type = 2, nn.Conv2d
+
+
+class ChannelParallelConv3d(ChannelParallelConvNd):
+    """``torch.nn.Conv3d`` on (N, C, D, H, W) with its channels split over ``comm``; see
+    :class:`ChannelParallelConvNd` for the arguments."""
+
+    dims, dense_type = 3, nn.Conv3d
+
+
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_LAYOUT = {1: "(N, C, L)", 2: "(N, C, H, W)", 3: "(N, C, D, H, W)"}
+
+
 def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return y if bias is None else y + bias.view(1, -1, 1, 1)
+    return y if bias is None else y + bias.view(1, -1, *[1] * (y.dim() - 2))
 
 
 def _reversed_padding(
-    padding: str | tuple[int, int], kernel_size: tuple[int, int], dilation: tuple[int, int]
+    padding: str | tuple[int, ...], kernel_size: tuple[int, ...], dilation: tuple[int, ...]
 ) -> list[int]:
-    """F.pad's (left, right, top, bottom) for a padding, as ``nn.Conv2d`` computes it."""
+    """F.pad's (last dim's left, right, the one before's, ...) for a padding, as ``nn.Conv*d``
+    computes it."""
+    dims = len(kernel_size)
     if padding == "valid":
-        return [0, 0, 0, 0]
+        return [0] * 2 * dims
     if padding == "same":
-        pad = [0, 0, 0, 0]
-        for d in range(2):  # F.pad lists the last dim first
+        pad = [0] * 2 * dims
+        for d in range(dims):  # F.pad lists the last dim first
             total = dilation[d] * (kernel_size[d] - 1)
-            pad[2 * (1 - d)], pad[2 * (1 - d) + 1] = total // 2, total - total // 2
+            at = 2 * (dims - 1 - d)
+            pad[at], pad[at + 1] = total // 2, total - total // 2
         return pad
     return list(_reverse_repeat_tuple(padding, 2))

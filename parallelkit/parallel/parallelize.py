@@ -7,10 +7,11 @@ parallel layers holding the same parameter tensors. In order:
    spatial version over the grid's spatial group, AdaptiveAvgPool2d(1) the global pool that
    ends the spatial region, and the model is wrapped so that its input is scattered into
    blocks and (unless a global pool already made it whole) its output gathered again.
-   channel: every Conv2d (ConvTranspose2d) becomes a ChannelParallelConv2d
-   (ChannelParallelConvTranspose2d) over the channel group, taking and returning whole tensors:
-   split by output channels, or by input channels where there are fewer output channels than
-   ranks (a layer with too few of both stays dense).
+   channel: every Conv1d/2d/3d (ConvTranspose1d/2d/3d) becomes a ChannelParallelConv1d/2d/3d
+   (ChannelParallelConvTranspose1d/2d/3d) over the channel group, taking and returning whole
+   tensors: split by output channels, or by input channels where there are fewer output
+   channels than ranks (a layer with too few of both stays dense). A model in which no layer
+   can be split is refused (a ValueError naming it): every rank would run all of it.
 2. BatchNorm becomes SyncBatchNorm over the ranks that hold parts of the same batch of images
    (data x spatial).
 3. With a data dimension, DataParallel over the data group averages the gradients. Under
@@ -33,11 +34,11 @@ from typing import Any
 from torch import nn
 
 from parallelkit.comm import Communicator
+from parallelkit.nn import channel_parallel as cp
+from parallelkit.nn import channel_transposed as ct
 from parallelkit.nn import spatial_parallel as sp
 from parallelkit.nn import spatial_pooling as spool
 from parallelkit.nn.batchnorm_subclass import is_plain_batchnorm, sync_subclass
-from parallelkit.nn.channel_parallel import ChannelParallelConv2d
-from parallelkit.nn.channel_transposed import ChannelParallelConvTranspose2d
 from parallelkit.nn.sync_batchnorm import SyncBatchNorm
 from parallelkit.parallel.data_parallel import DataParallel
 from parallelkit.parallel.grid import Grid
@@ -121,6 +122,7 @@ def parallelize(
         _swap(model, lambda m: _spatial_layer(m, grid.spatial_comm, shape), skip=keep_dense)
     elif strategy == "channel":
         _swap(model, lambda m: _channel_layer(m, grid.channel_comm), skip=keep_dense)
+        _check_channel_split(model, grid.channel_comm.size, keep_dense)
     spatial_grad = grid.spatial_comm if strategy == "spatial" else None
     _swap(model, lambda m: _sync_batchnorm(m, grid.batch_comm, spatial_grad))
     if strategy == "spatial":
@@ -219,19 +221,66 @@ def _upsample_covered(m: nn.Upsample) -> bool:
     )
 
 
+_CHANNEL_CONVS: dict[type, type[cp.ChannelParallelConvNd]] = {
+    nn.Conv1d: cp.ChannelParallelConv1d,
+    nn.Conv2d: cp.ChannelParallelConv2d,
+    nn.Conv3d: cp.ChannelParallelConv3d,
+}
+_CHANNEL_TRANSPOSED: dict[type, type[ct.ChannelParallelConvTransposeNd]] = {
+    nn.ConvTranspose1d: ct.ChannelParallelConvTranspose1d,
+    nn.ConvTranspose2d: ct.ChannelParallelConvTranspose2d,
+    nn.ConvTranspose3d: ct.ChannelParallelConvTranspose3d,
+}
+_CHANNEL_SPLIT = (cp.ChannelParallelConvNd, ct.ChannelParallelConvTransposeNd)
+
+
 def _channel_layer(m: nn.Module, comm: Communicator) -> nn.Module | None:
     """Split by output channels where there are enough of them, else by input channels; a
     layer with too few of either stays dense (it runs whole on every rank, exactly)."""
     kind, n = type(m), comm.size
-    if kind is nn.Conv2d:
+    if kind in _CHANNEL_CONVS:
         groups = m.groups
         if groups == 1 or groups >= n:
             for split, channels in (("out", m.out_channels), ("in", m.in_channels)):
                 if channels >= n and (groups == 1 or split == "out"):
-                    return ChannelParallelConv2d.from_dense(m, comm, split=split)
-    if kind is nn.ConvTranspose2d and m.groups == 1 and max(m.in_channels, m.out_channels) >= n:
-        return ChannelParallelConvTranspose2d.from_dense(m, comm)
+                    return _CHANNEL_CONVS[kind].from_dense(m, comm, split=split)
+    if kind in _CHANNEL_TRANSPOSED and m.groups == 1 and max(m.in_channels, m.out_channels) >= n:
+        return _CHANNEL_TRANSPOSED[kind].from_dense(m, comm)
     return None
+
+
+def _check_channel_split(model: nn.Module, ranks: int, keep_dense: Sequence[str]) -> None:
+    """Refuse a channel strategy that split nothing: every rank would run the whole model.
+
+    Decided from the model's structure alone, so every rank refuses alike, before any
+    collective."""
+    if ranks == 1 or any(isinstance(m, _CHANNEL_SPLIT) for m in model.modules()):
+        return
+    kinds = (*_CHANNEL_CONVS, *_CHANNEL_TRANSPOSED)
+    convs = [(n, m) for n, m in model.named_modules() if type(m) in kinds]
+    if not convs:
+        why = (
+            "it has no nn.Conv1d/2d/3d or nn.ConvTranspose1d/2d/3d, the layers this strategy "
+            "splits by channels"
+        )
+    else:
+        shown = ", ".join(
+            f"{n or 'the model'} ({type(m).__name__} {m.in_channels} -> {m.out_channels}"
+            + (f", groups={m.groups})" if m.groups > 1 else ")")
+            for n, m in convs[:4]
+        )
+        more = f" and {len(convs) - 4} more" if len(convs) > 4 else ""
+        kept = f" or named in keep_dense={list(keep_dense)}" if keep_dense else ""
+        why = (
+            f"each of its {len(convs)} convolutions has fewer than {ranks} channels on both "
+            f"sides (or groups it cannot split into whole groups over {ranks} ranks){kept}: "
+            f"{shown}{more}"
+        )
+    raise ValueError(
+        f"parallelize: the channel strategy over {ranks} ranks splits nothing in "
+        f"{type(model).__name__}: {why}. Every rank would run the whole model; use the data "
+        "strategy (or spatial), or fewer channel ranks"
+    )
 
 
 def _swap(module: nn.Module, make, skip: Sequence[str] = (), prefix: str = "") -> None:

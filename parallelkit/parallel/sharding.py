@@ -10,8 +10,8 @@ from __future__ import annotations
 from torch import nn
 
 from parallelkit.comm import Communicator
-from parallelkit.nn import ChannelParallelConv2d
-from parallelkit.nn.channel_transposed import ChannelParallelConvTranspose2d
+from parallelkit.nn.channel_parallel import ChannelParallelConvNd
+from parallelkit.nn.channel_transposed import ChannelParallelConvTransposeNd
 
 
 def sharded_parameters(model: nn.Module) -> dict[nn.Parameter, Communicator]:
@@ -20,5 +20,5 @@ def sharded_parameters(model: nn.Module) -> dict[nn.Parameter, Communicator]:
     Spatial parallelism splits activations, not weights: its parameters are whole on every
     rank and do not appear here.
     """
-    kinds = ChannelParallelConv2d | ChannelParallelConvTranspose2d
+    kinds = ChannelParallelConvNd | ChannelParallelConvTransposeNd
     return {m.weight: m.comm for m in model.modules() if isinstance(m, kinds) and m.comm.size > 1}
