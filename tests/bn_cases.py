@@ -57,6 +57,20 @@ CASES: dict[str, dict] = {
     "height split, grad_comm": dict(
         features=(3, 9, 4), batches="equal", split="height", grad_comm=True
     ),
+    # Volumes (BatchNorm3d) and signals (BatchNorm1d): "split" cuts the first spatial dimension,
+    # D of a volume (the depth strategy), L of a signal.
+    "3d (N, C, D, H, W) uneven": dict(features=(3, 4, 5, 3), steps=3),
+    "3d float64 momentum=None": dict(
+        features=(2, 3, 4, 4), dtype=torch.float64, bn=dict(momentum=None), steps=3
+    ),
+    "3d eval after training": dict(features=(3, 3, 4, 2), eval_after=True),
+    "3d depth split": dict(features=(3, 7, 4, 3), batches="equal", split="height", steps=2),
+    "3d depth split, 1 volume": dict(features=(2, 5, 3, 3), batches="one image", split="height"),
+    "3d depth split, grad_comm": dict(
+        features=(3, 7, 4, 3), batches="equal", split="height", grad_comm=True
+    ),
+    "1d (N, C, L) uneven": dict(features=(4, 9), steps=3),
+    "1d length split": dict(features=(3, 11), batches="equal", split="height", steps=2),
 }
 TOLERANCE = {torch.bfloat16: dict(rtol=2e-2, atol=2e-2), torch.float16: dict(rtol=2e-3, atol=2e-3)}
 

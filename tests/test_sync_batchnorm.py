@@ -1,5 +1,6 @@
-"""SyncBatchNorm: parity with torch.nn.BatchNorm*d on the whole batch over 1-4 gloo ranks, a
-negative control, collective counts, degenerate batches, and conversion to and from dense."""
+"""SyncBatchNorm: parity with torch.nn.BatchNorm1d/2d/3d on the whole batch (or the whole
+volume, its depth split over ranks) over 1-4 gloo ranks, a negative control, collective
+counts, degenerate batches, and conversion to and from dense."""
 
 from __future__ import annotations
 
@@ -27,7 +28,11 @@ def test_parity_with_dense_batchnorm(ranks, size, name):
         assert_results(results)
 
 
-@pytest.mark.parametrize("name", ["(N, C, H, W)", "height split"])
+@pytest.mark.parametrize(
+    "name",
+    ["(N, C, H, W)", "height split", "3d (N, C, D, H, W) uneven", "3d depth split",
+     "1d length split"],
+)  # fmt: skip
 @pytest.mark.parametrize("size", [2, 4])
 def test_per_rank_batchnorm_does_not_match(ranks, size, name):
     """Negative control: each rank normalizing with its own statistics fails the same checks."""
