@@ -123,7 +123,7 @@ def _agree_on_write(grid: Grid, problem: str, folder: Path) -> None:
     except Stop as stop:
         if grid.comm.rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
-        previous = [p for p in complete(folder.parent) if p != folder]
+        previous = [p for p in complete(folder.parent.parent) if p != folder]
         kept = f"; the previous checkpoint {previous[-1]} is kept" if previous else ""
         raise Stop(f"{stop}{kept}", stop.report, stop.status) from None
 
