@@ -180,3 +180,38 @@ def records(run_dir: Path) -> list[dict]:
 def report(name: str, seconds: float) -> None:
     """Print the measured time (shown with pytest -s, and in the log of a failure)."""
     print(f"\nFAULT-TIME {name}: {seconds:.2f} s from the fault to every process gone")
+
+
+def rank_pid(job: Job, rank: int) -> int | None:
+    """The pid of local rank ``rank`` of ``job`` (its ``RANK`` variable), or None."""
+    job.track()
+    for pid in job.alive():
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ and pid != job.proc.pid:
+            return pid
+    return None
+
+
+UNMAPPED_UID = 54321  # owns what the job may not touch, when the tests run as root
+
+
+def as_a_user(command: list[str]) -> list[str]:
+    """``command`` as a process that file modes apply to. As root, it runs in a user namespace
+    (``unshare --user --map-root-user``): it still owns the files root owns, but no longer
+    overrides the mode of files owned by an uid outside the namespace (:func:`deny`)."""
+    if os.geteuid() != 0:
+        return command
+    probe = subprocess.run(["unshare", "--user", "--map-root-user", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("running as root, and no user namespace to drop the override of file modes")
+    return ["unshare", "--user", "--map-root-user", *command]
+
+
+def deny(path: Path, mode: int) -> None:
+    """Give ``path`` ``mode``, so that a job run by :func:`as_a_user` is held to it."""
+    if os.geteuid() == 0:
+        os.chown(path, UNMAPPED_UID, UNMAPPED_UID)
+    path.chmod(mode)

@@ -1,0 +1,96 @@
+"""Mistakes found before any rank starts (parallelkit.train.preflight): one line, exit status 2,
+and no rank started (nothing written under ``train.run_dir``). ``parallelkit train`` in
+subprocesses (tests/jobs.py) with the default 2 local ranks.
+
+Items of issue 23: 4 config mistakes that used to surface inside the ranks, 5 run directories
+that cannot take the run; 8 the docs' table of faults.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+from jobs import CLI, TINY, Job, as_a_user, deny, run
+
+pytestmark = pytest.mark.timeout(120)
+
+DOCS = Path(__file__).parents[1] / "docs" / "training.md"
+
+
+def one_line_error(output: str) -> str:
+    assert "Traceback" not in output, output
+    lines = [line for line in output.splitlines() if "error:" in line]
+    assert len(lines) == 1, output
+    return lines[0]
+
+
+# 4. Config mistakes -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["train.batch_size=15"], "train.batch_size=15 must split into 2 data-parallel ranks"),
+        (["parallel.rows=3"], "2 ranks do not split into groups of depth x rows x cols"),
+        (["model.kwargs={bogus_arg: 1}"], "unexpected keyword arguments ['bogus_arg']"),
+        (["data.name=synthetic", "data.train_samples=8"], "has 8 samples, too few"),
+    ],
+)
+def test_config_mistakes_are_found_before_the_ranks_start(tmp_path, overrides, message):
+    run_dir = tmp_path / "run"
+    status, out = run(run_dir, *TINY, *overrides, timeout=90)
+    assert status == 2 and message in one_line_error(out)
+    assert not run_dir.exists()  # no rank started: rank 0 makes it first
+
+
+# 5. Run directories -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file", "read-only", "full"])
+def test_a_run_dir_that_cannot_take_the_run_is_refused_before_the_ranks_start(tmp_path, where):
+    run_dir, more = tmp_path / "run", []
+    if where == "a file":
+        run_dir.write_text("not a directory")
+        message = f"train.run_dir={run_dir} is a file, not a directory"
+    elif where == "under a file":
+        (tmp_path / "file").write_text("not a directory")
+        run_dir = tmp_path / "file" / "run"
+        message = f"lies under {tmp_path / 'file'}, which is a file"
+    elif where == "read-only":
+        run_dir.mkdir()
+        deny(run_dir, 0o555)
+        message = "is not writable by this user"
+    else:  # checkpoints of a ResNet-18 of width 16384 (built on the meta device): terabytes
+        more = ["model.width=16384"]
+        message = "MiB free on its file system, and the run needs about"
+    command = as_a_user([*CLI, f"train.run_dir={run_dir}", *TINY, *more])
+    try:
+        with Job(tmp_path / "job", command=command) as job:
+            status, _ = job.gone_within(90, time.monotonic())
+    finally:
+        if run_dir.is_dir():
+            run_dir.chmod(0o755)
+    assert status == 2 and message in one_line_error(job.output())
+    assert not (run_dir / "config.yaml").exists()  # no rank started
+
+
+# 8. The docs' table of faults ---------------------------------------------------------------
+
+
+def test_the_docs_fault_table_is_whole_and_names_every_fault():
+    text = DOCS.read_text()
+    section = text[text.index("### What happens when") :].split("\n\n")
+    table = next(block for block in section if block.startswith("| fault"))
+    rows = [re.split(r"(?<!\\)\|", line.strip())[1:-1] for line in table.splitlines()]
+    assert all(len(row) == 4 for row in rows), [row for row in rows if len(row) != 4]
+    faults = " ".join(row[0] for row in rows)
+    for fault in [
+        "no SHA-256", "cannot be read", "not a parallelkit train checkpoint", "does not fit",
+        "stuck", "SIGSTOP", "train.batch_size", "parallel.rows", "model.kwargs",
+        "data.train_samples", "run_dir", "full", "at the same instant", "train.overwrite",
+        "manifest was deleted",
+    ]:  # fmt: skip
+        assert fault in faults, fault
