@@ -11,6 +11,8 @@ Modules, one idea each:
     datasets     map-style datasets: digits, synthetic, image folders, CIFAR-10 batches
     shapes       generated segmentation data: textured shapes and their masks
     segfolder    a folder of images and PNG masks
+    shapes3d     generated volume segmentation data: spheres and boxes in noise, with masks
+    segfolder3d  a folder of .npy volumes and masks
     readers      block readers: a block of a zarr, TIFF, NIfTI or npy array, read alone
     blockset     BlockDataset: each spatial rank's block of images and masks on disk
     sampler      RankSampler: torch's DistributedSampler + exact evaluation cover + resume

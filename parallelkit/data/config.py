@@ -12,8 +12,11 @@ from dataclasses import dataclass
 
 DATASETS: tuple[str, ...] = (
     "digits", "synthetic", "imagefolder", "cifar10", "webdataset", "shapes", "segfolder",
+    "shapes3d", "segfolder3d",
 )  # fmt: skip
-WITH_MASKS: tuple[str, ...] = ("shapes", "segfolder")
+WITH_MASKS: tuple[str, ...] = ("shapes", "segfolder", "shapes3d", "segfolder3d")
+VOLUMES: tuple[str, ...] = ("shapes3d", "segfolder3d")
+"""Sources of volumes (C, D, H, W), each ``image_size`` on a side; the others give images."""
 """Sources whose samples are (image, mask); ``webdataset`` shards may hold either."""
 SPLITS: tuple[str, ...] = ("train", "test")
 
@@ -35,15 +38,20 @@ class DataConfig:
       (:mod:`parallelkit.data.shapes`), ``num_classes`` classes counting the background.
     - ``segfolder``: ``root/{train,test|val}/images/*`` with ``masks/<name>.png``
       (:mod:`parallelkit.data.segfolder`), ``num_classes`` classes; 255 marks ignored pixels.
+    - ``shapes3d``: generated volumes (spheres and boxes in noise) with their masks, an
+      ``image_size`` cube (:mod:`parallelkit.data.shapes3d`).
+    - ``segfolder3d``: ``root/{train,test|val}/images/*.npy`` volumes with
+      ``masks/<name>.npy`` (:mod:`parallelkit.data.segfolder3d`), resized to an
+      ``image_size`` cube; 255 marks ignored voxels.
     """
 
     name: str = "digits"
     root: str | None = None
     image_size: int = 32
     channels: int = 3
-    num_classes: int = 10  # synthetic, shapes, segfolder; the other sources know their own
-    train_samples: int = 1024  # synthetic, shapes
-    test_samples: int = 256  # synthetic, shapes
+    num_classes: int = 10  # synthetic and those with masks; the other sources know their own
+    train_samples: int = 1024  # synthetic, shapes, shapes3d
+    test_samples: int = 256  # synthetic, shapes, shapes3d
     workers: int = 0  # DataLoader worker processes per rank
     shuffle: bool = True
 
@@ -61,7 +69,7 @@ def check_config(cfg: DataConfig, split: str) -> None:
     if cfg.channels not in (1, 3):
         raise ValueError(f"data.channels={cfg.channels} must be 1 (grayscale) or 3 (RGB)")
     positive = {"data.image_size": cfg.image_size}
-    if cfg.name in ("synthetic", "shapes"):
+    if cfg.name in ("synthetic", "shapes", "shapes3d"):
         positive |= {
             "data.num_classes": cfg.num_classes,
             "data.train_samples": cfg.train_samples,
@@ -77,5 +85,6 @@ def check_config(cfg: DataConfig, split: str) -> None:
         )
     if cfg.workers < 0:
         raise ValueError(f"data.workers={cfg.workers} must be >= 0")
-    if cfg.name in ("imagefolder", "cifar10", "webdataset", "segfolder") and not cfg.root:
+    roots = ("imagefolder", "cifar10", "webdataset", "segfolder", "segfolder3d")
+    if cfg.name in roots and not cfg.root:
         raise ValueError(f"data.name={cfg.name!r} needs data.root, the directory to read")

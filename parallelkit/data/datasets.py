@@ -6,8 +6,9 @@ normalised by :func:`~parallelkit.data.pixels.normalize` (pixel values in [0, 1]
 ``num_classes``, ``channels`` and ``image_size``. Images are converted to the configured size
 and channel count when they are read (:func:`~parallelkit.data.pixels.fit`), never all at once,
 so a 1024x1024 configuration does not fill memory. :func:`load_dataset` opens any of them, and
-the data sets with masks (:mod:`parallelkit.data.shapes`, :mod:`parallelkit.data.segfolder`),
-by ``data.name``.
+the data sets with masks (:mod:`parallelkit.data.shapes`, :mod:`parallelkit.data.segfolder`,
+and their volume counterparts :mod:`parallelkit.data.shapes3d` and
+:mod:`parallelkit.data.segfolder3d`), by ``data.name``.
 
 None of them downloads anything: digits ship with scikit-learn, synthetic images are
 generated, and image folders or CIFAR-10 batches are read from a directory the user has.
@@ -27,7 +28,9 @@ from torch.utils.data import Dataset
 from parallelkit.data.config import DataConfig, check_config
 from parallelkit.data.pixels import IMAGE_EXTENSIONS, fit, normalize, read_image
 from parallelkit.data.segfolder import SegFolderDataset
+from parallelkit.data.segfolder3d import VolumeFolderDataset
 from parallelkit.data.shapes import ShapesDataset
+from parallelkit.data.shapes3d import ShapesVolumeDataset
 
 DIGITS_SPLIT_SEED = 0
 """The digits train/test split is fixed (not the run's seed): every run tests the same images."""
@@ -208,11 +211,12 @@ def _cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return data, labels
 
 
-def load_dataset(cfg: DataConfig, split: str, window: tuple[slice, slice] | None = None) -> Dataset:
+def load_dataset(cfg: DataConfig, split: str, window: tuple[slice, ...] | None = None) -> Dataset:
     """The map-style dataset ``cfg`` names, for ``split`` ("train" or "test").
 
     ``window``: for sources with masks, the (rows, cols) of every mask to return (this rank's
-    block under spatial parallelism); images stay whole. WebDataset shards are streamed, not
+    block under spatial parallelism; for volumes (D, H, W) slices, or (H, W) with all of D);
+    images stay whole. WebDataset shards are streamed, not
     indexed: use :func:`parallelkit.data.build_loader`.
     """
     check_config(cfg, split)
@@ -223,6 +227,13 @@ def load_dataset(cfg: DataConfig, split: str, window: tuple[slice, slice] | None
         return ShapesDataset(length, size, channels, cfg.num_classes, base, window)
     if cfg.name == "segfolder":
         return SegFolderDataset(str(cfg.root), split, size, channels, cfg.num_classes, window)
+    if cfg.name == "shapes3d":
+        length = cfg.train_samples if split == "train" else cfg.test_samples
+        base = SYNTHETIC_BASE[split]
+        return ShapesVolumeDataset(length, size, channels, cfg.num_classes, base, window)
+    if cfg.name == "segfolder3d":
+        root = str(cfg.root)
+        return VolumeFolderDataset(root, split, size, channels, cfg.num_classes, window)
     if cfg.name == "digits":
         return DigitsDataset(split, size, channels)
     if cfg.name == "synthetic":

@@ -1,5 +1,9 @@
 """Semantic segmentation: per-pixel cross-entropy, mIoU and pixel accuracy, on blocks.
 
+Images (N, C, H, W) with masks (N, H, W), or volumes (N, C, D, H, W) with masks (N, D, H, W)
+(``data.name=shapes3d`` or ``segfolder3d``, a 3-D network such as ``model.name=monai:UNet``):
+every sum below runs over a volume's voxels as over an image's pixels.
+
 Why blocks: spatial parallelism splits an image because one device cannot hold its
 activations, and the full-resolution logits are the largest of them. So the network is
 parallelized with ``spatial_output="blocks"``: each rank gets its block of the logits, in the
@@ -68,15 +72,22 @@ class Segment(Task):
         self.model = self.add("model", dense, spatial_output="blocks")
 
     def logits(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """This rank's block of the logits, checked against its block of the mask."""
+        """This rank's block of the logits, checked against its block of the mask (images:
+        (N, classes, H, W) against (N, H, W); volumes: (N, classes, D, H, W) against
+        (N, D, H, W))."""
         out = self.model(x)
         if isinstance(out, dict):  # torchvision's segmentation models: {"out", "aux"}
             out = out["out"]
-        if out.dim() != 4 or out.shape[0] != mask.shape[0] or out.shape[2:] != mask.shape[1:]:
+        if (
+            out.dim() != mask.dim() + 1
+            or out.shape[0] != mask.shape[0]
+            or out.shape[2:] != mask.shape[1:]
+        ):
+            layout = "(N, classes, D, H, W)" if mask.dim() == 4 else "(N, classes, H, W)"
             raise ValueError(
                 f"train.task=segment: {self.cfg.model.name} returned {tuple(out.shape)}, but "
                 f"this rank's masks are {tuple(mask.shape)}: the model must return per-pixel "
-                "logits (N, classes, H, W) at the input's resolution"
+                f"logits {layout} at the input's resolution"
             )
         return out
 
