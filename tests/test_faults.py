@@ -14,6 +14,7 @@ Findings of the issue they cover: 1 run identity, 2 signals, 3 fail fast, 4 chec
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from jobs import TINY, Job, records, report, run
+from jobs import CLI, TINY, Job, rank_pid, records, report, run
 
 from parallelkit.testing import free_port
 from parallelkit.train import files
@@ -152,6 +153,34 @@ def test_pruning_leaves_other_runs_alone_and_stale_files_go(first_run, tmp_path)
     assert_no_duplicate_steps(run_dir)
 
 
+def test_overwrite_removes_only_what_the_earlier_run_wrote(first_run, tmp_path):
+    # Issue 23, item 7: a classify run never wrote samples/; the user's files there stay.
+    run_dir = tmp_path / "run"
+    shutil.copytree(first_run, run_dir)
+    mine = [run_dir / "samples" / "mine.png", run_dir / "notes.txt"]
+    mine[0].parent.mkdir()
+    for p in mine:
+        p.write_bytes(b"the user's")
+    status, out = run(run_dir, *TINY, "parallel.ranks=1", "train.max_steps=2",
+                      "train.overwrite=true")  # fmt: skip
+    assert status == 0, out
+    assert all(p.read_bytes() == b"the user's" for p in mine)
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step-000000002"]
+
+
+def test_two_runs_started_at_once_into_one_new_directory(tmp_path):
+    # Issue 23, item 6: both pass the launcher's check (nothing there yet); the one whose
+    # rank 0 does not get the lock stops with one line, like a run started later.
+    run_dir = tmp_path / "run"
+    command = [*CLI, f"train.run_dir={run_dir}", *TINY, *CONSTANT, "train.max_steps=8"]
+    with Job(tmp_path / "a", command=command) as a, Job(tmp_path / "b", command=command) as b:
+        statuses = [job.gone_within(180, time.monotonic())[0] for job in (a, b)]
+    assert sorted(statuses) == [0, 2], (a.output(), b.output())
+    loser = (a, b)[statuses.index(2)].output()
+    line = one_line_error(loser)
+    assert "in use by another parallelkit train" in line or "holds the checkpoints" in line
+
+
 # 2 and 9. Signals, a second run beside a running one, loopback -----------------------------
 
 
@@ -270,6 +299,22 @@ def test_failure_on_one_rank_ends_the_job(tmp_path, rank, how, launcher):
         assert re.search(rf"rank\s*:\s*{rank}\b", out), out[-3000:]  # torchrun's root cause
 
 
+def test_a_stalled_rank_is_named(tmp_path):
+    # Issue 23, item 3: rank 1 stops (SIGSTOP) without failing; rank 0 gives up after
+    # parallel.timeout, and the launcher names rank 1, not rank 0.
+    with Job(tmp_path / "run", *LONG, "parallel.timeout=10") as job:
+        job.wait_until(lambda: job.steps_logged() >= 3, 120, "step 3")
+        pid = rank_pid(job, 1)
+        assert pid is not None, job.output()
+        os.kill(pid, signal.SIGSTOP)
+        status, seconds = job.gone_within(10 + BOUND_S, time.monotonic())
+    report("rank 1 stopped by SIGSTOP (gloo, 2 ranks, parallel.timeout=10)", seconds)
+    out = job.output()
+    assert status != 0
+    assert "rank 1 (its process is stopped, as by SIGSTOP) stopped answering" in out, out
+    assert "rank 0 failed first" not in out
+
+
 # 4 and 6. Damaged checkpoints: detected, reported, the next older one used -----------------
 
 
@@ -335,28 +380,6 @@ def test_config_mistakes_are_one_line_and_exit_2(tmp_path, overrides, message):
     overrides = [str(bad) if o == "BAD_YAML" else o for o in overrides]
     status, out = run(tmp_path / "run", *overrides, timeout=60)
     assert status == 2 and message in one_line_error(out)
-
-
-def test_checkpoint_of_another_model_names_the_checkpoint(first_run, tmp_path):
-    run_dir = tmp_path / "run"
-    shutil.copytree(first_run, run_dir)
-    newest = run_dir / "checkpoints" / "step-000000004"
-    manifest = json.loads((newest / "manifest.json").read_text())
-    del manifest["config"]  # as from an older parallelkit: nothing to compare configs with
-    (newest / "manifest.json").write_text(json.dumps(manifest))
-    status, out = run(run_dir, *TINY, *CONSTANT, "parallel.ranks=1", "train.max_steps=6",
-                      "model.width=8", "--resume")  # fmt: skip
-    line = one_line_error(out)
-    assert status == 2 and f"checkpoint {newest} does not fit" in line and "size mismatch" in line
-
-    state = torch.load(newest / "shard-0.pt", weights_only=True)["task"]["model"]
-    data = files.torch_bytes(state)  # a bare state dict: no step, no optimizer
-    (newest / "shard-0.pt").write_bytes(data)
-    manifest["sha256"]["shard-0.pt"] = files.sha256(data)
-    (newest / "manifest.json").write_text(json.dumps(manifest))
-    status, out = run(run_dir, *TINY, *CONSTANT, "parallel.ranks=1", "train.max_steps=6",
-                      "--resume")  # fmt: skip
-    assert status == 2 and "is not a parallelkit train checkpoint" in one_line_error(out)
 
 
 # 10. Mismatched shapes across ranks ---------------------------------------------------------
