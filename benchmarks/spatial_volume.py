@@ -252,9 +252,11 @@ def rank_job(comm: Any, cfg: Config, name: str) -> dict[str, Any]:
     spent: dict[str, float] = defaultdict(float)
     names = ["dense", "pk", "dense, oneDNN", "pk, oneDNN"] if cfg.onednn else ["dense", "pk"]
     times = {v: [] for v in names}
+    cpu_times: dict[str, list[float]] = {v: [] for v in names}
     for round_, variant in enumerate(alternating(names, cfg.warmup + cfg.repeats)):
         timed = round_ >= len(names) * cfg.warmup
         sync.barrier()
+        cpu0 = time.process_time()
         if variant.endswith("oneDNN"):
             with onednn(True):
                 t, loss = pk_step() if variant.startswith("pk") else dense_or_wait()
@@ -282,11 +284,16 @@ def rank_job(comm: Any, cfg: Config, name: str) -> dict[str, Any]:
             t = sync.max(t)
             if timed:
                 split_rows.append(row)
+        ran = variant.startswith("pk") or comm.rank == 0
+        cpu = sync.max(time.process_time() - cpu0 if ran else 0.0)  # all of the rank's threads
         losses.setdefault(variant, loss)
         if timed:
             times[variant].append(t)
+            cpu_times[variant].append(cpu)
     result: dict[str, Any] = {
         "times": times,
+        "cpu_times": cpu_times,
+        "cpu_ms": {v: statistics.median(ts) * 1e3 for v, ts in cpu_times.items()},
         "ms": {v: statistics.median(ts) * 1e3 for v, ts in times.items()},
         "loss": losses,
         "bytes_fwd": bytes_fwd,
@@ -515,6 +522,12 @@ def report(cfg: Config, rows: list[dict[str, Any]], env: dict[str, str], seconds
                 f"{ms['dense, oneDNN'] / ms['pk, oneDNN']:.2f}; dense (torch's choice) / 2 ranks "
                 f"(oneDNN) {ms['dense'] / ms['pk, oneDNN']:.2f}"
             )
+        cpu = r["cpu_ms"]
+        lines.append(
+            f"  - CPU time per rank (the busiest rank's, all its threads; immune to other "
+            f"processes holding cores): dense {cpu['dense']:.0f} ms, 2 ranks {cpu['pk']:.0f} ms, "
+            f"ratio {cpu['dense'] / cpu['pk']:.2f}"
+        )
         busy = idle["cpu_s"] / idle["wall_s"] if idle["wall_s"] else 0.0
         lines.append(f"  - rank 1's CPU use while it waited for the dense steps: {busy:.1%}")
     agree = all(r["halo"]["agree"] for r in rows)
@@ -553,17 +566,17 @@ HALO_NOTE = (
 def step_table(rows: list[dict[str, Any]], cfg: Config) -> str:
     lines = [
         "| workload | variant | ranks | step (ms) | dense / variant | each round (ms) "
-        "| first loss |",
-        "|---|---|--:|--:|--:|---|--:|",
+        "| CPU time per rank (ms) | dense / variant, CPU | first loss |",
+        "|---|---|--:|--:|--:|---|--:|--:|--:|",
     ]
     for r in rows:
-        dense = r["ms"]["dense"]
+        dense, dense_cpu = r["ms"]["dense"], r["cpu_ms"]["dense"]
         for v, ms in r["ms"].items():
             each = ", ".join(f"{t * 1e3:.0f}" for t in r["times"][v])
-            n = RANKS if v.startswith("pk") else 1
+            n, cpu = RANKS if v.startswith("pk") else 1, r["cpu_ms"][v]
             lines.append(
                 f"| {title(r['workload'], cfg)} | {v} | {n} | {ms:.0f} | {dense / ms:.2f} "
-                f"| {each} | {r['loss'][v]:.6f} |"
+                f"| {each} | {cpu:.0f} | {dense_cpu / cpu:.2f} | {r['loss'][v]:.6f} |"
             )
     return "\n".join(lines)
 
