@@ -4,8 +4,9 @@ A MONAI 3-D U-Net (``model.name=monai:UNet``, BatchNorm3d, so SyncBatchNorm unde
 strategy) on generated volumes (``data.name=shapes3d``, 16^3) and on a folder of ``.npy``
 volumes and masks (``segfolder3d``). The central check, as in tests/test_train_segment.py:
 for a fixed seed and global batch, the loss curve and the test loss, mIoU and voxel accuracy
-of 2 data-parallel ranks (and of 2 channel ranks, whose Conv3d layers are split) equal the
-1-process ones; another seed's curve does not (negative control).
+of 2 data-parallel ranks, of 2 channel ranks (whose Conv3d layers are split), and of 2 and 4
+spatial ranks (every volume split over D, and over D and W) equal the 1-process ones; another
+seed's curve does not (negative control).
 """
 
 from __future__ import annotations
@@ -74,6 +75,17 @@ def test_the_curve_moves_and_every_voxel_is_counted(one_rank):
 @pytest.mark.parametrize("strategy", ["data", "channel"])
 def test_two_ranks_give_the_one_process_curve(tmp_path, one_rank, strategy):
     train(tmp_path, *TINY, f"parallel.strategy={strategy}", "parallel.ranks=2")
+    assert_same_run(tmp_path, one_rank["one"][0])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("grid", [["parallel.depth=2"], ["parallel.depth=2", "parallel.cols=2"]])
+def test_volumes_split_over_depth_give_the_one_process_curve(tmp_path, one_rank, grid):
+    """Every volume split over D (then over D and W on 4 ranks): each rank holds its block of
+    every activation and reads only its block of every mask; the loss, computed on blocks,
+    and the metrics are the 1-process ones."""
+    ranks = 2 * len(grid)
+    train(tmp_path, *TINY, "parallel.strategy=spatial", *grid, f"parallel.ranks={ranks}")
     assert_same_run(tmp_path, one_rank["one"][0])
 
 

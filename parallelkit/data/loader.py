@@ -31,25 +31,41 @@ import torch
 from torch.utils.data import DataLoader
 
 from parallelkit.comm import tensor_split_sizes
-from parallelkit.data.config import WITH_MASKS, DataConfig, check_config
+from parallelkit.data.config import VOLUMES, WITH_MASKS, DataConfig, check_config
 from parallelkit.data.datasets import load_dataset
 from parallelkit.data.sampler import RankSampler
 from parallelkit.data.shardio import check_shards, load_split
 from parallelkit.data.shardstream import ShardStream
 
-Block = tuple[int, int, int, int]
-"""(rows, cols, row, col): a spatial grid's shape and this rank's place in it."""
+Block = tuple[int, ...]
+"""(depth, rows, cols, z, row, col), or (rows, cols, row, col): a spatial grid's shape and
+this rank's place in it."""
 
 
-def window(image_size: int, block: Block | None) -> tuple[slice, slice] | None:
-    """This rank's rows and columns of an ``image_size`` square image, split as
-    ``pk.spatial.scatter`` splits it (``torch.tensor_split`` over rows, then columns)."""
-    if block is None or block[:2] == (1, 1):
+def window(image_size: int, block: Block | None, volume: bool = False) -> tuple[slice, ...] | None:
+    """This rank's slices of an ``image_size`` square image (rows, columns) or cube volume
+    (depth, rows, columns), split as ``pk.spatial.scatter`` splits it (``torch.tensor_split``
+    along each); None where nothing is split. A depth split of images is a ``ValueError``."""
+    if block is None:
         return None
-    rows, cols, row, col = block
-    hs, ws = tensor_split_sizes(image_size, rows), tensor_split_sizes(image_size, cols)
-    h0, w0 = sum(hs[:row]), sum(ws[:col])
-    return slice(h0, h0 + hs[row]), slice(w0, w0 + ws[col])
+    if len(block) == 4:
+        block = (1, block[0], block[1], 0, block[2], block[3])
+    counts, coords = block[:3], block[3:]
+    if not volume:
+        if counts[0] > 1:
+            raise ValueError(
+                f"parallel.depth={counts[0]} splits the D of volumes, and this data set has "
+                "images (volumes: data.name=shapes3d or segfolder3d)"
+            )
+        counts, coords = counts[1:], coords[1:]
+    if all(parts == 1 for parts in counts):
+        return None
+    out = []
+    for parts, index in zip(counts, coords, strict=True):
+        sizes = tensor_split_sizes(image_size, parts)
+        first = sum(sizes[:index])
+        out.append(slice(first, first + sizes[index]))
+    return tuple(out)
 
 
 class Loader:
@@ -147,7 +163,7 @@ def build_loader(
     shuffle = bool(cfg.shuffle) and split == "train"
     # A private generator: iterating must not draw from the global RNG (model init, dropout).
     generator = torch.Generator().manual_seed(seed)
-    crop = window(cfg.image_size, block)
+    crop = window(cfg.image_size, block, volume=cfg.name in VOLUMES)
     if cfg.name == "webdataset":
         shards = load_split(str(cfg.root), split)
         check_shards(shards)

@@ -180,8 +180,8 @@ def _check_task(cfg: Config) -> None:
         )
     if task.masks and not (data in WITH_MASKS or data == "webdataset"):
         raise ValueError(
-            f"config: train.task={task.name} needs masks: data.name=shapes, segfolder or "
-            f"webdataset shards written from one, not {data}"
+            f"config: train.task={task.name} needs masks: data.name=shapes, segfolder, "
+            f"shapes3d, segfolder3d or webdataset shards written from one, not {data}"
         )
     if not task.masks and data in WITH_MASKS:
         with_masks = " or ".join(f"train.task={t.name}" for t in TASK_CLASSES.values() if t.masks)
@@ -192,7 +192,7 @@ def _check_task(cfg: Config) -> None:
     elif owner is None and name not in models.list_models():
         raise ValueError(
             f"config: model.name={name!r} is not a model here: {models.list_models()}, dcgan, "
-            "or another library's torchvision:NAME, timm:NAME, smp:ARCH"
+            "or another library's torchvision:NAME, timm:NAME, smp:ARCH, monai:NAME"
         )
 
 

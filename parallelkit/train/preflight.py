@@ -62,7 +62,7 @@ def check_grid(cfg: Config, world: int) -> dict[str, int]:
 def check_data(cfg: Config, dims: dict[str, int] | None) -> Loader:
     """Data rank 0's training loader (not iterated: no worker starts, no image is read)."""
     data = dims["data"] if dims else 1
-    block = (dims["rows"], dims["cols"], 0, 0) if dims else None
+    block = (dims["depth"], dims["rows"], dims["cols"], 0, 0, 0) if dims else None
     return build_loader(
         cfg.data,
         "train",

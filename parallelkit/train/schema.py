@@ -30,9 +30,10 @@ def _default(key: str) -> Any:
 @dataclass
 class ModelConfig:
     """Which network. ``name`` is a :func:`parallelkit.models.create` name (``resnet18``,
-    ``unet``, ... or another library's ``torchvision:NAME``, ``timm:NAME``, ``smp:ARCH``); for
-    the GAN task it names the generator and the discriminator is its mirror. The default
-    depends on the task (its class's ``defaults``, :mod:`parallelkit.train.tasks`)."""
+    ``unet``, ... or another library's ``torchvision:NAME``, ``timm:NAME``, ``smp:ARCH``,
+    ``monai:NAME``); for the GAN task it names the generator and the discriminator is its
+    mirror. The default depends on the task (its class's ``defaults``,
+    :mod:`parallelkit.train.tasks`)."""
 
     name: str = _default("model.name")
     # resnet: "imagenet" (7x7 stride 2 + max pool) or "cifar" (3x3, no pooling). The default

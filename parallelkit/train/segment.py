@@ -51,7 +51,7 @@ class Segment(Task):
         "data.name": "shapes", "data.num_classes": 4, "data.image_size": 32,
     }  # fmt: skip
     networks = ("unet",)
-    trains = "unet, smp:ARCH or a torchvision segmentation model"
+    trains = "unet, smp:ARCH, monai:NAME or a torchvision segmentation model"
     masks = True
 
     @classmethod

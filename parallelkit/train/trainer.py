@@ -209,7 +209,7 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
     lock, note = open_run_dir(cfg, comm)
 
     per_rank = t.batch_size // grid.data
-    _, _, row, col, _ = grid.coords
+    _, z, row, col, _ = grid.coords
     loaders = {
         split: build_loader(
             cfg.data,
@@ -218,7 +218,7 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
             size=grid.data,
             batch_size=per_rank,
             seed=t.seed,
-            block=(grid.rows, grid.cols, row, col),  # masks: this rank's block only
+            block=(*grid.spatial, z, row, col),  # masks: this rank's block only
         )
         for split in ("train", "test")
     }
