@@ -110,3 +110,26 @@ def test_received_rows():
     # Blocks thinner than the halo: a 7-tap window reads from two ranks away.
     sizes, _, want = Window(7, 1, 3, 3).plan(4, 4)
     assert received_rows(sizes, want) == [3, 3, 3, 3]
+
+
+class _TwoRanks:
+    """Rank 0 of 2: enough for a SpatialGrid that splits one dimension over every rank (no
+    split() call, nothing sent)."""
+
+    rank, size, timeout, device = 0, 2, 1.0, "cpu"
+
+
+def test_edge_path_only_for_convolutions_of_stride_1_along_every_dimension():
+    """The edge path convolves with stride 1 everywhere: a stride along a dimension that is
+    not split (a video stem's (1, 2, 2) split over depth) must take the halo fetch."""
+    from parallelkit.nn import spatial_edges
+    from parallelkit.nn.spatial_parallel import conv_windows
+    from parallelkit.spatial.grid import SpatialGrid
+
+    depth = SpatialGrid(_TwoRanks(), (2, 1, 1))
+    size = (8, 16, 16)
+    same = conv_windows((3, 7, 7), 1, (1, 3, 3), 1)
+    assert spatial_edges.plan(depth, same, size) is not None
+    for stride in ((1, 2, 2), (1, 1, 2), (2, 1, 1)):
+        strided = conv_windows((3, 7, 7), stride, (1, 3, 3), 1)
+        assert spatial_edges.plan(depth, strided, size) is None

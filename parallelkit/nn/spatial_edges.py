@@ -71,7 +71,9 @@ def plan(
     the conditions fail. The plans come last dimension first: the order of the exchanges."""
     axes = grid.axes(len(size))
     split = [d for d in reversed(range(len(size))) if axes[d][1] > 1]
-    if not split or any(w.pad_lo != w.pad_hi for w in windows):
+    # conv() convolves with stride 1 along every dimension, split or not: a stride anywhere
+    # (a (1, 2, 2) video stem split over depth) takes the halo fetch instead.
+    if not split or any(w.pad_lo != w.pad_hi or w.stride != 1 for w in windows):
         return None
     plans = []
     for d in split:
