@@ -39,8 +39,16 @@ def reshape(g: Guard, call: Call) -> Any:
     k = -min(dims)
     if isinstance(out, Tensor) and out.dim() >= k and out.shape[-k:] == x.shape[-k:]:
         return g.marked(out, dims)
-    shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
-    raise g.refuse(call.name, f"{tuple(x.shape)} -> {shape} merges or splits a spatial dimension")
+    # The spatial sizes by name: a block's differ by rank (uneven splits), and a refusal must
+    # read the same on every rank.
+    named = list(map(str, x.shape))
+    names = {1: "L", 2: "HW", 3: "DHW"}[len(dims)]
+    for name, at in zip(names, _positions(g, x), strict=True):
+        named[at] = name
+    into = f"{out.dim()} dimensions" if isinstance(out, Tensor) else type(out).__name__
+    raise g.refuse(
+        call.name, f"({', '.join(named)}) -> {into} merges or splits a spatial dimension"
+    )
 
 
 @rule(*ops("permute transpose swapaxes swapdims movedim moveaxis", torch, Tensor),
