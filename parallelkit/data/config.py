@@ -19,6 +19,34 @@ VOLUMES: tuple[str, ...] = ("shapes3d", "segfolder3d")
 """Sources of volumes (C, D, H, W), each ``image_size`` on a side; the others give images."""
 """Sources whose samples are (image, mask); ``webdataset`` shards may hold either."""
 SPLITS: tuple[str, ...] = ("train", "test")
+BLOCK_FORMATS: tuple[str, ...] = ("zarr", "tiff", "nifti", "npy")
+"""``data.name=FORMAT:DIR``: a folder of images and masks read by blocks (see
+:mod:`parallelkit.data.blockset`): under spatial parallelism each rank reads only its block
+of every sample, and nothing whole is ever held."""
+
+
+def block_format(name: str) -> str | None:
+    """The format of a ``FORMAT:DIR`` data name (one of :data:`BLOCK_FORMATS`), else None."""
+    kind, sep, _ = name.partition(":")
+    return kind if sep and kind in BLOCK_FORMATS else None
+
+
+def block_root(name: str) -> str:
+    """The directory of a ``FORMAT:DIR`` data name."""
+    return name.partition(":")[2]
+
+
+def has_masks(name: str) -> bool:
+    """Whether the source ``name`` gives (image, mask) samples."""
+    return name in WITH_MASKS or block_format(name) is not None
+
+
+def volumes(cfg: DataConfig) -> bool:
+    """Whether ``cfg``'s samples are volumes (C, D, H, W) rather than images."""
+    if cfg.name in VOLUMES:
+        return True
+    kind = block_format(cfg.name)
+    return kind is not None and (kind == "nifti" or cfg.dims == 3)
 
 
 @dataclass
@@ -43,6 +71,11 @@ class DataConfig:
     - ``segfolder3d``: ``root/{train,test|val}/images/*.npy`` volumes with
       ``masks/<name>.npy`` (:mod:`parallelkit.data.segfolder3d`), resized to an
       ``image_size`` cube; 255 marks ignored voxels.
+    - ``zarr:DIR``, ``tiff:DIR``, ``nifti:DIR``, ``npy:DIR``: ``DIR/{train,test|val}/images``
+      and ``masks`` in that format, read by blocks (:mod:`parallelkit.data.blockset`): a crop
+      of ``image_size`` on every side (random in training, the same on every rank of a
+      sample), normalized by the training images' per-channel statistics. ``dims``: 2 for
+      images, 3 for volumes (NIfTI files are volumes whatever it says).
     """
 
     name: str = "digits"
@@ -54,6 +87,7 @@ class DataConfig:
     test_samples: int = 256  # synthetic, shapes, shapes3d
     workers: int = 0  # DataLoader worker processes per rank
     shuffle: bool = True
+    dims: int = 2  # FORMAT:DIR sources: spatial dimensions of a sample (3: volumes)
 
 
 def check_config(cfg: DataConfig, split: str) -> None:
@@ -62,8 +96,16 @@ def check_config(cfg: DataConfig, split: str) -> None:
     Called before any file is opened, with information every rank has, so every rank fails
     the same way before the first collective.
     """
-    if cfg.name not in DATASETS:
-        raise ValueError(f"data.name={cfg.name!r} is not one of {', '.join(DATASETS)}")
+    if cfg.name not in DATASETS and block_format(cfg.name) is None:
+        raise ValueError(
+            f"data.name={cfg.name!r} is not one of {', '.join(DATASETS)}, or FORMAT:DIR with "
+            f"FORMAT one of {', '.join(BLOCK_FORMATS)}"
+        )
+    if block_format(cfg.name) and (not block_root(cfg.name) or cfg.dims not in (2, 3)):
+        raise ValueError(
+            f"data.name={cfg.name!r} needs a directory after the colon, and data.dims "
+            f"(now {cfg.dims}) 2 for images or 3 for volumes"
+        )
     if split not in SPLITS:
         raise ValueError(f"split={split!r} must be one of {', '.join(SPLITS)}")
     if cfg.channels not in (1, 3):

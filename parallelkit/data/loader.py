@@ -31,8 +31,17 @@ import torch
 from torch.utils.data import DataLoader
 
 from parallelkit.comm import tensor_split_sizes
-from parallelkit.data.config import VOLUMES, WITH_MASKS, DataConfig, check_config
+from parallelkit.data.blockset import BlockDataset, RankBlock
+from parallelkit.data.config import (
+    DataConfig,
+    block_format,
+    block_root,
+    check_config,
+    has_masks,
+    volumes,
+)
 from parallelkit.data.datasets import load_dataset
+from parallelkit.data.readers import format_of
 from parallelkit.data.sampler import RankSampler
 from parallelkit.data.shardio import check_shards, load_split
 from parallelkit.data.shardstream import ShardStream
@@ -71,7 +80,9 @@ def window(image_size: int, block: Block | None, volume: bool = False) -> tuple[
 class Loader:
     """Iterable of ``(images (N, C, S, S) float32 in about [-1, 1], targets)``: ``labels (N,)
     int64``, or with ``masks`` true, ``(N, h, w)`` int64 masks (this rank's block of them when
-    the loader was built with a ``block``).
+    the loader was built with a ``block``). With ``blocks`` true (``data.name=FORMAT:DIR``)
+    the images too are this rank's blocks, as ``pk.spatial.scatter`` cuts them. ``dims``: 2
+    for images, 3 for volumes.
 
     ``len(loader)`` is the number of batches of a whole epoch on this rank, whatever
     ``set_epoch``'s ``start_batch`` (an epoch resumed at batch k yields ``len(loader) - k``).
@@ -89,8 +100,10 @@ class Loader:
         image_size: int,
         num_samples: int,
         masks: bool = False,
+        blocks: bool = False,
+        dims: int = 2,
     ) -> None:
-        self.dataloader, self.masks = dataloader, masks
+        self.dataloader, self.masks, self.blocks, self.dims = dataloader, masks, blocks, dims
         self.batches, self.batch_size = batches, batch_size
         self.num_classes, self.channels = num_classes, channels
         self.image_size, self.num_samples = image_size, num_samples
@@ -119,6 +132,8 @@ class Loader:
         self.epoch, self.start_batch = epoch, start_batch
         source = self.dataloader.sampler if self._map_style else self.dataloader.dataset
         source.set_epoch(epoch, start_batch)  # type: ignore[attr-defined]
+        if isinstance(self.dataloader.dataset, BlockDataset):  # its crops and flips
+            self.dataloader.dataset.set_epoch(epoch)
 
     @property
     def _map_style(self) -> bool:
@@ -163,7 +178,7 @@ def build_loader(
     shuffle = bool(cfg.shuffle) and split == "train"
     # A private generator: iterating must not draw from the global RNG (model init, dropout).
     generator = torch.Generator().manual_seed(seed)
-    crop = window(cfg.image_size, block, volume=cfg.name in VOLUMES)
+    crop = window(cfg.image_size, block, volume=volumes(cfg))
     if cfg.name == "webdataset":
         shards = load_split(str(cfg.root), split)
         check_shards(shards)
@@ -186,8 +201,11 @@ def build_loader(
         batches, num_samples, num_classes = len(stream), shards.num_samples, shards.num_classes
         masks = shards.masks
     else:
-        dataset = load_dataset(cfg, split, crop)
-        masks = cfg.name in WITH_MASKS
+        dataset = (
+            block_dataset(cfg, split, block, seed) if block_format(cfg.name)
+            else load_dataset(cfg, split, crop)
+        )  # fmt: skip
+        masks = has_masks(cfg.name)
         sampler = RankSampler(
             dataset,  # type: ignore[arg-type]
             rank=rank,
@@ -217,6 +235,8 @@ def build_loader(
         )
     return Loader(
         dataloader,
+        blocks=block_format(cfg.name) is not None,
+        dims=3 if volumes(cfg) else 2,
         batches=batches,
         batch_size=batch_size,
         num_classes=num_classes,
@@ -225,3 +245,30 @@ def build_loader(
         num_samples=num_samples,
         masks=masks,
     )
+
+
+def block_dataset(cfg: DataConfig, split: str, block: Block | None, seed: int) -> BlockDataset:
+    """``data.name=FORMAT:DIR``: this rank's blocks of ``image_size`` crops (cubes for
+    volumes) of the folder's samples, masks too; the folder must hold that format."""
+    root, dims = block_root(cfg.name), 3 if volumes(cfg) else 2
+    rank_block = None
+    if block is not None:
+        if len(block) == 4:
+            block = (1, block[0], block[1], 0, block[2], block[3])
+        counts, coords = block[3 - dims : 3], block[6 - dims :]
+        if dims == 2 and block[0] > 1:
+            window(cfg.image_size, block)  # raises: a depth split of images
+        rank_block = RankBlock(tuple(counts), tuple(coords))
+    data = BlockDataset(
+        root, split, block=rank_block, dims=dims, crop=(cfg.image_size,) * dims,
+        num_classes=cfg.num_classes, seed=seed,
+    )  # fmt: skip
+    kind, found = block_format(cfg.name), format_of(data.images[0].path)
+    if found != kind:
+        raise ValueError(f"data.name={cfg.name!r}: {data.images[0].path} is {found}, not {kind}")
+    if data.images[0].channels != cfg.channels:
+        raise ValueError(
+            f"data.channels={cfg.channels}, but {data.images[0].path} has "
+            f"{data.images[0].channels} channels"
+        )
+    return data

@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from parallelkit import models
-from parallelkit.data.config import WITH_MASKS, check_config
+from parallelkit.data.config import check_config, has_masks
 from parallelkit.dims import GridDims
 from parallelkit.models import zoo
 from parallelkit.train.protocol import Task
@@ -178,12 +178,13 @@ def _check_task(cfg: Config) -> None:
             f"config: model.name={name} is a {owner.name} model, not one for "
             f"train.task={task.name}, which trains {task.trains}"
         )
-    if task.masks and not (data in WITH_MASKS or data == "webdataset"):
+    if task.masks and not (has_masks(data) or data == "webdataset"):
         raise ValueError(
             f"config: train.task={task.name} needs masks: data.name=shapes, segfolder, "
-            f"shapes3d, segfolder3d or webdataset shards written from one, not {data}"
+            f"shapes3d, segfolder3d, FORMAT:DIR (zarr, tiff, nifti, npy) or webdataset shards "
+            f"written from one, not {data}"
         )
-    if not task.masks and data in WITH_MASKS:
+    if not task.masks and has_masks(data):
         with_masks = " or ".join(f"train.task={t.name}" for t in TASK_CLASSES.values() if t.masks)
         raise ValueError(f"config: data.name={data} holds masks: use it with {with_masks}")
     task.check(cfg)

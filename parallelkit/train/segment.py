@@ -69,7 +69,11 @@ class Segment(Task):
         super().__init__(cfg, grid, device, train)
         self.classes = train.num_classes
         dense = self.dense_networks(cfg, train)["model"]
-        self.model = self.add("model", dense, spatial_output="blocks")
+        blocks_in = {}
+        if train.blocks:  # data.name=FORMAT:DIR: every rank reads only its block of a sample
+            size = (train.image_size,) * train.dims
+            blocks_in = {"spatial_input": "blocks", "spatial_size": size}
+        self.model = self.add("model", dense, spatial_output="blocks", **blocks_in)
 
     def logits(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """This rank's block of the logits, checked against its block of the mask (images:
