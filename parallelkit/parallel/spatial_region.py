@@ -102,12 +102,28 @@ class SpatialRegion(nn.Module):
             if guard.is_split(t):
                 if self.output == "blocks":
                     return t
-                return gather(t, self.comm, self._blocks, size=guard.size_of(t))
+                return self._gathered_output(t, guard)
             if self.shares and isinstance(t, torch.Tensor) and t.requires_grad:
                 return _ShareOf.apply(t, self.comm.size)
             return t
 
         return tree_map(out, y)
+
+    def _gathered_output(self, t: torch.Tensor, guard: SpatialGuard) -> torch.Tensor:
+        """The whole of an output block ``t`` wherever its spatial dimensions are: an output
+        need not be (N, C, *spatial). Deep supervision stacks heads, (N, heads, C, D, H, W);
+        a channels-last output has C after them. The spatial dimensions go last, the others
+        are folded into (rows, 1) for the gather and restored after it."""
+        spatial = len(guard.dims(t))
+        where = tuple(t.dim() + d for d in guard.dims(t))
+        last = tuple(range(t.dim() - spatial, t.dim()))
+        if where == last and t.dim() == spatial + 2:  # (N, C, *spatial)
+            return gather(t, self.comm, self._blocks, size=guard.size_of(t))
+        y = t.movedim(where, last)
+        lead = y.shape[: y.dim() - spatial]
+        y = y.reshape(-1, 1, *y.shape[len(lead) :])
+        y = gather(y, self.comm, self._blocks, size=guard.size_of(t))
+        return y.reshape(*lead, *y.shape[2:]).movedim(last, where)
 
     def _whole_size(self, x_blk: torch.Tensor) -> tuple[int, ...]:
         """The whole samples' spatial size of the input block ``x_blk``: ``size`` (this rank's

@@ -60,9 +60,10 @@ def pointwise(g: Guard, call: Call) -> Any:
     return g.marked(call.func(*args, **kwargs), dims)
 
 
-@rule(*ops(_LOCAL, Tensor))
+@rule(*ops(_LOCAL, Tensor), torch.as_tensor)
 def local(g: Guard, call: Call) -> Any:
-    """Local: type, device and memory-format changes, copies, detaching."""
+    """Local: type, device and memory-format changes, copies, detaching; `torch.as_tensor`
+    of a block (MONAI's HighResBlock wraps its branches in it)."""
     return g.marked(call.run(), g.dims(call.blocks[0]))
 
 
