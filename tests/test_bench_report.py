@@ -109,6 +109,8 @@ def volume_row(workload: str, dense: float, pk: float) -> dict:
         "ranks": 2,
         "times": {"dense": [dense / 1e3], "pk": [pk / 1e3]},
         "ms": {"dense": dense, "pk": pk},
+        "cpu_times": {"dense": [dense / 1e3], "pk": [pk / 2e3]},
+        "cpu_ms": {"dense": dense, "pk": pk / 2},
         "loss": {"dense": 0.5, "pk": 0.5},
         "split_ms": {**split, "compute and the rest": pk - 3.0, "step": pk},
         "idle_rank": {"cpu_s": 0.01, "wall_s": 1.0},
@@ -132,6 +134,7 @@ def test_spatial_volume_report_and_halo_check() -> None:
     text = sv.report(sv.Config(unet_size=32, stack_size=64, repeats=1), rows, env, 9.0)
     assert "dense 100 ms, 2 ranks 50 ms, ratio 2.00 (goal >= 1.6): met" in text
     assert "dense 100 ms, 2 ranks 80 ms, ratio 1.25 (goal >= 1.6): MISSED" in text
+    assert "dense 100 ms, 2 ranks 25 ms, ratio 4.00" in text  # CPU time per rank
     assert "counted == predicted by geometry on every rank: yes" in text
     assert "| 2 (4%) | 1 (2%) | 0 (0%) | 47 (94%) | 50 |" in text  # the split of the unet step
     rows[1]["bytes_bwd"] = [{"sent": 1024, "received": 1024, "self_copied": 0}] * 2
