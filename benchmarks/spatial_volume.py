@@ -1,6 +1,6 @@
 """Spatial parallelism on volumes: a 3-D U-Net at 128^3 and a Conv3d stack at 256^3, split over D.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/spatial_volume.py           # ~10 min
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/spatial_volume.py           # ~12-16 min
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/spatial_volume.py --quick   # smoke, < 1 min
 
 Two workloads, each one training step without the optimizer (forward + backward of the loss,
@@ -28,12 +28,22 @@ so a rank stands for one device), round by round in alternating order:
             a whole sample: BatchNorm3d becomes SyncBatchNorm, the stride-1 "same" convolutions
             run on the edge path, the parameter gradients' shares are summed in DataParallel's
             bucketed all-reduces
+    dense, oneDNN / pk, oneDNN
+            the same two with every Conv3d through oneDNN (``torch.mkldnn_convolution``), a
+            diagnostic, not the library as it is (``--no-onednn`` skips them). torch's CPU
+            heuristic runs a 3x3x3 convolution of a batch of 1 on its slow im2col kernel
+            (``slow_conv3d``, several times slower) when N x C x D x H <= 20480: half a
+            volume's depth can fall under that line where the whole volume does not (the
+            U-Net's 64^3 and 32^3 levels), and so do the edge path's 3-plane slabs
 
-Both variants run in the same processes at the same time of the run, so the other processes'
+Every variant runs in the same processes at the same time of the run, so the other processes'
 load on this shared machine falls on both alike. Timing: ``--warmup`` untimed rounds, then
 ``--repeats`` rounds; a step's time is the slowest rank's (rank 0's for dense); the median over
 rounds is reported. Ratio = dense step / pk step: the 2-rank speedup over one rank with the
-same threads per process (goal >= 1.6).
+same threads per process (goal >= 1.6). Beside the wall time, each step's CPU time per rank
+(``time.process_time``: all of the rank's threads, gloo's too; the busiest rank's): on a
+machine whose cores other processes hold, wall time also counts waiting for a core, CPU time
+only the work, so its ratio says what the split itself saves.
 
 The split of the pk step: the communicator's methods are wrapped (on the instance, during the
 timed pk steps) to add up the time the calling thread spends inside them: halo exchange
@@ -46,7 +56,8 @@ Halo bytes: in the first warm-up pk step, every tensor handed to ``neighbor_exch
 other rank is counted, forward and backward apart, and compared with geometry's prediction:
 per layer that fetches rows along D (Conv3d, MaxPool3d, ConvTranspose3d), the planes each rank
 receives (``geometry.received_rows`` of the layer's window plan, ``transposed_needs`` for the
-transposed convolution) x C_in x H x W x 4 B; the backward sends as many back. Results:
+transposed convolution) x N x C_in x H x W x 4 B; the backward sends as many back, but for
+the first layer (the input volume needs no gradient). Results:
 benchmarks/results/spatial_volume.md and .json, and spatial_volume.png.
 """
 
@@ -637,12 +648,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stack-layers", type=int)
     p.add_argument("--warmup", type=int)
     p.add_argument("--repeats", type=int)
+    p.add_argument("--no-onednn", action="store_true", help="skip the oneDNN diagnostic")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/spatial_volume.md"))
     args = p.parse_args(argv)
     cfg = Config(unet_size=32, stack_size=64, repeats=1) if args.quick else Config()
     for key in ("unet_size", "stack_size", "stack_channels", "stack_layers", "warmup", "repeats"):
         if getattr(args, key) is not None:
             setattr(cfg, key, getattr(args, key))
+    cfg.onednn = not args.no_onednn
     cfg.warmup = max(1, cfg.warmup)  # the first pk step counts the halo bytes, untimed
     env = environment(command=command_line())
     start = time.monotonic()
