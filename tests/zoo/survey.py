@@ -5,8 +5,9 @@
     .venv-zoo/bin/python tests/zoo/survey.py --fallback gather  # only the gather cases
     .venv-zoo/bin/python tests/zoo/survey.py --write-expected   # and refresh EXPECTED
 
-Each case runs on local gloo ranks (2, or 4 for "data x rows") with one thread each, as
-``test_zoo.py`` runs it, and is classified by ``zoo_run.classify``. Two modes, both by default:
+Each case runs on local gloo ranks (2, or 4 for "data x rows", "depth x cols" and "data x
+depth") with one thread each, as ``test_zoo.py`` runs it, and is classified by
+``zoo_run.classify``. Two modes, both by default:
 ``--fallback refuse`` runs every case as ``pk.parallelize`` runs by default; ``--fallback
 gather`` runs the cases refused under a spatial strategy (``zoo_cases.gather_cases``: by this
 run's refuse outcomes where it has them, else by EXPECTED) again with ``fallback="gather"``.
@@ -14,8 +15,9 @@ run's refuse outcomes where it has them, else by EXPECTED) again with ``fallback
 keeping the recorded outcome of every case not run this time, so that the tests' strict xfail
 marks follow the library. The markdown has a column per strategy, then one per spatial
 strategy under gather, a count per column, and the reason of every case that is not exact
-below the table. Seconds per case are shown to keep the tier's budget in view; the tests never
-time anything.
+below the tables. Images and volumes get a table each, with their own strategies
+(``zoo_cases.IMAGE_STRATEGIES``, ``VOLUME_STRATEGIES``). Seconds per case are shown to keep
+the tier's budget in view; the tests never time anything.
 """
 
 from __future__ import annotations
@@ -39,8 +41,10 @@ from zoo_cases import (  # noqa: E402
     ARCHS,
     EXPECTED,
     EXPECTED_GATHER,
+    IMAGE_STRATEGIES,
     SPATIAL,
     STRATEGIES,
+    VOLUME_STRATEGIES,
     cases,
     gather_cases,
 )
@@ -138,8 +142,6 @@ def merge(run: dict[Case, Outcome], wanted: list[Case], recorded: dict) -> dict[
 def markdown(results, seconds, archs, strategies, total) -> str:
     import parallelkit
 
-    groups = [("refuse", s) for s in strategies]
-    groups += [("gather", s) for s in strategies if s in SPATIAL and results["gather"]]
     counts = {mode: _counts(results[mode].values()) for mode in FALLBACKS}
     lines = [
         "# Model zoo survey",
@@ -148,8 +150,9 @@ def markdown(results, seconds, archs, strategies, total) -> str:
         "SGD steps in float64 (tests/zoo). exact: outputs, input and parameter gradients and "
         "`pk.to_dense` state match; refused: the same ValueError from parallelkit on every rank; "
         "**WRONG**: ran with different numbers (a silent defect); **CRASH**: any other "
-        "failure; ·: not run (the 4-rank strategy runs the FOUR_RANKS subset). Numbers in "
-        "brackets point to the reasons below the table.",
+        "failure; ·: not run (the 4-rank strategies data x rows and data x depth run the "
+        "FOUR_RANKS and FOUR_RANKS_3D subsets). Numbers in brackets point to the reasons below "
+        "the tables.",
         "",
         'The columns marked *gather* run `fallback="gather"` on the cases refused under the '
         'default (`fallback="refuse"`) with a spatial strategy: each must be exact. Elsewhere '
@@ -159,35 +162,65 @@ def markdown(results, seconds, archs, strategies, total) -> str:
         f"parallelkit {parallelkit.__version__}, {platform.machine()}, "
         f"{os.cpu_count()} cores, {total:.0f} s in all. "
         + "; ".join(f"{mode}: " + _count_text(c) for mode, c in counts.items() if c),
-        "",
-        "| architecture | "
-        + " | ".join(s if mode == "refuse" else f"{s} *gather*" for mode, s in groups)
-        + " |",
-        "|---|" + "---|" * len(groups),
     ]
     notes: list[str] = []
-    for arch in archs:
-        cells = []
-        for mode, s in groups:
-            o = results[mode].get((arch, s))
-            if o is None:
-                cells.append("·")  # not part of the tier (FOUR_RANKS, gather) or not run
-                continue
-            cell = MARK[o.kind] + (" (no remedy)" if o.label == "refused (no remedy)" else "")
-            if o.reason:
-                where = s if mode == "refuse" else f"{s}, gather"
-                notes.append(f"{len(notes) + 1}. {arch}, {where}: {o.kind}: {o.reason}")
-                cell += f" [{len(notes)}]"
-            took = seconds[mode].get((arch, s))
-            cells.append(cell if took is None else f"{cell} {took:.0f}s")
-        lines.append(f"| {arch} | " + " | ".join(cells) + " |")
-    per_column = [
-        _count_text(_counts(o for (a, s), o in results[mode].items() if s == strategy))
-        for mode, strategy in groups
-    ]
-    lines.append("| *all* | " + " | ".join(per_column) + " |")
+    sections = (
+        ("Images (N, C, H, W)", False, IMAGE_STRATEGIES),
+        ("Volumes and clips (N, C, D, H, W)", True, VOLUME_STRATEGIES),
+    )
+    for title, volume, kinds in sections:
+        rows = [a for a in archs if ARCHS[a].volume == volume]
+        if not rows:
+            continue
+        mine = [s for s in strategies if s in kinds]
+        gathered = any(a in rows for a, _ in results["gather"])
+        groups = [("refuse", s) for s in mine]
+        groups += [("gather", s) for s in mine if s in SPATIAL and gathered]
+        section_seconds = sum(
+            took for mode in FALLBACKS for (a, _), took in seconds[mode].items() if a in rows
+        )
+        lines += [
+            "",
+            f"## {title}",
+            "",
+            f"{len(rows)} architectures; "
+            + (
+                f"{section_seconds:.0f} s of cases run this time."
+                if section_seconds
+                else "not run this time: the outcomes recorded in EXPECTED, without seconds."
+            ),
+            "",
+            "| architecture | "
+            + " | ".join(s if mode == "refuse" else f"{s} *gather*" for mode, s in groups)
+            + " |",
+            "|---|" + "---|" * len(groups),
+        ]
+        for arch in rows:
+            cells = [_cell(results, seconds, notes, arch, mode, s) for mode, s in groups]
+            lines.append(f"| {arch} | " + " | ".join(cells) + " |")
+        per_column = [
+            _count_text(
+                _counts(o for (a, s), o in results[mode].items() if s == strategy and a in rows)
+            )
+            for mode, strategy in groups
+        ]
+        lines.append("| *all* | " + " | ".join(per_column) + " |")
     lines += ["", "## Reasons", "", *notes, ""]
     return "\n".join(lines)
+
+
+def _cell(results, seconds, notes: list[str], arch: str, mode: str, s: str) -> str:
+    """One table cell; a reason is appended to ``notes`` and pointed to by its number."""
+    o = results[mode].get((arch, s))
+    if o is None:
+        return "·"  # not part of the tier (FOUR_RANKS, gather) or not run
+    cell = MARK[o.kind] + (" (no remedy)" if o.label == "refused (no remedy)" else "")
+    if o.reason:
+        where = s if mode == "refuse" else f"{s}, gather"
+        notes.append(f"{len(notes) + 1}. {arch}, {where}: {o.kind}: {o.reason}")
+        cell += f" [{len(notes)}]"
+    took = seconds[mode].get((arch, s))
+    return cell if took is None else f"{cell} {took:.0f}s"
 
 
 def _counts(outcomes) -> dict[str, int]:

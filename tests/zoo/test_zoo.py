@@ -62,6 +62,14 @@ def test_control_perturbed_gradient_is_wrong(pools):
     assert got.reason.split("first: ")[1].startswith("step 0 conv1.weight grad"), got
 
 
+@pytest.mark.timeout(300)
+def test_control_no_halo_is_wrong_on_volumes(pools):
+    """The same on a 3-D U-Net split over depth: each rank runs it on its own planes."""
+    got = run_case(pools, "monai UNet", "depth", tamper="no-halo")
+    assert got.kind == "wrong", got
+    assert "output" in got.reason
+
+
 def _report(outcome: str, **kw) -> dict:
     base = {"exact": {"checked": 3}, "wrong": {"checked": 3, "count": 1, "mismatches": ["x"]}}
     fail = {"message": "no; use fewer ranks", "phase": "parallelize", "origin": "f.py:1 in g"}
@@ -126,4 +134,5 @@ def test_every_case_has_an_expected_outcome():
     if HAS_FALLBACK:
         assert set(EXPECTED_GATHER) == set(gather_cases()), REFRESH
     assert len(ARCHS) >= 47
-    assert {a.source for a in ARCHS.values()} == {"torchvision", "timm", "smp"}
+    assert {a.source for a in ARCHS.values()} == {"torchvision", "timm", "smp", "monai"}
+    assert sum(a.volume for a in ARCHS.values()) >= 12  # issue 21: at least 12 3-D networks

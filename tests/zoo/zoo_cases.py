@@ -1,5 +1,5 @@
-"""The model zoo: real networks from torchvision, timm and segmentation_models_pytorch, built
-small, and the strategies each one is tried under.
+"""The model zoo: real networks from torchvision, timm, segmentation_models_pytorch and MONAI,
+built small, and the strategies each one is tried under.
 
 Why these: ``pk.parallelize`` promises the dense numbers (or a clear refusal) for networks
 nobody here wrote. Each architecture below brings forward code the library never saw: SE
@@ -13,6 +13,11 @@ Every model is built with random weights (nothing is downloaded), small enough t
 smallest input the architecture accepts well (64 x 64 unless noted), the small variant or a
 reduced encoder depth. Randomness inside the model (dropout, stochastic depth) is switched
 off, so the dense and the parallel model compute the same function.
+
+Volumes (issue 21): MONAI's 3-D segmentation networks and classifiers and torchvision's video
+classifiers take (N, C, D, H, W) and run under their own strategies (``VOLUME_STRATEGIES``:
+data, channel, depth, rows, depth x cols, and data x depth for ``FOUR_RANKS_3D``); images run
+under ``IMAGE_STRATEGIES`` as before.
 
 ``EXPECTED`` at the bottom is today's outcome of every case, written by
 ``python tests/zoo/survey.py --write-expected``; ``test_zoo.py`` turns it into pytest marks.
@@ -28,13 +33,19 @@ from torch import nn
 
 @dataclass(frozen=True)
 class Arch:
-    """One network: where it comes from, how to build it small, and its input (C, H, W)."""
+    """One network: where it comes from, how to build it small, and its input: (C, H, W) for
+    an image, (C, D, H, W) for a volume or a clip."""
 
-    source: str  # "torchvision" | "timm" | "smp"
+    source: str  # "torchvision" | "timm" | "smp" | "monai"
     build: Callable[[], nn.Module]
-    shape: tuple[int, int, int] = (3, 64, 64)
+    shape: tuple[int, ...] = (3, 64, 64)
     what: str = ""  # the feature this architecture brings to the tier
     steps: int = 2  # SGD steps compared (fewer where the dense model itself is chaotic)
+
+    @property
+    def volume(self) -> bool:
+        """A 3-D network: its input has three spatial dimensions."""
+        return len(self.shape) == 4
 
 
 def no_randomness(model: nn.Module) -> nn.Module:
@@ -232,6 +243,53 @@ def _smp(kind: str, encoder: str = "resnet18", **kw) -> Callable[[], nn.Module]:
 
         cls = getattr(smp, kind)
         return no_randomness(cls(encoder_name=encoder, encoder_weights=None, classes=2, **kw))
+
+    return build
+
+
+def _monai(name: str, *args, **kw) -> Callable[[], nn.Module]:
+    """MONAI's ``monai.networks.nets.NAME(*args, **kw)``, 3-D, random weights."""
+
+    def build() -> nn.Module:
+        import monai.networks.nets as mn
+
+        return no_randomness(getattr(mn, name)(*args, **kw))
+
+    return build
+
+
+def _monai_highresnet() -> nn.Module:
+    """MONAI's HighResNet with its default six layer groups, narrow (4-16 features) and one
+    residual block per group instead of three: the dilations 1, 2 and 4 of res_1-res_3 and
+    the zero-padded channel matching of its residual shortcuts are kept."""
+    import monai.networks.nets as mn
+
+    layers = (
+        {"name": "conv_0", "n_features": 4, "kernel_size": 3},
+        {"name": "res_1", "n_features": 4, "kernels": (3, 3), "repeat": 1},
+        {"name": "res_2", "n_features": 8, "kernels": (3, 3), "repeat": 1},
+        {"name": "res_3", "n_features": 8, "kernels": (3, 3), "repeat": 1},
+        {"name": "conv_1", "n_features": 16, "kernel_size": 1},
+        {"name": "conv_2", "kernel_size": 1},
+    )
+    return mn.HighResNet(3, 1, 2, layer_params=layers)
+
+
+def _tv_video(conv: str, stem: str) -> Callable[[], nn.Module]:
+    """torchvision's VideoResNet (r3d_18, mc3_18, r2plus1d_18's code) with one BasicBlock per
+    stage instead of two: ``conv`` names the stages' convolution makers (``Conv3DSimple``, or
+    ``Conv3DNoTemporal`` after the first stage for MC3, ``Conv2Plus1D``), ``stem`` the stem."""
+
+    def build() -> nn.Module:
+        import torchvision.models.video.resnet as tvr
+
+        makers = {
+            "r3d": [tvr.Conv3DSimple] * 4,
+            "mc3": [tvr.Conv3DSimple] + [tvr.Conv3DNoTemporal] * 3,
+            "r2plus1d": [tvr.Conv2Plus1D] * 4,
+        }[conv]
+        stem_cls = getattr(tvr, stem)
+        return tvr.VideoResNet(tvr.BasicBlock, makers, [1, 1, 1, 1], stem_cls, num_classes=4)
 
     return build
 
@@ -460,6 +518,105 @@ ARCHS: dict[str, Arch] = {
         "smp", _smp("UPerNet", encoder="mobilenet_v2", decoder_channels=32),
         what="pyramid pooling module (pools to 1, 2, 3, 6) and FPN fusion by interpolation",
     ),
+    # ---------------------------------------------------------------- volumes (issue 21)
+    # (C, D, H, W) inputs, under VOLUME_STRATEGIES. 16^3 unless a network's depth of
+    # downsampling needs more. Where the last maps have 1 plane along a split dimension (the
+    # video ResNets' last stage over depth, MC3's over rows, UNETR's one patch), one rank's
+    # block is empty there: that path is tested too. The video ResNets have 14M, 5M and 12M
+    # weights whatever the input (64-512 channels are fixed): MC3 takes 16 x 16 frames, R3D
+    # and R(2+1)D 32 x 32 (at 16 x 16 R(2+1)D's BatchNorms on 1^3 maps make the dense model
+    # itself chaotic by its second step).
+    "monai UNet": Arch(
+        "monai",
+        _monai("UNet", 3, 1, 2, channels=(4, 8, 16), strides=(2, 2), num_res_units=1),
+        (1, 16, 16, 16),
+        what="residual units, InstanceNorm3d (no affine), PReLU, strided and transposed convs",
+    ),
+    "monai BasicUNet": Arch(
+        "monai", _monai("BasicUNet", 3, 1, 2, features=(4, 4, 8, 8, 16, 4)), (1, 32, 32, 32),
+        what="four max-pool levels, affine InstanceNorm3d, LeakyReLU, skip concatenation",
+    ),
+    "monai AttentionUnet": Arch(
+        "monai", _monai("AttentionUnet", 3, 1, 2, channels=(4, 8, 16), strides=(2, 2)),
+        (1, 16, 16, 16),
+        what="attention gates: a sigmoid map from a 1 x 1 x 1 conv multiplies the skip (x * psi)",
+    ),
+    "monai SegResNet": Arch(
+        "monai",
+        _monai("SegResNet", 3, init_filters=4, in_channels=1, out_channels=2,
+               blocks_down=(1, 2, 2), blocks_up=(1, 1), norm=("GROUP", {"num_groups": 2})),
+        (1, 16, 16, 16),
+        what="GroupNorm over channels, D, H and W; pre-activation residual blocks; "
+        "1 x 1 x 1 conv then trilinear upsampling",
+    ),
+    "monai SegResNetDS": Arch(
+        "monai",
+        _monai("SegResNetDS", 3, init_filters=4, in_channels=1, out_channels=2,
+               blocks_down=(1, 1, 1), dsdepth=2),
+        (1, 16, 16, 16),
+        what="deep supervision: a list of two heads at two scales in training; BatchNorm3d, "
+        "transposed-conv upsampling with output_padding",
+    ),
+    "monai DynUNet": Arch(
+        "monai",
+        _monai("DynUNet", 3, 1, 2, kernel_size=[3, 3, 3], strides=[1, 2, 2],
+               upsample_kernel_size=[2, 2], filters=[4, 8, 16], res_block=True,
+               deep_supervision=True, deep_supr_num=1),
+        (1, 16, 16, 16),
+        what="nnU-Net's network: residual blocks, affine InstanceNorm3d, LeakyReLU in place; "
+        "deep supervision heads interpolated to full size and stacked (torch.stack)",
+    ),
+    "monai UNETR": Arch(
+        "monai",
+        _monai("UNETR", 1, 2, img_size=16, feature_size=4, hidden_size=32, mlp_dim=64,
+               num_heads=2),
+        (1, 16, 16, 16),
+        what="transformer hybrid: 16^3 patch embedding, ViT encoder (attention over every "
+        "patch), token maps reshaped back to volumes for a convolutional decoder",
+    ),
+    "monai HighResNet": Arch(
+        "monai", _monai_highresnet, (1, 16, 16, 16),
+        what="dilated convolutions (1, 2, 4), BatchNorm3d, shortcuts zero-padded in channels",
+    ),
+    "monai DenseNet": Arch(
+        "monai",
+        _monai("DenseNet", 3, 1, 3, init_features=8, growth_rate=4, block_config=(2, 2, 2),
+               bn_size=2),
+        (1, 32, 32, 32),
+        what="3-D classifier: dense blocks (concatenation), average-pool transitions, "
+        "AdaptiveAvgPool3d(1), flatten",
+    ),
+    "monai ResNet": Arch(
+        "monai",
+        _monai("ResNet", "basic", [1, 1, 1, 1], [8, 16, 32, 64], spatial_dims=3,
+               n_input_channels=1, num_classes=3),
+        (1, 32, 32, 32),
+        what="3-D classifier (MedicalNet's ResNet): 7^3 stem, max pool, BatchNorm3d",
+    ),
+    "monai SEResNet50": Arch(
+        "monai",
+        _monai("SEResNet50", layers=(1, 1, 1, 1), spatial_dims=3, in_channels=1,
+               num_classes=3, pretrained=False),
+        (1, 32, 32, 32),
+        what="3-D squeeze-and-excitation: AdaptiveAvgPool3d(1) gates multiplying split "
+        "features; one bottleneck per stage",
+        # Its last BatchNorms normalize 2 values per channel (batch 2, 1^3 maps): the dense
+        # model alone, its weights perturbed by 1e-13, moves its second step's gradients by
+        # their whole scale (measured), so only the first step can be compared.
+        steps=1,
+    ),
+    "tv r3d_18": Arch(
+        "torchvision", _tv_video("r3d", "BasicStem"), (3, 8, 32, 32),
+        what="video ResNet: 3 x 7 x 7 stem, full 3-D convolutions (one block per stage)",
+    ),
+    "tv mc3_18": Arch(
+        "torchvision", _tv_video("mc3", "BasicStem"), (3, 8, 16, 16),
+        what="mixed convolutions: 3-D in the first stage, 1 x 3 x 3 after it",
+    ),
+    "tv r2plus1d_18": Arch(
+        "torchvision", _tv_video("r2plus1d", "R2Plus1dStem"), (3, 8, 32, 32),
+        what="(2+1)-D: each 3 x 3 x 3 conv factored into 1 x 3 x 3 and 3 x 1 x 1 with BN between",
+    ),
 }
 
 STRATEGIES: dict[str, tuple[int, dict]] = {
@@ -469,7 +626,19 @@ STRATEGIES: dict[str, tuple[int, dict]] = {
     "cols": (2, dict(cols=2)),
     "channel": (2, dict(channel=2)),
     "data x rows": (4, dict(data=2, rows=2)),
+    "depth": (2, dict(depth=2)),
+    "depth x cols": (4, dict(depth=2, cols=2)),
+    "data x depth": (4, dict(data=2, depth=2)),
 }
+
+IMAGE_STRATEGIES = ("data", "rows", "cols", "channel", "data x rows")
+"""What a 2-D network runs under (data x rows only for ``FOUR_RANKS``)."""
+VOLUME_STRATEGIES = ("data", "channel", "depth", "rows", "depth x cols", "data x depth")
+"""What a 3-D network runs under (data x depth only for ``FOUR_RANKS_3D``). "depth" splits D
+over 2 ranks (what the plain "spatial" strategy does to a volume), "rows" splits H (rules that
+name a dimension), "depth x cols" is a 2-D grid of 4 ranks over D and W (faces and edges: a
+block's halo comes from three neighbours), "data x depth" merges statistics over a data group
+whose members hold planes. "cols" alone is left out: W is split by "depth x cols"."""
 
 FOUR_RANKS = (
     "timm resnet18 BatchNormAct2d",
@@ -485,20 +654,33 @@ whose attention blocks fallback="gather" gathers over the rows of each data grou
 eight that ran here until 2026-11 only repeated it (docs/zoo.md); 4-rank cases are the dearest
 (four dense references on two cores)."""
 
-SPATIAL = tuple(name for name, (_, dims) in STRATEGIES.items() if dims.get("rows", 1) > 1
-                or dims.get("cols", 1) > 1)  # fmt: skip
-"""The strategies that split images: the only ones whose refusals ``fallback="gather"`` lifts
+FOUR_RANKS_3D = ("monai AttentionUnet", "monai SegResNetDS", "tv r2plus1d_18")
+"""The volumes also run under "data x depth" (4 ranks): BatchNorm3d statistics merged over a
+data group whose members hold planes, under an attention gate, a deep-supervision list output
+and a factored (2+1)-D video network."""
+
+SUBSETS = {"data x rows": FOUR_RANKS, "data x depth": FOUR_RANKS_3D}
+"""Strategies that run only some of the architectures of their kind."""
+
+SPATIAL = tuple(
+    name
+    for name, (_, dims) in STRATEGIES.items()
+    if any(dims.get(d, 1) > 1 for d in ("depth", "rows", "cols"))
+)
+"""The strategies that split samples: the only ones whose refusals ``fallback="gather"`` lifts
 (a data group's unused parameters, or a channel split, are not about blocks)."""
+
+
+def applies(arch: str, strategy: str) -> bool:
+    """Does ``arch`` run under ``strategy``? Images under IMAGE_STRATEGIES, volumes under
+    VOLUME_STRATEGIES, a strategy of SUBSETS only for its architectures."""
+    kinds = VOLUME_STRATEGIES if ARCHS[arch].volume else IMAGE_STRATEGIES
+    return strategy in kinds and (strategy not in SUBSETS or arch in SUBSETS[strategy])
 
 
 def cases() -> list[tuple[str, str]]:
     """Every (architecture, strategy) of the tier, grouped by strategy."""
-    return [
-        (arch, strategy)
-        for strategy, (size, _) in STRATEGIES.items()
-        for arch in ARCHS
-        if size == 2 or arch in FOUR_RANKS
-    ]
+    return [(a, s) for s in STRATEGIES for a in ARCHS if applies(a, s)]
 
 
 def gather_cases(refuse: dict | None = None) -> list[tuple[str, str]]:
@@ -732,6 +914,66 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         ' a parame...',
     ),
     ('smp UPerNet mobilenet_v2', 'data'): (
+        'exact',
+        '',
+    ),
+    ('monai UNet', 'data'): (
+        'exact',
+        '',
+    ),
+    ('monai BasicUNet', 'data'): (
+        'exact',
+        '',
+    ),
+    ('monai AttentionUnet', 'data'): (
+        'exact',
+        '',
+    ),
+    ('monai SegResNet', 'data'): (
+        'exact',
+        '',
+    ),
+    ('monai SegResNetDS', 'data'): (
+        'exact',
+        '',
+    ),
+    ('monai DynUNet', 'data'): (
+        'exact',
+        '',
+    ),
+    ('monai UNETR', 'data'): (
+        'refused',
+        "DataParallel: parameters ['vit.blocks.0.norm_cross_attn.weight', 'vit.bl"
+        "ocks.0.norm_cross_attn.bias' ... norm_cross_attn.bias'] got no gradient "
+        'in this backward. Pass find_unused_parameters=True if the model does not'
+        ' use every parameter in every step, or reduce_over={name: None} to leave'
+        ' a parame...',
+    ),
+    ('monai HighResNet', 'data'): (
+        'exact',
+        '',
+    ),
+    ('monai DenseNet', 'data'): (
+        'exact',
+        '',
+    ),
+    ('monai ResNet', 'data'): (
+        'exact',
+        '',
+    ),
+    ('monai SEResNet50', 'data'): (
+        'exact',
+        '',
+    ),
+    ('tv r3d_18', 'data'): (
+        'exact',
+        '',
+    ),
+    ('tv mc3_18', 'data'): (
+        'exact',
+        '',
+    ),
+    ('tv r2plus1d_18', 'data'): (
         'exact',
         '',
     ),
@@ -976,6 +1218,70 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('smp UPerNet mobilenet_v2', 'rows'): (
+        'exact',
+        '',
+    ),
+    ('monai UNet', 'rows'): (
+        'exact',
+        '',
+    ),
+    ('monai BasicUNet', 'rows'): (
+        'refused',
+        "spatial parallelism: F.pad in 'upcat_4' (UpCat) touches a block of split"
+        " images, and the forward cod ... ze); pass keep_dense=['upcat_4'] to run"
+        ' that module on whole images from there on, or fallback="gather" to run '
+        'it on gathered whole images and split again after it, or use the data or'
+        ' channel ...',
+    ),
+    ('monai AttentionUnet', 'rows'): (
+        'exact',
+        '',
+    ),
+    ('monai SegResNet', 'rows'): (
+        'exact',
+        '',
+    ),
+    ('monai SegResNetDS', 'rows'): (
+        'exact',
+        '',
+    ),
+    ('monai DynUNet', 'rows'): (
+        'exact',
+        '',
+    ),
+    ('monai UNETR', 'rows'): (
+        'refused',
+        "spatial parallelism: Tensor.flatten in 'vit.patch_embedding' (PatchEmbed"
+        "dingBlock) touches a block o ... ep_dense=['vit.patch_embedding'] to run"
+        ' that module on whole images from there on, or fallback="gather" to run '
+        'it on gathered whole images and split again after it, or use the data or'
+        ' channel ...',
+    ),
+    ('monai HighResNet', 'rows'): (
+        'exact',
+        '',
+    ),
+    ('monai DenseNet', 'rows'): (
+        'exact',
+        '',
+    ),
+    ('monai ResNet', 'rows'): (
+        'exact',
+        '',
+    ),
+    ('monai SEResNet50', 'rows'): (
+        'exact',
+        '',
+    ),
+    ('tv r3d_18', 'rows'): (
+        'exact',
+        '',
+    ),
+    ('tv mc3_18', 'rows'): (
+        'exact',
+        '',
+    ),
+    ('tv r2plus1d_18', 'rows'): (
         'exact',
         '',
     ),
@@ -1427,6 +1733,62 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
+    ('monai UNet', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('monai BasicUNet', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('monai AttentionUnet', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('monai SegResNet', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('monai SegResNetDS', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('monai DynUNet', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('monai UNETR', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('monai HighResNet', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('monai DenseNet', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('monai ResNet', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('monai SEResNet50', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('tv r3d_18', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('tv mc3_18', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('tv r2plus1d_18', 'channel'): (
+        'exact',
+        '',
+    ),
     ('timm resnet18 BatchNormAct2d', 'data x rows'): (
         'exact',
         '',
@@ -1442,6 +1804,146 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         ' that module on whole images from there on, or fallback="gather" to run '
         'it on gathered whole images and split again after it, or use the data or'
         ' channel ...',
+    ),
+    ('monai UNet', 'depth'): (
+        'exact',
+        '',
+    ),
+    ('monai BasicUNet', 'depth'): (
+        'refused',
+        "spatial parallelism: F.pad in 'upcat_4' (UpCat) touches a block of split"
+        " images, and the forward cod ... ze); pass keep_dense=['upcat_4'] to run"
+        ' that module on whole images from there on, or fallback="gather" to run '
+        'it on gathered whole images and split again after it, or use the data or'
+        ' channel ...',
+    ),
+    ('monai AttentionUnet', 'depth'): (
+        'exact',
+        '',
+    ),
+    ('monai SegResNet', 'depth'): (
+        'exact',
+        '',
+    ),
+    ('monai SegResNetDS', 'depth'): (
+        'exact',
+        '',
+    ),
+    ('monai DynUNet', 'depth'): (
+        'exact',
+        '',
+    ),
+    ('monai UNETR', 'depth'): (
+        'refused',
+        "spatial parallelism: Tensor.flatten in 'vit.patch_embedding' (PatchEmbed"
+        "dingBlock) touches a block o ... ep_dense=['vit.patch_embedding'] to run"
+        ' that module on whole images from there on, or fallback="gather" to run '
+        'it on gathered whole images and split again after it, or use the data or'
+        ' channel ...',
+    ),
+    ('monai HighResNet', 'depth'): (
+        'exact',
+        '',
+    ),
+    ('monai DenseNet', 'depth'): (
+        'exact',
+        '',
+    ),
+    ('monai ResNet', 'depth'): (
+        'exact',
+        '',
+    ),
+    ('monai SEResNet50', 'depth'): (
+        'exact',
+        '',
+    ),
+    ('tv r3d_18', 'depth'): (
+        'exact',
+        '',
+    ),
+    ('tv mc3_18', 'depth'): (
+        'exact',
+        '',
+    ),
+    ('tv r2plus1d_18', 'depth'): (
+        'exact',
+        '',
+    ),
+    ('monai UNet', 'depth x cols'): (
+        'exact',
+        '',
+    ),
+    ('monai BasicUNet', 'depth x cols'): (
+        'refused',
+        "spatial parallelism: F.pad in 'upcat_4' (UpCat) touches a block of split"
+        " images, and the forward cod ... ze); pass keep_dense=['upcat_4'] to run"
+        ' that module on whole images from there on, or fallback="gather" to run '
+        'it on gathered whole images and split again after it, or use the data or'
+        ' channel ...',
+    ),
+    ('monai AttentionUnet', 'depth x cols'): (
+        'exact',
+        '',
+    ),
+    ('monai SegResNet', 'depth x cols'): (
+        'exact',
+        '',
+    ),
+    ('monai SegResNetDS', 'depth x cols'): (
+        'exact',
+        '',
+    ),
+    ('monai DynUNet', 'depth x cols'): (
+        'exact',
+        '',
+    ),
+    ('monai UNETR', 'depth x cols'): (
+        'refused',
+        "spatial parallelism: Tensor.flatten in 'vit.patch_embedding' (PatchEmbed"
+        "dingBlock) touches a block o ... ep_dense=['vit.patch_embedding'] to run"
+        ' that module on whole images from there on, or fallback="gather" to run '
+        'it on gathered whole images and split again after it, or use the data or'
+        ' channel ...',
+    ),
+    ('monai HighResNet', 'depth x cols'): (
+        'exact',
+        '',
+    ),
+    ('monai DenseNet', 'depth x cols'): (
+        'exact',
+        '',
+    ),
+    ('monai ResNet', 'depth x cols'): (
+        'exact',
+        '',
+    ),
+    ('monai SEResNet50', 'depth x cols'): (
+        'exact',
+        '',
+    ),
+    ('tv r3d_18', 'depth x cols'): (
+        'exact',
+        '',
+    ),
+    ('tv mc3_18', 'depth x cols'): (
+        'exact',
+        '',
+    ),
+    ('tv r2plus1d_18', 'depth x cols'): (
+        'exact',
+        '',
+    ),
+    ('monai AttentionUnet', 'data x depth'): (
+        'exact',
+        '',
+    ),
+    ('monai SegResNetDS', 'data x depth'): (
+        'exact',
+        '',
+    ),
+    ('tv r2plus1d_18', 'data x depth'): (
+        'exact',
+        '',
     ),
 }
 # END EXPECTED
@@ -1487,6 +1989,14 @@ EXPECTED_GATHER: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
+    ('monai BasicUNet', 'rows'): (
+        'exact',
+        '',
+    ),
+    ('monai UNETR', 'rows'): (
+        'exact',
+        '',
+    ),
     ('tv maxvit', 'cols'): (
         'exact',
         '',
@@ -1528,6 +2038,22 @@ EXPECTED_GATHER: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('timm mobilevit_xxs', 'data x rows'): (
+        'exact',
+        '',
+    ),
+    ('monai BasicUNet', 'depth'): (
+        'exact',
+        '',
+    ),
+    ('monai UNETR', 'depth'): (
+        'exact',
+        '',
+    ),
+    ('monai BasicUNet', 'depth x cols'): (
+        'exact',
+        '',
+    ),
+    ('monai UNETR', 'depth x cols'): (
         'exact',
         '',
     ),
