@@ -509,8 +509,8 @@ def report(cfg: Config, rows: list[dict[str, Any]], env: dict[str, str], seconds
         "plain model on rank 0 alone while rank 1 waits, pk = pk.parallelize(model, comm, "
         '"spatial") on both ranks, D split in two, blocks in and out (no rank holds a whole '
         "sample)",
-        f"- {cfg.warmup} warm-up round(s), then {cfg.repeats} rounds of one dense and one pk "
-        "step in alternating order, both in the same processes; a step = forward + backward, "
+        f"- {cfg.warmup} warm-up round(s), then {cfg.repeats} rounds of one step of each variant "
+        "in alternating order, all in the same processes; a step = forward + backward, "
         "the slowest rank's time; median over rounds",
         "- other processes' load during each workload (cores, from /proc/stat): "
         + ", ".join(f"{r['workload']} {r['other_load_cores']:.2f}" for r in rows),
