@@ -1180,7 +1180,7 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
     ('timm tresnet', 'rows'): (
         'refused',
         "spatial parallelism: Tensor.view in 'body.s2d' (SpaceToDepth) touches a "
-        "block of split images, and ( ...  W; pass keep_dense=['body.s2d'] to run"
+        "block of split images, and ( ... on; pass keep_dense=['body.s2d'] to run"
         ' that module on whole images from there on, or fallback="gather" to run '
         'it on gathered whole images and split again after it, or use the data or'
         ' channel ...',
@@ -1488,7 +1488,7 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
     ('timm tresnet', 'cols'): (
         'refused',
         "spatial parallelism: Tensor.view in 'body.s2d' (SpaceToDepth) touches a "
-        "block of split images, and ( ...  W; pass keep_dense=['body.s2d'] to run"
+        "block of split images, and ( ... on; pass keep_dense=['body.s2d'] to run"
         ' that module on whole images from there on, or fallback="gather" to run '
         'it on gathered whole images and split again after it, or use the data or'
         ' channel ...',
