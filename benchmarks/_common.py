@@ -213,3 +213,37 @@ def draw_plots(json_path: Path) -> None:
         return
     for png in plot(json_path):
         print(f"wrote {png}")
+
+
+class ByteCounter:
+    """Counts the bytes of every tensor this rank hands to ``comm.neighbor_exchange``.
+
+    Messages to other ranks are ``sent`` / ``received``; messages to itself (a rank's own rows,
+    which gather_rows routes through the exchange and the communicator copies locally) are
+    ``self_copied`` and do not cross the network. Wraps the method on the instance only.
+    """
+
+    def __init__(self, comm: Any) -> None:
+        self.comm, self.sent, self.received, self.self_copied = comm, 0, 0, 0
+
+    def __enter__(self) -> ByteCounter:
+        inner, rank = self.comm.neighbor_exchange, self.comm.rank
+
+        def counted(send, recv):  # type: ignore[no-untyped-def]
+            for peer, t in send:
+                nbytes = t.numel() * t.element_size()
+                if peer == rank:
+                    self.self_copied += nbytes
+                else:
+                    self.sent += nbytes
+            self.received += sum(b.numel() * b.element_size() for p, b in recv if p != rank)
+            return inner(send, recv)
+
+        self.comm.neighbor_exchange = counted
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.comm.neighbor_exchange  # the class's method again
+
+    def snapshot(self) -> dict[str, int]:
+        return {"sent": self.sent, "received": self.received, "self_copied": self.self_copied}

@@ -67,7 +67,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _common import OtherLoad, alternating, command_line, environment, save, time_block, torch_sync
+from _common import (
+    ByteCounter,
+    OtherLoad,
+    alternating,
+    command_line,
+    environment,
+    save,
+    time_block,
+    torch_sync,
+)
 
 if TYPE_CHECKING:
     from parallelkit.comm.torch_dist import TorchCommunicator
@@ -140,40 +149,6 @@ def leaf(t: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- 1. spatial
-class ByteCounter:
-    """Counts the bytes of every tensor this rank hands to ``comm.neighbor_exchange``.
-
-    Messages to other ranks are ``sent`` / ``received``; messages to itself (a rank's own rows,
-    which gather_rows routes through the exchange and the communicator copies locally) are
-    ``self_copied`` and do not cross the network. Wraps the method on the instance only.
-    """
-
-    def __init__(self, comm: Any) -> None:
-        self.comm, self.sent, self.received, self.self_copied = comm, 0, 0, 0
-
-    def __enter__(self) -> ByteCounter:
-        inner, rank = self.comm.neighbor_exchange, self.comm.rank
-
-        def counted(send, recv):
-            for peer, t in send:
-                nbytes = t.numel() * t.element_size()
-                if peer == rank:
-                    self.self_copied += nbytes
-                else:
-                    self.sent += nbytes
-            self.received += sum(b.numel() * b.element_size() for p, b in recv if p != rank)
-            return inner(send, recv)
-
-        self.comm.neighbor_exchange = counted
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        del self.comm.neighbor_exchange  # the class's method again
-
-    def snapshot(self) -> dict[str, int]:
-        return {"sent": self.sent, "received": self.received, "self_copied": self.self_copied}
-
-
 def halo_window():
     from parallelkit.geometry import Window
 

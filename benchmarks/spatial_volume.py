@@ -78,7 +78,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _common import OtherLoad, alternating, command_line, environment, save, torch_sync
+from _common import ByteCounter, OtherLoad, alternating, command_line, environment, save, torch_sync
 
 CATEGORIES = {
     "neighbor_exchange": "halo exchange",
@@ -316,37 +316,6 @@ def rank_job(comm: Any, cfg: Config, name: str) -> dict[str, Any]:
             k: statistics.median(r[k] for r in split_rows) * 1e3 for k in split_rows[0]
         }
     return result
-
-
-class ByteCounter:
-    """Counts the bytes of every tensor this rank hands to ``comm.neighbor_exchange``: to other
-    ranks ``sent`` / ``received``, to itself ``self_copied`` (a local copy, not traffic). Wraps
-    the method on the instance only (as benchmarks/model_parallel.py's does)."""
-
-    def __init__(self, comm: Any) -> None:
-        self.comm, self.sent, self.received, self.self_copied = comm, 0, 0, 0
-
-    def __enter__(self) -> ByteCounter:
-        inner, rank = self.comm.neighbor_exchange, self.comm.rank
-
-        def counted(send, recv):  # type: ignore[no-untyped-def]
-            for peer, t in send:
-                nbytes = t.numel() * t.element_size()
-                if peer == rank:
-                    self.self_copied += nbytes
-                else:
-                    self.sent += nbytes
-            self.received += sum(b.numel() * b.element_size() for p, b in recv if p != rank)
-            return inner(send, recv)
-
-        self.comm.neighbor_exchange = counted
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        del self.comm.neighbor_exchange  # the class's method again
-
-    def snapshot(self) -> dict[str, int]:
-        return {"sent": self.sent, "received": self.received, "self_copied": self.self_copied}
 
 
 @contextlib.contextmanager
