@@ -133,3 +133,41 @@ def test_edge_path_only_for_convolutions_of_stride_1_along_every_dimension():
     for stride in ((1, 2, 2), (1, 1, 2), (2, 1, 1)):
         strided = conv_windows((3, 7, 7), stride, (1, 3, 3), 1)
         assert spatial_edges.plan(depth, strided, size) is None
+
+
+CONV3D_CASES = [
+    # (C_in, D, H, W, kernel, stride, padding, dilation): blocks and edge slabs under torch's
+    # slow_conv3d line, even and odd output rows, strides, dilations, no padding
+    (8, 8, 16, 12, 3, 1, 1, 1),
+    (4, 7, 9, 5, 3, 1, 1, 1),
+    (3, 9, 10, 6, (3, 1, 3), (2, 1, 1), (1, 0, 1), 1),
+    (6, 11, 8, 8, 3, 1, 2, 2),
+    (5, 3, 12, 7, 3, 1, (0, 1, 1), 1),  # an edge slab: one output plane along D
+    (2, 6, 6, 6, 2, 2, 0, 1),
+]
+
+
+@pytest.mark.parametrize("case", CONV3D_CASES)
+def test_convolve_keeps_blocks_off_the_slow_kernel_with_the_same_sums(case):
+    """``spatial_edges.convolve`` (a block convolved as a batch of two, where torch would take
+    slow_conv3d): output, input and weight gradients against float64 F.conv3d. The control:
+    every case does take that path."""
+    from parallelkit.nn import spatial_edges
+
+    c, d, h, w, k, s, p, dil = case
+    torch.manual_seed(0)
+    x = torch.randn(1, c, d, h, w, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(7, c, *((k,) * 3 if isinstance(k, int) else k), dtype=torch.float64,
+                         requires_grad=True)  # fmt: skip
+    bias = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    ref = F.conv3d(x, weight, bias, s, p, dil)
+    grad = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, (x, weight, bias), grad)
+    x32, w32, b32 = (t.detach().float().requires_grad_() for t in (x, weight, bias))
+    assert spatial_edges._on_slow_conv3d(x32, w32, 1)
+    y = spatial_edges.convolve(x32, w32, b32, s, p, dil, 1)
+    grads = torch.autograd.grad(y, (x32, w32, b32), grad.float())
+    assert y.shape == ref.shape
+    torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-4)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-3)

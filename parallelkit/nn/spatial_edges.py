@@ -53,6 +53,87 @@ CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 """The torch convolution of a sample with 1, 2 or 3 spatial dimensions."""
 
 
+def convolve(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: int | Sequence[int],
+    padding: int | Sequence[int],
+    dilation: int | Sequence[int],
+    groups: int,
+) -> torch.Tensor:
+    """``F.conv1d/2d/3d`` of a block (or an edge slab), kept off torch's slow CPU kernel.
+
+    For a float32 3-D convolution of a batch of 1 (groups 1, kernel at most 3 along H or W),
+    torch's CPU heuristic takes its im2col kernel (``slow_conv3d``) when C x D x H <= 20480,
+    and oneDNN above that line. A block is a fraction of the whole volume, and an edge slab a
+    few planes of it: they fall under the line where the whole volume does not, and their
+    forward and backward then run 3-7x slower than oneDNN would (measured on this project's
+    CPU runners at the U-Net's 64^3 and 32^3 levels split in two), enough to make the split
+    step slower than the dense one. Under the line such a block is convolved as a batch of
+    two: its output rows along one dimension in two halves, each with the input rows it
+    reads, which torch runs on oneDNN forward and backward. The sums are the same; a row
+    computed twice (an odd count) is kept once. A single input channel stays as it is: im2col
+    is fast there.
+    """
+    ndim = x.dim() - 2
+    stride, padding, dilation = (_per_dim(v, ndim) for v in (stride, padding, dilation))
+    if ndim == 3 and _on_slow_conv3d(x, weight, groups):
+        kernel = weight.shape[2:]
+        for dim in range(3):
+            out = (x.shape[2 + dim] + 2 * padding[dim] - dilation[dim] * (kernel[dim] - 1)
+                   - 1) // stride[dim] + 1  # fmt: skip
+            if out >= 2:
+                return _as_batch_of_two(x, weight, bias, stride, padding, dilation, dim, out)
+    return CONV[ndim](x, weight, bias, stride, padding, dilation, groups)
+
+
+def _on_slow_conv3d(x: torch.Tensor, weight: torch.Tensor, groups: int) -> bool:
+    """Whether torch would run this float32 CPU 3-D convolution on ``slow_conv3d`` although
+    oneDNN is there (ATen's ``ConvParams::use_mkldnn``), with more than one input channel."""
+    n, c, d, h, _ = x.shape
+    return (
+        x.device.type == "cpu"
+        and x.dtype == weight.dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+        and bool(torch.backends.mkldnn.enabled)
+        and n == 1
+        and groups == 1
+        and c > 1
+        and not (weight.shape[-1] > 3 and weight.shape[-2] > 3)
+        and c * d * h <= 20480
+    )
+
+
+def _as_batch_of_two(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    dim: int,
+    out: int,
+) -> torch.Tensor:
+    """The convolution of a batch of 1 as a batch of 2: the first ceil(out / 2) output rows
+    along spatial dimension ``dim`` and the last as many, each from the input rows it reads
+    (with the padding along ``dim`` made explicit)."""
+    axis = 2 + dim
+    x = F.pad(x, _pad(3, axis, padding[dim], padding[dim]))
+    half = (out + 1) // 2
+    span = (half - 1) * stride[dim] + dilation[dim] * (weight.shape[axis] - 1) + 1
+    start = (out - half) * stride[dim]
+    pair = torch.cat([x.narrow(axis, 0, span), x.narrow(axis, start, span)])
+    padding = [0 if j == dim else padding[j] for j in range(3)]
+    y = F.conv3d(pair, weight, bias, stride, padding, dilation)
+    second = y[1:].narrow(axis, 2 * half - out, out - half)
+    return torch.cat([y[:1], second], axis)
+
+
+def _per_dim(v: int | Sequence[int], ndim: int) -> list[int]:
+    return [v] * ndim if isinstance(v, int) else list(v)
+
+
 @dataclass(frozen=True)
 class EdgePlan:
     """Where the halo rows come from: the split dimension (2, 3 or 4), ``p``, the geometry."""
@@ -119,11 +200,11 @@ def conv(
     if overlap:
         grad_mode = torch.is_grad_enabled()
         pending = _exchanges.submit(_with_grad_mode, grad_mode, fetch)
-        y = CONV[ndim](x_blk, weight, bias, 1, padding, dilation, groups)
+        y = convolve(x_blk, weight, bias, 1, padding, dilation, groups)
         halos = pending.result()
     else:
         halos = fetch()
-        y = CONV[ndim](x_blk, weight, bias, 1, padding, dilation, groups)
+        y = convolve(x_blk, weight, bias, 1, padding, dilation, groups)
     return add_halo_terms(y, halos, weight, edges, padding, dilation, groups)
 
 
@@ -165,11 +246,11 @@ def add_halo_terms(
         before, after = halos[k]
         if e.rank > 0:  # rank 0's rows before are padding: nothing to add
             slab = F.pad(before, _pad(ndim, dim, 0, 2 * p))
-            term = CONV[ndim](slab, weight, None, 1, slab_pad, dilation, groups)
+            term = convolve(slab, weight, None, 1, slab_pad, dilation, groups)
             y.narrow(dim, 0, p).add_(term)
         if e.rank < e.parts - 1:
             slab = F.pad(after, _pad(ndim, dim, 2 * p, 0))
-            term = CONV[ndim](slab, weight, None, 1, slab_pad, dilation, groups)
+            term = convolve(slab, weight, None, 1, slab_pad, dilation, groups)
             y.narrow(dim, y.shape[dim] - p, p).add_(term)
     return y
 

@@ -33,7 +33,6 @@ from torch import nn
 from parallelkit.comm import Communicator
 from parallelkit.geometry import Window, conv_padding, pair, transposed_needs
 from parallelkit.nn import spatial_edges
-from parallelkit.nn.spatial_edges import CONV
 from parallelkit.nn.spatial_fetch import crop, empty_output, fetch, fetch_ranges
 from parallelkit.spatial import layout
 from parallelkit.spatial.grid import SpatialGrid, grid_of
@@ -86,7 +85,7 @@ def conv_blocks(
         return empty_output(x_halo, weight.shape[0], out_size, x_halo, weight, bias)
     stride = tuple(w.stride for w in windows)
     dilation = tuple(w.dilation for w in windows)
-    return CONV[len(windows)](x_halo, weight, bias, stride, pad, dilation, groups)
+    return spatial_edges.convolve(x_halo, weight, bias, stride, pad, dilation, groups)
 
 
 class _SpatialConv:
