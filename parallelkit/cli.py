@@ -8,7 +8,7 @@ parallelkit data shard SRC OUT --samples-per-shard N
 parallelkit plot RUN_DIR
                         draw RUN_DIR/curves.png (losses and test metrics) from its metrics
 parallelkit info        versions, available backends and what ``pk.init("auto")`` would pick
-parallelkit plan --model M --image-size S --batch B --ranks N [--json PATH]
+parallelkit plan --model M --image-size S [S S] [--dims 3] --batch B --ranks N [--blocks-in]
                         predicted step time and memory of every grid, ranked (parallelkit.plan)
 """
 

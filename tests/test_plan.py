@@ -6,7 +6,11 @@ made-up rates and networks are given, so every number here is arithmetic.
 - a profile taken at a reduced image size and scaled by the operation counts agrees with one
   taken at the real size (priced by a FLOP counter, not a clock);
 - the device presets, and grids marked as not fitting a device's memory;
-- the plan survives a JSON round trip; the command line's help, progress lines and mistakes.
+- the plan survives a JSON round trip; the command line's help, progress lines and mistakes;
+- volumes: a 3-D network's records (C, D, H, W) with 3-D windows, grids with a depth
+  dimension, halo bytes along every split dimension (against ``geometry.received_rows``);
+- blocks in: the input and labels per rank fall by the sample's (P-1)/P share, and the command
+  plans a small 3-D network end to end on a depth grid.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from parallelkit import cli
+from parallelkit.geometry import Window, received_rows
 from parallelkit.plan import (
     DEVICES,
     PRESETS,
@@ -35,9 +40,17 @@ from parallelkit.plan import (
     plan,
     table,
 )
-from parallelkit.plan.cost import activation_bytes, halo_bytes
+from parallelkit.plan.cost import (
+    MIB,
+    SAMPLES,
+    activation_bytes,
+    exchange_seconds,
+    halo_bytes,
+    memory,
+    sample_bytes,
+)
 from parallelkit.plan.network import from_timings
-from parallelkit.plan.walk import Layer, walk
+from parallelkit.plan.walk import Layer, Net, walk
 
 CPU = Machine(cores=None, baseline_mib=100.0)
 FAST = Network(1e-6, 100e9, "fast")
@@ -110,8 +123,6 @@ def test_activations_split_over_spatial_ranks():
 
 
 def walk_free(layers):
-    from parallelkit.plan.walk import Net
-
     return Net("n", tuple(layers), sum(x.params for x in layers))
 
 
@@ -321,7 +332,7 @@ def test_command_profiles_at_a_reduced_size_and_calibrates_memory_there(monkeypa
         seen["measured"] = (net.input_shape, batch)
         return from_flops(net, 1e9)
 
-    def fake_peak(name, size, classes, stem, batch):
+    def fake_peak(name, size, classes, stem, batch, **kw):
         seen["peak"] = (name, size, batch)
         return 1000.0
 
@@ -332,9 +343,9 @@ def test_command_profiles_at_a_reduced_size_and_calibrates_memory_there(monkeypa
                           "--ranks", "4", "--preset", "ib-hdr"])  # fmt: skip
     lines: list[str] = []
     p = command.make_plan(args, lines.append)
-    assert seen == {"measured": ((3, 256, 256), 1), "peak": ("resnet18", 256, 1)}
+    assert seen == {"measured": ((3, 256, 256), 1), "peak": ("resnet18", (256, 256), 1)}
     assert p.compute.endswith("at 256x256, scaled by operation counts")
-    assert any("profiling 1 image(s) at 256x256" in x and "scaled to 512" in x for x in lines)
+    assert any("profiling 1 sample(s) at 256x256" in x and "scaled to 512x512" in x for x in lines)
     assert p.machine.baseline_mib == 200.0 and p.machine.overhead_mib > 0
     assert p.machine.device_mib is None  # this machine: no device limit
 
@@ -408,3 +419,232 @@ def test_cli_memory_gib_marks_a_big_image_as_not_fitting(capsys):
     assert "recommended: none" in out and "the device holds 1024 MiB" in out
     assert cli.main(["plan", "--model", "resnet50", *args, "--memory-gib", "-1"]) == 2
     assert "--memory-gib must be positive" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- volumes
+def small_unet3d(classes: int = 3) -> nn.Module:
+    """A two-level 3-D encoder-decoder with per-voxel logits: the layer types of a 3-D U-Net."""
+    return nn.Sequential(
+        nn.Conv3d(1, 4, 3, padding=1),
+        nn.BatchNorm3d(4),
+        nn.ReLU(),
+        nn.MaxPool3d(2),
+        nn.Conv3d(4, 8, (3, 3, 1), padding=(1, 1, 0)),
+        nn.InstanceNorm3d(8),
+        nn.ConvTranspose3d(8, 4, 2, stride=2),
+        nn.Conv3d(4, classes, 1),
+    )
+
+
+def test_a_3d_network_records_volumes_and_3d_windows():
+    net = walk(small_unet3d(), (1, 8, 12, 16))
+    kinds = [x.kind for x in net.layers]
+    assert kinds == ["conv", "norm", "act", "pool", "conv", "sample_norm", "convT", "conv"]
+    conv, pool, thin, up = (net.layers[i] for i in (0, 3, 4, 6))
+    assert conv.in_shape == (1, 8, 12, 16) and conv.out_shape == (4, 8, 12, 16)
+    assert conv.window == ((3, 1, 1, 1, 1),) * 3 and conv.dims == 3
+    assert pool.out_shape == (4, 4, 6, 8) and pool.window == ((2, 2, 0, 0, 1),) * 3
+    assert thin.window == ((3, 1, 1, 1, 1), (3, 1, 1, 1, 1), (1, 1, 0, 0, 1))
+    assert up.out_shape == (4, 8, 12, 16) and up.window == ((2, 2, 0, 0, 1),) * 3
+    assert conv.flops == 2 * 4 * 8 * 12 * 16 * 1 * 27
+    assert all(x.spatial for x in net.layers)
+    assert net.output_shape == (3, 8, 12, 16) and net.per_pixel
+
+
+def test_signals_and_adaptive_pools_of_any_dims_are_recorded():
+    net = walk(
+        nn.Sequential(
+            nn.Conv1d(2, 4, 5, stride=2, padding=2),
+            nn.BatchNorm1d(4),
+            nn.AvgPool1d(3, stride=1, padding=1),
+            nn.AdaptiveMaxPool1d(1),
+            nn.Flatten(),
+            nn.Linear(4, 2),
+        ),
+        (2, 20),
+    )
+    conv, norm, pool, glob, _, linear = net.layers
+    assert conv.out_shape == (4, 10) and conv.window == ((5, 2, 2, 2, 1),) and conv.dims == 1
+    assert (norm.kind, pool.kind, glob.kind) == ("norm", "pool", "global_pool")
+    assert pool.window == ((3, 1, 1, 1, 1),)
+    assert conv.spatial and not glob.spatial and not linear.spatial  # the region ends
+    assert not net.per_pixel
+
+
+def conv3d(c: int, d: int, h: int, w: int, k: int, s: int, p: int) -> Layer:
+    """The record of a real ``nn.Conv3d`` walked at (c, d, h, w)."""
+    (layer,) = walk(nn.Sequential(nn.Conv3d(c, c, k, stride=s, padding=p)), (c, d, h, w)).layers
+    return layer
+
+
+@pytest.mark.parametrize("d,k,s,p,parts", [(9, 3, 2, 1, 2), (8, 3, 1, 1, 4), (10, 5, 1, 2, 3)])
+def test_depth_halo_bytes_are_geometry_received_rows(d, k, s, p, parts):
+    layer = conv3d(2, d, 6, 5, k, s, p)
+    sizes, _, want = Window(k, s, p, p).plan(d, parts)
+    planes = max(received_rows(sizes, want))
+    assert planes > 0
+    images = 3
+    expected = images * 2 * 4 * planes * 6 * 5  # images x C x fp32 x planes x whole H x W
+    assert halo_bytes(layer, Option(depth=parts), images) == expected
+
+
+def test_halo_bytes_go_over_every_split_dimension():
+    """W first (the bare block's rows), then D (the block extended by W's halo): edges ride
+    along, as parallelkit.nn.spatial_edges exchanges them."""
+    layer = conv3d(2, 8, 6, 10, 3, 1, 1)
+    # depth 2 x cols 2: blocks (4, 6, 5); 1 halo plane along D, 1 column along W
+    per_channel = 1 * 4 * 6 + 1 * 6 * (5 + 1)  # W's column of the block, D's plane extended
+    assert halo_bytes(layer, Option(depth=2, cols=2), 1) == 2 * 4 * per_channel
+    along_w = halo_bytes(layer, Option(cols=2), 1)
+    assert along_w == 2 * 4 * 1 * 8 * 6  # one column of the whole D x H
+    # the edge path saves no fetched block; a strided convolution saves it, in 3-D too
+    net = walk_free([layer])
+    bare = layer.out_numel * 4 / 4  # the output block of a 2 x 2 grid
+    assert activation_bytes(net, Option(depth=2, cols=2), 1) == bare
+    strided = conv3d(2, 8, 6, 10, 3, 2, 1)  # output (2, 4, 3, 5): blocks of 2 x 3 x 3
+    held = (2 * 2 + 1) * 6 * (3 * 2 + 1)  # the input its output block reads (past the padding)
+    assert activation_bytes(walk_free([strided]), Option(depth=2, cols=2), 1) == (
+        strided.out_numel * 4 * (2 / 4) * (3 / 5) + 2 * held * 4
+    )
+
+
+def test_volume_options_add_depth_and_images_never_get_it():
+    vol, img, sig = options(8, dims=3), options(8), options(8, dims=1)
+    assert Option(depth=8) in vol and Option(data=2, depth=2, rows=2) in vol
+    assert Option(depth=2, rows=2, cols=2) in vol and Option(channel=8) in vol
+    assert len(set(vol)) == len(vol) and all(g.ranks == 8 for g in vol)
+    assert not any(g.spatial > 1 and g.channel > 1 for g in vol)
+    assert not any(g.depth > 1 for g in img) and set(img) < set(vol)
+    assert not any(g.depth > 1 or g.cols > 1 for g in sig) and Option(rows=8) in sig
+    assert Option(depth=2, rows=2, cols=2).spatial == 8
+
+
+def test_a_volume_plan_offers_depth_grids_and_splits_the_work():
+    net = walk(small_unet3d(), (1, 16, 16, 16))
+    p = plan([net], [from_flops(net, 1e9)], 1, 8, FAST, CPU, "unet3d", (16, 16, 16))
+    by = {e.option: e for e in p.estimates}
+    assert Option(depth=8) in by and Option(depth=2, rows=2, cols=2) in by
+    whole = by[Option(channel=8)].memory_mib["activations"]
+    assert by[Option(depth=8)].memory_mib["activations"] < whole / 4
+    assert by[Option(depth=8)].exchange_s > 0 and by[Option(data=8)].exchange_s == 0
+    assert "unet3d 16x16x16" in table(p)
+
+
+# ---------------------------------------------------------------------------- blocks in
+def test_blocks_in_holds_only_the_rank_s_share_of_input_and_labels():
+    net = walk(small_unet3d(), (1, 8, 8, 8))
+    voxels = 8 * 8 * 8
+    whole = 2 * (voxels * 4 + voxels * 8)  # 2 samples: fp32 input, int64 per-voxel labels
+    assert sample_bytes(net, Option(), 2) == whole
+    for opt, parts in ((Option(depth=8), 8), (Option(depth=2, rows=2, cols=2), 8),
+                       (Option(rows=2), 2)):  # fmt: skip
+        assert sample_bytes(net, opt, 2) == whole  # every rank of the group: whole samples
+        assert sample_bytes(net, opt, 2, blocks_in=True) == whole / parts
+        a = memory([net], opt, 2, CPU)
+        b = memory([net], opt, 2, CPU, blocks_in=True)
+        assert sum(a.values()) - sum(b.values()) == pytest.approx(
+            whole * (parts - 1) / parts / MIB, rel=1e-12
+        )
+        assert {k: v for k, v in a.items() if k != SAMPLES} == {
+            k: v for k, v in b.items() if k != SAMPLES
+        }
+    # data parallelism splits no sample: blocks in change nothing
+    assert memory([net], Option(data=2), 2, CPU) == memory([net], Option(data=2), 2, CPU, True)
+
+
+def test_blocks_in_of_a_classifier_splits_the_input_not_its_labels():
+    net = walk(plain_cnn(), (3, 32, 32))
+    assert not net.per_pixel
+    whole_input, labels = 3 * 32 * 32 * 4, 8
+    assert sample_bytes(net, Option(rows=4), 1) == whole_input + labels
+    assert sample_bytes(net, Option(rows=4), 1, blocks_in=True) == (whole_input + labels) / 4
+
+
+def test_a_per_pixel_output_stays_split_with_blocks_in():
+    net = walk(small_unet3d(), (1, 8, 8, 8))
+    opt = Option(depth=4)
+    gathered = exchange_seconds(net, opt, 1, FAST)
+    kept = exchange_seconds(net, opt, 1, FAST, blocks_in=True)
+    # the per-voxel logits (3 x 8^3, fp32) are not gathered: one all-gather of them less
+    assert gathered - kept == pytest.approx(FAST.all_gather(3 * 8**3 * 4, 4))
+
+
+def test_cli_plans_a_3d_network_on_depth_grids_with_blocks_in(capsys, monkeypatch, tmp_path):
+    fake = types.ModuleType("timm")
+    fake.create_model = lambda name, num_classes: small_unet3d(num_classes)
+    monkeypatch.setitem(sys.modules, "timm", fake)
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--model", "timm:unet3d", "--image-size", "32", "--dims", "3",
+            "--channels", "1", "--classes", "3", "--batch", "2", "--ranks", "8",
+            "--device", "h100-sxm", "--blocks-in", "--json", str(out)]  # fmt: skip
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "timm:unet3d 32x32x32, global batch 2, 8 ranks" in text
+    assert "samples in: blocks" in text and "whole in" in text and "input MiB" in text
+    assert "8 depth" in text and "2 depth x 2 rows x 2 cols" in text
+    (best,) = [x for x in text.splitlines() if x.startswith("recommended:")]
+    assert best.endswith("with whole samples in)")
+    saved = json.loads(out.read_text())
+    assert saved["image_size"] == [32, 32, 32] and saved["blocks_in"] is True
+    depth = next(e for e in saved["ranking"] if e["grid"]["depth"] == 8)
+    assert depth["whole_in_mib"] > depth["peak_mib"]
+    assert Plan.from_dict(saved).to_dict() == saved
+
+
+def test_cli_takes_every_side_and_the_model_s_dims():
+    def size(*argv):
+        return command.sample_size(command.parse([*argv, "--batch", "1", "--ranks", "2"]))
+
+    assert size("--model", "resnet18", "--image-size", "32") == (32, 32)
+    assert size("--model", "resnet18", "--image-size", "32", "--dims", "3") == (32, 32, 32)
+    assert size("--model", "monai:UNet", "--image-size", "32") == (32, 32, 32)
+    assert size("--model", "monai:UNet", "--image-size", "16", "32", "48") == (16, 32, 48)
+    assert size("--model", "monai:UNet", "--image-size", "32",
+                "--model-kwargs", "{spatial_dims: 2}") == (32, 32)  # fmt: skip
+    with pytest.raises(SystemExit):
+        size("--model", "unet", "--image-size", "16", "32", "--dims", "3")
+
+
+def test_cli_plans_monai_unet_volumes():
+    pytest.importorskip("monai")
+    args = command.parse(["--model", "monai:UNet", "--image-size", "32", "--channels", "1",
+                          "--classes", "3", "--batch", "2", "--ranks", "4",
+                          "--model-kwargs", "{channels: [8, 16, 32], strides: [2, 2]}",
+                          "--flop-rate", "1000", "--bandwidth", "10", "--latency", "5",
+                          "--baseline-mib", "100", "--blocks-in"])  # fmt: skip
+    p = command.make_plan(args)
+    assert p.image_size == (32, 32, 32) and p.blocks_in
+    assert any(e.option.depth == 4 for e in p.estimates)
+    (net,) = build("monai:UNet", 32, 3, channels=1,
+                   kwargs={"channels": [8, 16, 32], "strides": [2, 2]})  # fmt: skip
+    assert net.per_pixel and net.layers[0].window == ((3, 2, 1, 1, 1),) * 3
+
+
+def test_cli_names_a_missing_model_argument(capsys):
+    pytest.importorskip("monai")
+    argv = ["plan", "--model", "monai:UNet", "--image-size", "16", "--batch", "1", "--ranks",
+            "2", "--device", "h100-sxm"]  # fmt: skip
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "parallelkit plan: error: model.name='monai:UNet' needs model.kwargs" in err
+
+
+def test_reduced_shape_halves_every_side_of_a_volume():
+    net = walk(small_unet3d(), (1, 256, 256, 256))
+    flops = sum(layer.flops for layer in net.layers)
+    assert measure.reduced_shape(net, (256, 256, 256), 1, budget=flops) == (256, 256, 256)
+    assert measure.reduced_shape(net, (256, 256, 256), 1, budget=flops / 8) == (128, 128, 128)
+    assert measure.reduced_shape(net, (256, 128, 256), 1, budget=1.0) == (128, 64, 128)
+
+
+def test_a_grid_that_cannot_split_the_samples_is_marked():
+    net = walk(plain_cnn(), (3, 16, 16))
+    p = plan([net], [from_flops(net, 1e9)], 2, 2, FAST, CPU, grids=[Option(depth=2)])
+    assert p.estimates[0].problems == ["2 depth cannot split samples with 2 spatial dimension(s)"]
+
+
+def test_cli_a_2d_model_on_volumes_exits_2(capsys):
+    argv = ["plan", "--model", "resnet18", "--image-size", "32", "--dims", "3", "--batch", "2",
+            "--ranks", "2", "--device", "h100-sxm"]  # fmt: skip
+    assert cli.main(argv) == 2
+    assert "resnet18 does not run on samples of shape (3, 32, 32, 32)" in capsys.readouterr().err

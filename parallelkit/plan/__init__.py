@@ -1,6 +1,8 @@
-"""``parallelkit plan``: a cost model that predicts, for a model, an image size, a global batch
-and N ranks, each grid's step time (compute, exchange, reductions) and peak memory per rank,
-and recommends the fastest.
+"""``parallelkit plan``: a cost model that predicts, for a model, a sample size (an image's
+H x W, a volume's D x H x W), a global batch and N ranks, each grid's step time (compute,
+exchange, reductions) and peak memory per rank, and recommends the fastest. Volumes get grids
+that split D too (``depth``); with blocks in (``spatial_input="blocks"``) a rank's memory
+holds only its block of every input and label.
 
 (The modules ``walk`` and ``measure`` keep their functions of the same names; import them
 from there: ``parallelkit.plan.measure.measure``.)

@@ -5,6 +5,17 @@
     parallelkit plan --model dcgan --image-size 64 --batch 16 --ranks 2 --json plan.json
     parallelkit plan --model timm:resnet26d --image-size 224 --batch 32 --ranks 4 \\
         --bandwidth 25 --latency 2 --flop-rate 20000
+    parallelkit plan --model monai:UNet --image-size 256 --channels 1 --classes 3 \\
+        --model-kwargs "{channels: [16, 32, 64], strides: [2, 2]}" \\
+        --batch 2 --ranks 8 --device h100-sxm --blocks-in
+
+Samples are images unless told: ``--image-size S`` is a square; with ``--dims 3`` (the default
+for ``monai:NAME``) a cube of side S; ``--image-size D H W`` (or ``H W``) gives every side.
+Volumes are planned on grids with a ``depth`` dimension too (data x depth x rows x cols).
+``--blocks-in`` plans ``pk.parallelize(..., spatial_input="blocks")`` (what ``parallelkit train``
+does with a block reader, ``data.name=FORMAT:DIR``): a rank holds only its block of every input
+and label, and a per-pixel output stays split; the table then shows each grid's memory with
+whole samples beside it.
 
 Compute is measured here on one rank (each layer's forward and backward, a few seconds): at
 the real size where that is cheap, otherwise at a smaller image (halved until it is) and
@@ -35,6 +46,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from parallelkit.plan import devices, measure, network, walk
 from parallelkit.plan.cost import Machine, calibrate
@@ -48,11 +62,41 @@ PROG = "parallelkit plan"
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0].split(": ", 1)[1])
     p.add_argument(
-        "--model", required=True, help=f"{', '.join(walk.BUILTIN)}, torchvision:NAME or timm:NAME"
+        "--model",
+        required=True,
+        help=f"{', '.join(walk.BUILTIN)}, torchvision:NAME, timm:NAME, monai:NAME or smp:ARCH",
     )
-    p.add_argument("--image-size", type=int, required=True, help="H = W, pixels")
+    p.add_argument(
+        "--model-kwargs",
+        type=model_kwargs,
+        default={},
+        help="the model's constructor arguments, as train's model.kwargs: "
+        '"{channels: [16, 32, 64], strides: [2, 2]}" for monai:UNet',
+    )
+    p.add_argument(
+        "--image-size",
+        type=int,
+        nargs="+",
+        required=True,
+        metavar="SIDE",
+        help="pixels: one side (a square, or a cube with --dims 3), or every side: H W or D H W",
+    )
+    p.add_argument(
+        "--dims",
+        type=int,
+        choices=(1, 2, 3),
+        help="spatial dimensions of a sample with one --image-size side: 2 images, 3 volumes, "
+        "1 signals (default: 3 for monai:NAME, else 2)",
+    )
+    p.add_argument("--channels", type=int, default=3, help="input channels")
     p.add_argument("--batch", type=int, required=True, help="global batch (all ranks)")
     p.add_argument("--ranks", type=int, required=True)
+    p.add_argument(
+        "--blocks-in",
+        action="store_true",
+        help="each rank passes only its block of every input and label "
+        "(pk.parallelize's spatial_input='blocks'); default: whole samples on every rank",
+    )
     p.add_argument("--stem", default="imagenet", choices=("imagenet", "cifar"), help="ResNet stem")
     p.add_argument("--classes", type=int, default=10)
     net = p.add_argument_group("network (default: --device's interconnect, or probed here)")
@@ -94,7 +138,38 @@ def parse(argv: list[str]) -> argparse.Namespace:
         p.error("--bandwidth and --latency go together")
     if args.preset and args.bandwidth is not None:
         p.error("--preset or --bandwidth/--latency, not both")
+    if len(args.image_size) > 3 or (
+        args.dims is not None and len(args.image_size) > 1 and args.dims != len(args.image_size)
+    ):
+        p.error("--image-size takes one side, or 2 (H W) or 3 (D H W) matching --dims")
     return args
+
+
+def model_kwargs(text: str) -> dict[str, Any]:
+    """``--model-kwargs``: a YAML mapping, spelt as ``parallelkit train``'s ``model.kwargs``."""
+    value = yaml.safe_load(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a mapping such as '{{width: 32}}'")
+    return value
+
+
+def sample_size(args: argparse.Namespace) -> walk.Shape:
+    """The sample's spatial size: every side given, or one side over ``--dims`` dimensions
+    (by default the model's: :func:`parallelkit.plan.walk.default_dims`)."""
+    if len(args.image_size) > 1:
+        return tuple(args.image_size)
+    dims = args.dims or walk.default_dims(args.model, args.model_kwargs)
+    return walk.sample_shape(args.image_size[0], dims)
+
+
+def walk_at(args: argparse.Namespace, size: walk.Shape) -> list[Net]:
+    """The model's networks walked at spatial ``size``."""
+    return walk.build(args.model, size, args.classes, args.stem, args.channels,
+                      dims=len(size), kwargs=args.model_kwargs)  # fmt: skip
+
+
+def size_text(size: walk.Shape) -> str:
+    return "x".join(map(str, size))
 
 
 def link_of(args: argparse.Namespace) -> network.Network:
@@ -150,19 +225,24 @@ def measured_here(
 
     torch.set_num_threads(1)  # one compute thread per rank, as the training runs
     b = max(1, args.batch // args.ranks)  # the smallest per-rank batch of any grid
-    size = min(measure.reduced_size(n, args.image_size, b) for n in nets)
+    real = sample_size(args)
+    size = min(measure.reduced_shape(n, real, b) for n in nets)
     small = nets
-    if size != args.image_size:
-        small = walk.build(args.model, size, args.classes, args.stem)
+    if size != real:
+        try:
+            small = walk_at(args, size)
+        except ValueError:  # a network that does not run at that size (a U-Net's odd side)
+            small = []
         if len(small) != len(nets) or not all(map(measure.same_layers, nets, small)):
-            progress(f"{args.model}'s layers change with the image size: profiled at full size")
-            size, small = args.image_size, nets
+            progress(f"{args.model}'s layers change with the sample size: profiled at full size")
+            size, small = real, nets
     with ThreadPoolExecutor(2) as pool:
-        progress(f"measuring a bare rank's memory and a 1-rank step's at {size}x{size}")
+        progress(f"measuring a bare rank's memory and a 1-rank step's at {size_text(size)}")
         base = pool.submit(baseline_mib) if args.baseline_mib is None else None
-        peak = pool.submit(measure.peak_mib, args.model, size, args.classes, args.stem, b)
-        scaling = f", scaled to {args.image_size}" if size != args.image_size else ""
-        progress(f"profiling {b} image(s) at {size}x{size} on one core here{scaling}")
+        peak = pool.submit(measure.peak_mib, args.model, size, args.classes, args.stem, b,
+                           channels=args.channels, kwargs=args.model_kwargs)  # fmt: skip
+        scaling = f", scaled to {size_text(real)}" if size != real else ""
+        progress(f"profiling {b} sample(s) at {size_text(size)} on one core here{scaling}")
         profiles = []
         for full, net in zip(nets, small, strict=True):
             prof = measure.measure(net, b)
@@ -196,13 +276,16 @@ def quiet(line: str) -> None:
 def make_plan(args: argparse.Namespace, progress: Callable[[str], None] = quiet) -> Plan:
     """Walk, measure (or count), probe (or take) the network, and plan; ``progress`` gets a
     line as each stage starts."""
-    for name in ("image_size", "batch", "ranks", "flop_rate", "byte_rate", "memory_gib"):
+    for name in ("batch", "ranks", "channels", "flop_rate", "byte_rate", "memory_gib"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
+    if min(args.image_size) <= 0:
+        raise ValueError("--image-size must be positive")
     device = devices.DEVICES[args.device] if args.device else None
-    progress(f"walking {args.model} at {args.image_size}x{args.image_size}")
-    nets = walk.build(args.model, args.image_size, args.classes, args.stem)
+    size = sample_size(args)
+    progress(f"walking {args.model} at {size_text(size)}")
+    nets = walk_at(args, size)
     machine = Machine(
         baseline_mib=args.baseline_mib or 0.0,  # with --device: the host's memory is not on it
         device_mib=args.memory_gib * 1024 if args.memory_gib else device and device.memory_mib,
@@ -221,7 +304,8 @@ def make_plan(args: argparse.Namespace, progress: Callable[[str], None] = quiet)
     if cores is None and link.shares_cores and not device:
         cores = os.cpu_count()
     machine = replace(machine, cores=cores)
-    return plan(nets, profiles, args.batch, args.ranks, link, machine, args.model, args.image_size)
+    return plan(nets, profiles, args.batch, args.ranks, link, machine, args.model, size,
+                blocks_in=args.blocks_in)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

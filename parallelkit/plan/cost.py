@@ -10,27 +10,35 @@ strategy does per step follows ``pk.parallelize`` (``parallelkit/parallel/parall
                                                                                  (25 MiB buckets)
                                                                                  overlapped with
                                                                                  backward
-    spatial r x c   region layers on the rank's block  per conv/pool: halo rows  parameter grads:
-                    (output rows / H), the rest whole  forward and back          shares summed by
-                                                       (geometry.Window.plan);   DataParallel over
-                                                       gather at region end      data x r x c in
-                                                                                 overlapped buckets
+    spatial         region layers on the rank's block  per conv/pool: halo rows  parameter grads:
+    z x r x c       (its share of D x H x W), the      along each split          shares summed by
+                    rest whole                         dimension, forward and    DataParallel over
+                                                       back (geometry.Window     data x z x r x c in
+                                                       .plan); gather at region  overlapped buckets;
+                                                       end (none for per-pixel   InstanceNorm and
+                                                       outputs with blocks in)   GroupNorm stats
+                                                                                 over z x r x c
     channel k       convolutions by k (their output    per conv: all-gather of   -
                     or input channels), the rest whole y (fwd), all-reduce of
                                                        dx (bwd)
     every grid      BatchNorm over data x spatial: one all-gather of (n, mean, M2) forward, one
                     all-reduce of two sums backward (SyncBatchNorm)
 
+A sample has 1, 2 or 3 spatial dimensions; a spatial grid splits a volume's D by ``depth``, H
+by ``rows`` and W by ``cols`` (an image's H and W by rows and cols, a signal's L by rows), as
+:class:`parallelkit.spatial.grid.SpatialGrid` does.
+
 Ranks that outnumber the cores share them: compute (and a local network's messages) slow by
 ``(ranks + other processes' load) / cores``. Memory per rank: the process baseline,
-parameters + gradients + momentum (+ DataParallel's flat bucket buffers), the activations
-autograd keeps (each leaf's output,
-the rank's share of it under spatial parallelism plus the fetched halo block each
-convolution off the edge path saves), and the largest activation gradient twice (backward's
-working set).
+parameters + gradients + momentum (+ DataParallel's flat bucket buffers), the samples (the
+input and its labels: whole on every rank of a spatial group, or with ``blocks_in``, as
+``pk.parallelize(..., spatial_input="blocks")`` takes them, only the rank's block), the
+activations autograd keeps (each leaf's output, the rank's share of it under spatial
+parallelism plus the fetched halo block each convolution off the edge path saves), and the
+largest activation gradient twice (backward's working set).
 
-Legend: ``b`` images per rank, ``s`` spatial ranks (rows x cols), ``k`` channel ranks, ``d``
-data ranks; bytes are fp32.
+Legend: ``b`` samples per rank, ``s`` spatial ranks (depth x rows x cols), ``k`` channel
+ranks, ``d`` data ranks; activations are fp32, per-pixel labels int64.
 """
 
 from __future__ import annotations
@@ -46,36 +54,47 @@ from parallelkit.plan.network import Network
 from parallelkit.plan.walk import Layer, Net
 
 F32 = 4
+I64 = 8  # a label: one per sample, or one per pixel (voxel) of a per-pixel network
 MIB = 1 << 20
 BUCKET_BYTES = 25 * MIB  # DataParallel's default bucket_cap_mb
+SAMPLES = "input and labels"  # the memory part that blocks in divides
 
 
 @dataclass(frozen=True)
 class Option(GridDims):
-    """A process grid the planner weighs: ``data x rows x cols x channel`` ranks."""
+    """A process grid the planner weighs: ``data x depth x rows x cols x channel`` ranks."""
 
     @property
     def ranks(self) -> int:
         return self.size
 
     @property
-    def spatial(self) -> int:
-        """Ranks that split one image: ``rows * cols``."""
-        return self.rows * self.cols
+    def spatial(self) -> int:  # type: ignore[override]
+        """Ranks that split one sample: ``depth * rows * cols`` (GridDims' ``spatial_size``;
+        the planner counts them where GridDims lists them)."""
+        return self.spatial_size
+
+    def parts(self, dims: int) -> tuple[int, ...]:
+        """Blocks along each spatial dimension of a sample with ``dims`` of them (D H W order):
+        a volume's ``(depth, rows, cols)``, an image's ``(rows, cols)``, a signal's
+        ``(rows,)`` (``parallelkit.spatial.grid.SpatialGrid.axes``)."""
+        return ((self.rows,), (self.rows, self.cols), (self.depth, self.rows, self.cols))[dims - 1]
 
 
-def options(ranks: int) -> list[Option]:
-    """Every grid of ``ranks`` ranks that ``pk.parallelize`` takes (spatial and channel
-    parallelism are not combined)."""
+def options(ranks: int, dims: int = 2) -> list[Option]:
+    """Every grid of ``ranks`` ranks that ``pk.parallelize`` takes for samples with ``dims``
+    spatial dimensions: depth only for volumes (3), columns for images and volumes (spatial
+    and channel parallelism are not combined)."""
     out = []
     for d in _divisors(ranks):
         rest = ranks // d
-        for r in _divisors(rest):
-            for c in _divisors(rest // r):
-                k = rest // r // c
-                if r * c > 1 and k > 1:
-                    continue
-                out.append(Option(d, r, c, k))
+        for z in _divisors(rest) if dims == 3 else [1]:
+            for r in _divisors(rest // z):
+                for c in _divisors(rest // z // r) if dims >= 2 else [1]:
+                    k = rest // z // r // c
+                    if z * r * c > 1 and k > 1:
+                        continue
+                    out.append(Option(d, r, c, k, depth=z))
     return out
 
 
@@ -119,6 +138,8 @@ class Estimate:
     reductions_s: float = 0.0
     memory_mib: dict[str, float] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    # With blocks in: the peak memory per rank the same grid needs with whole samples in.
+    whole_in_mib: float | None = None
 
     @property
     def step_s(self) -> float:
@@ -134,20 +155,26 @@ class Estimate:
 
 
 # ---------------------------------------------------------------------------- geometry
+def block_share(size: Sequence[int], parts: Sequence[int]) -> float:
+    """The largest share of a sample of spatial ``size`` that one rank holds when each
+    dimension is split into ``parts`` blocks (``torch.tensor_split``: the first ones larger)."""
+    share = 1.0
+    for n, p in zip(size, parts, strict=True):
+        share *= max(b - a for a, b in blocks(n, p)) / n
+    return share
+
+
 def spatial_share(layer: Layer, opt: Option) -> float:
     """The largest share of the layer's output that one rank computes (1 outside the region)."""
-    if not layer.spatial or opt.spatial == 1 or len(layer.out_shape) != 3:
+    if not layer.spatial or opt.spatial == 1 or layer.dims < 1:
         return 1.0
-    share = 1.0
-    for n, parts in zip(layer.out_shape[1:], (opt.rows, opt.cols), strict=True):
-        share *= max(b - a for a, b in blocks(n, parts)) / n
-    return share
+    return block_share(layer.out_shape[1:], opt.parts(layer.dims))
 
 
 def halo_rows(layer: Layer, dim: int, parts: int) -> tuple[int, int]:
     """(rows the busiest rank receives from others, input rows it then holds) along spatial
-    ``dim`` (0: H, 1: W) of ``layer`` split over ``parts`` ranks; (0, block) when nothing moves.
-    """
+    ``dim`` (0 the first: a volume's D, an image's H) of ``layer`` split over ``parts`` ranks;
+    (0, whole input) when nothing is split."""
     n, m = layer.in_shape[1 + dim], layer.out_shape[1 + dim]
     sizes = [b - a for a, b in blocks(n, parts)]
     if parts == 1:
@@ -168,15 +195,25 @@ def halo_rows(layer: Layer, dim: int, parts: int) -> tuple[int, int]:
 
 
 def halo_bytes(layer: Layer, opt: Option, images: float) -> float:
-    """Bytes the busiest rank receives in the layer's forward halo exchange."""
+    """Bytes the busiest rank receives in the layer's forward halo exchange.
+
+    The exchange runs one dimension after another, the last first (W, then H, then D:
+    :mod:`parallelkit.nn.spatial_edges`), each on the block already extended along the
+    dimensions exchanged before it, so the edges and corners ride along: along dimension i
+    the received rows are as wide as the block along the earlier dimensions and as the
+    extended block along the later ones.
+    """
     if not layer.window or not layer.spatial or opt.spatial == 1:
         return 0.0
-    c, h, w = layer.in_shape
-    rows, _ = halo_rows(layer, 0, opt.rows)
-    cols, _ = halo_rows(layer, 1, opt.cols)
-    h_blk = math.ceil(h / opt.rows)
-    w_blk = math.ceil(w / opt.cols)
-    return images * c * F32 * (rows * (w_blk + cols) + cols * h_blk)
+    size, parts = layer.in_shape[1:], opt.parts(layer.dims)
+    received = [halo_rows(layer, i, p)[0] for i, p in enumerate(parts)]
+    block = [math.ceil(n / p) for n, p in zip(size, parts, strict=True)]
+    extended = [b + r for b, r in zip(block, received, strict=True)]
+    total = 0
+    for i, rows in enumerate(received):
+        # exchanged after this dimension: the bare block; before it: the extended one
+        total += rows * math.prod(block[:i]) * math.prod(extended[i + 1 :])
+    return images * layer.in_shape[0] * F32 * total
 
 
 # ---------------------------------------------------------------------------- time
@@ -215,9 +252,19 @@ def params_per_rank(net: Net, opt: Option) -> float:
     return net.params - split + split / opt.channel
 
 
-def exchange_seconds(net: Net, opt: Option, batch: int, link: Network) -> float:
+def output_blocks(net: Net, blocks_in: bool) -> bool:
+    """Whether the network's output stays split (``spatial_output="blocks"``): a per-pixel
+    output scored against labels that came in as blocks (the loss on blocks, reduced exactly,
+    as ``parallelkit train``'s segmentation does), so no rank gathers it."""
+    return blocks_in and net.per_pixel
+
+
+def exchange_seconds(
+    net: Net, opt: Option, batch: int, link: Network, blocks_in: bool = False
+) -> float:
     """Activation traffic of one step: halos and region ends (spatial), gathered and reduced
-    activations (channel)."""
+    activations (channel). With ``blocks_in`` a per-pixel output is not gathered
+    (:func:`output_blocks`)."""
     b, s, k = batch / opt.data, opt.spatial, opt.channel
     total, in_region = 0.0, False
     for i, layer in enumerate(net.layers):
@@ -235,7 +282,7 @@ def exchange_seconds(net: Net, opt: Option, batch: int, link: Network) -> float:
             total += link.all_gather(y_bytes, k) + (link.all_reduce(x_bytes, k) if needs_dx else 0)
         elif split == "in":
             total += link.all_reduce(y_bytes, k) + (link.all_gather(x_bytes, k) if needs_dx else 0)
-    if s > 1 and in_region:  # the output stays split to the end: gathered
+    if s > 1 and in_region and not output_blocks(net, blocks_in):  # split to the end: gathered
         total += link.all_gather(b * net.layers[-1].out_numel * F32, s)
     return net.passes * total
 
@@ -244,15 +291,18 @@ def reduction_seconds(
     net: Net, prof: Profile, opt: Option, batch: int, link: Network, backward_s: float
 ) -> float:
     """BatchNorm statistics and DataParallel's all-reduce (over data x spatial: under spatial
-    parallelism it sums the parameters' gradient shares)."""
-    group = opt.data * opt.spatial
+    parallelism it sums the parameters' gradient shares); InstanceNorm and GroupNorm statistics
+    (each sample's, over the spatial group: two means forward, two sums backward)."""
+    group, b = opt.data * opt.spatial, batch / opt.data
     per_pass = 0.0
     for layer in net.layers:
+        c = layer.out_shape[0]
         if layer.kind == "norm" and group > 1:
-            c = layer.out_shape[0]
             per_pass += link.all_gather(3 * c * F32 * group, group) + link.all_reduce(
                 2 * c * F32, group
             )
+        elif layer.kind == "sample_norm" and layer.spatial and opt.spatial > 1:
+            per_pass += 4 * link.all_reduce(b * c * F32, opt.spatial)
     total = net.passes * per_pass
     if opt.data > 1 or opt.spatial > 1:
         total += data_parallel_exposed(net, prof, opt, link, backward_s)
@@ -282,6 +332,23 @@ def data_parallel_exposed(
 
 
 # ---------------------------------------------------------------------------- memory
+def sample_bytes(net: Net, opt: Option, batch: int, blocks_in: bool = False) -> float:
+    """The samples one rank holds: its images' input (fp32) and labels (int64: one per pixel
+    for a per-pixel network, else one per sample).
+
+    Without ``blocks_in`` every rank of a spatial group holds each whole sample (``pk
+    .parallelize``'s default ``spatial_input="whole"``: the region cuts its block from it);
+    with ``blocks_in``, only its block of each (``spatial_input="blocks"``, a block reader's
+    output), labels alike.
+    """
+    if not net.input_shape:
+        return 0.0
+    b, size = batch / opt.data, net.input_shape[1:]
+    share = block_share(size, opt.parts(len(size))) if blocks_in and size else 1.0
+    labels = math.prod(size) if net.per_pixel else 1
+    return b * (math.prod(net.input_shape) * F32 + labels * I64) * share
+
+
 def activation_bytes(net: Net, opt: Option, batch: int) -> float:
     """What autograd keeps for backward on one rank: every leaf's output (its block under
     spatial parallelism), plus the fetched input block each spatial convolution saves."""
@@ -291,28 +358,31 @@ def activation_bytes(net: Net, opt: Option, batch: int) -> float:
         if not layer.inplace:
             total += b * layer.out_numel * F32 * share
         if opt.spatial > 1 and layer.spatial and layer.window and not _edge_path(layer, opt):
-            _, h = halo_rows(layer, 0, opt.rows)
-            _, w = halo_rows(layer, 1, opt.cols)
-            total += b * layer.in_shape[0] * h * w * F32
+            parts = opt.parts(layer.dims)
+            held = [halo_rows(layer, i, p)[1] for i, p in enumerate(parts)]
+            total += b * layer.in_shape[0] * math.prod(held) * F32
     return total
 
 
 def _edge_path(layer: Layer, opt: Option) -> bool:
     """A convolution that saves no fetched block (``parallelkit.nn.spatial_edges``): stride 1
-    and "same" padding along every split dimension."""
-    split = [d for d, parts in enumerate((opt.rows, opt.cols)) if parts > 1]
-    if layer.kind != "conv" or not split:
+    and "same" padding along every split dimension, equal padding along the others."""
+    parts = opt.parts(layer.dims) if layer.dims else ()
+    if layer.kind != "conv" or not any(p > 1 for p in parts):
         return False
     return all(
-        s == 1 and lo == hi >= 1 and d * (k - 1) == 2 * lo
-        for k, s, lo, hi, d in (layer.window[i] for i in split)
+        lo == hi and (p == 1 or (s == 1 and lo >= 1 and d * (k - 1) == 2 * lo))
+        for (k, s, lo, hi, d), p in zip(layer.window, parts, strict=True)
     )
 
 
-def memory(nets: Sequence[Net], opt: Option, batch: int, machine: Machine) -> dict[str, float]:
-    """Peak memory per rank, MiB, by part."""
+def memory(
+    nets: Sequence[Net], opt: Option, batch: int, machine: Machine, blocks_in: bool = False
+) -> dict[str, float]:
+    """Peak memory per rank, MiB, by part (``blocks_in``: see :func:`sample_bytes`)."""
     params = sum(params_per_rank(net, opt) for net in nets)
     state = params * F32 * (3 + (1 if opt.data > 1 or opt.spatial > 1 else 0))
+    samples = sum(sample_bytes(net, opt, batch, blocks_in) for net in nets)
     live = sum(min(net.passes, 2) * activation_bytes(net, opt, batch) for net in nets)
     largest = max(
         layer.out_numel * spatial_share(layer, opt) for net in nets for layer in net.layers
@@ -321,6 +391,7 @@ def memory(nets: Sequence[Net], opt: Option, batch: int, machine: Machine) -> di
     return {
         "baseline": machine.baseline_mib,
         "parameters, gradients, optimizer": state / MIB,
+        SAMPLES: samples / MIB,
         "activations": live / MIB,
         "backward working set": working / MIB,
         "allocator and workspaces": machine.overhead_mib,
@@ -335,8 +406,10 @@ def estimate(
     batch: int,
     link: Network,
     machine: Machine,
+    blocks_in: bool = False,
 ) -> Estimate:
-    """Step time and memory per rank of ``nets`` (one training step runs them all) on ``opt``.
+    """Step time and memory per rank of ``nets`` (one training step runs them all) on ``opt``;
+    ``blocks_in``: each rank passes only its block of every sample (:func:`sample_bytes`).
 
     Grids that ``pk.parallelize`` takes but this batch does not fit, or whose memory per rank
     exceeds ``machine.device_mib``, are kept, with the reason in ``problems``; they rank last.
@@ -344,21 +417,40 @@ def estimate(
     est = Estimate(opt)
     if batch % opt.data:
         est.problems.append(f"global batch {batch} does not split over {opt.data} data ranks")
+    if problem := _grid_problem(nets, opt):
+        est.problems.append(problem)
     slow = machine.slowdown(opt.ranks)
     link_slow = slow if link.shares_cores else 1.0
     for net, prof in zip(nets, profiles, strict=True):
         compute = compute_seconds(net, prof, opt, batch)
         backward = compute * 2 / 3 / net.passes * slow  # the last pass's backward
         est.compute_s += compute * slow
-        est.exchange_s += exchange_seconds(net, opt, batch, link) * link_slow
+        est.exchange_s += exchange_seconds(net, opt, batch, link, blocks_in) * link_slow
         est.reductions_s += reduction_seconds(net, prof, opt, batch, link, backward) * link_slow
-    est.memory_mib = memory(nets, opt, batch, machine)
+    est.memory_mib = memory(nets, opt, batch, machine, blocks_in)
+    if blocks_in:
+        est.whole_in_mib = sum(memory(nets, opt, batch, machine).values())
     if machine.device_mib is not None and est.peak_mib > machine.device_mib:
         est.problems.append(
             f"does not fit: {est.peak_mib:.0f} MiB per rank, the device holds "
             f"{machine.device_mib:.0f} MiB"
         )
     return est
+
+
+def sample_dims(nets: Sequence[Net]) -> int:
+    """Spatial dimensions of the samples ``nets`` take: 3 for volumes, 2 for images (also when
+    no network records its input), 1 for signals."""
+    return max((len(net.input_shape) - 1 for net in nets if net.input_shape), default=2)
+
+
+def _grid_problem(nets: Sequence[Net], opt: Option) -> str | None:
+    """Why ``opt`` cannot split these samples, if it cannot: ``depth`` splits a volume's D,
+    ``cols`` an image's or a volume's W (a signal's L goes by rows)."""
+    dims = sample_dims(nets)
+    if (opt.depth > 1 and dims < 3) or (opt.cols > 1 and dims < 2):
+        return f"{opt.label} cannot split samples with {dims} spatial dimension(s)"
+    return None
 
 
 def calibrate(nets: Sequence[Net], batch: int, machine: Machine, peak_mib: float) -> Machine:

@@ -5,26 +5,29 @@ Two sources, one shape (:class:`Profile`), so the cost model does not care which
 - :func:`measure`: each leaf layer timed on this process (one rank), plus the rest of a step
   that no leaf holds (residual additions, the loss, Python) as the whole network's time less
   the layers', plus the optimizer's step per parameter. What ``parallelkit plan`` does by
-  default, at a reduced image size (:func:`reduced_size`) whose times :func:`scaled` carries
-  to the real size by the operation counts: a large image's profile in seconds, not minutes.
+  default, at a reduced sample size (:func:`reduced_shape`: every side halved, images and
+  volumes alike) whose times :func:`scaled` carries to the real size by the operation counts:
+  a large image's or volume's profile in seconds, not minutes.
 - :func:`from_flops`: FLOPs (forward x 3 for forward + backward) over a rate, for convolutions
   and fully connected layers, and bytes over a memory rate for the rest. For a machine not at
   hand (give its rate), and for tests, which must not time anything.
 
-Times are per image: a layer's cost scales with the images a rank holds (and, under spatial
-parallelism, with the share of the image; see :mod:`parallelkit.plan.cost`).
+Times are per sample: a layer's cost scales with the samples a rank holds (and, under spatial
+parallelism, with the share of the sample; see :mod:`parallelkit.plan.cost`).
 """
 
 from __future__ import annotations
 
+import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import nn
 
-from parallelkit.plan.walk import Layer, Net
+from parallelkit.plan.walk import Layer, Net, Shape
 
 DENSE_KINDS = ("conv", "convT", "linear")
 
@@ -139,14 +142,24 @@ PROFILE_FLOPS = 12e9
 MIN_SIZE = 64  # smaller, the deepest feature maps of an ImageNet network shrink to a pixel
 
 
-def reduced_size(net: Net, image_size: int, batch: int, budget: float = PROFILE_FLOPS) -> int:
-    """The image size to profile ``net`` (walked at ``image_size``) at: ``image_size`` halved
-    until ``batch`` images cost at most ``budget`` forward FLOPs, but not below ``MIN_SIZE``.
-    Convolutions' counts fall with the square of the size."""
-    size, flops = image_size, batch * sum(layer.flops for layer in net.layers)
-    while flops > budget and size // 2 >= MIN_SIZE:
-        size, flops = size // 2, flops / 4
+def reduced_shape(
+    net: Net, size: Sequence[int], batch: int, budget: float = PROFILE_FLOPS
+) -> Shape:
+    """The spatial size to profile ``net`` (walked at ``size``) at: every side halved until
+    ``batch`` samples cost at most ``budget`` forward FLOPs, but no side below ``MIN_SIZE``.
+    Convolutions' counts fall with the number of pixels (voxels): 4x per halving of an
+    image, 8x of a volume."""
+    size = tuple(size)
+    flops = batch * sum(layer.flops for layer in net.layers)
+    while flops > budget and min(size) // 2 >= MIN_SIZE:
+        size, flops = tuple(n // 2 for n in size), flops / 2 ** len(size)
     return size
+
+
+def reduced_size(net: Net, image_size: int, batch: int, budget: float = PROFILE_FLOPS) -> int:
+    """:func:`reduced_shape` of a square image (or a cube) of side ``image_size``: its side."""
+    dims = max(1, len(net.input_shape) - 1)
+    return reduced_shape(net, (image_size,) * dims, batch, budget)[0]
 
 
 def operations(layer: Layer) -> float:
@@ -186,12 +199,11 @@ def scaled(prof: Profile, small: Net, full: Net) -> Profile:
 
 # ---------------------------------------------------------------------------- memory
 _PEAK_CODE = """
-import re, sys, torch
+import json, re, sys, torch
 from parallelkit.plan.walk import build
 torch.set_num_threads(1)
-name, stem = sys.argv[1], sys.argv[4]
-size, classes, batch = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[5])
-for net in build(name, size, classes, stem):
+name, size, classes, stem, batch, channels, kwargs = json.loads(sys.argv[1])
+for net in build(name, size, classes, stem, channels, dims=len(size), kwargs=kwargs):
     model = net.model.train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-9, momentum=0.9, weight_decay=5e-4)
     for _ in range(2):
@@ -204,16 +216,26 @@ print(int(re.search(r"VmHWM:\\s+(\\d+)", status).group(1)) / 1024)
 """
 
 
-def peak_mib(name: str, image_size: int, classes: int, stem: str, batch: int) -> float:
+def peak_mib(
+    name: str,
+    image_size: int | Sequence[int],
+    classes: int,
+    stem: str,
+    batch: int,
+    *,
+    channels: int = 3,
+    kwargs: Mapping[str, Any] | None = None,
+) -> float:
     """Peak resident memory (MiB) of a fresh process that trains model ``name`` for two steps
-    at ``batch`` images on one rank (VmHWM: Linux carries a parent's peak into a child's
-    ru_maxrss, not its VmHWM)."""
+    at ``batch`` samples of ``image_size`` (a square image's side, or every side) on one rank
+    (VmHWM: Linux carries a parent's peak into a child's ru_maxrss, not its VmHWM)."""
     import os
     import subprocess
     import sys
 
+    size = [image_size] * 2 if isinstance(image_size, int) else [int(n) for n in image_size]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    argv = [name, str(image_size), str(classes), stem, str(batch)]
-    out = subprocess.run([sys.executable, "-c", _PEAK_CODE, *argv], capture_output=True,
+    argv = json.dumps([name, size, classes, stem, batch, channels, dict(kwargs or {})])
+    out = subprocess.run([sys.executable, "-c", _PEAK_CODE, argv], capture_output=True,
                          text=True, check=True, env=env)  # fmt: skip
     return float(out.stdout)

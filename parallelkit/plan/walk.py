@@ -3,27 +3,37 @@ parameters, found by one forward pass on the meta device (no memory, no compute)
 
 The cost model (:mod:`parallelkit.plan.cost`) never looks at modules, only at these records,
 so it is pure and its tests need no torch model at all. A record holds what the parallel
-layers' costs depend on: per-image input and output shapes (C, H, W), the sliding window of
-a convolution or pooling layer (for the halo geometry), the channel counts (for the
-channel-parallel collectives) and whether the layer lies inside the spatial region (before the
-first global pooling or fully connected layer: where ``pk.parallelize(..., "spatial")`` keeps
-activations split).
+layers' costs depend on: per-sample input and output shapes, the sliding window of a
+convolution or pooling layer along each spatial dimension (for the halo geometry), the channel
+counts (for the channel-parallel collectives) and whether the layer lies inside the spatial
+region (before the first global pooling or fully connected layer: where
+``pk.parallelize(..., "spatial")`` keeps activations split).
+
+Samples have 1, 2 or 3 spatial dimensions, as in the rest of parallelkit: a signal (C, L), an
+image (C, H, W), a volume (C, D, H, W). Convolutions, transposed convolutions, pooling,
+BatchNorm and adaptive pooling are recorded alike for each (``Conv1d``/``2d``/``3d``, ...).
 
 Names a model may have (``build``):
 
     resnet18 | resnet34 | resnet50     parallelkit.models, ``stem`` "imagenet" or "cifar"
+    unet                               parallelkit.models' U-Net (per-pixel logits)
     dcgan                              the GAN task's generator and discriminator (a step:
                                        generator once, discriminator three times)
     torchvision:NAME | timm:NAME       a zoo network, when that library imports here
+    monai:NAME | smp:ARCH              built as ``model.name`` builds them for ``parallelkit
+                                       train`` (:mod:`parallelkit.models.zoo`; MONAI's are 3-D),
+                                       with ``kwargs`` as its ``model.kwargs``
 
-Legend: per-image shapes ``(C, H, W)``; ``flops`` are multiply-adds x 2 of the forward pass for
-one image; ``params`` counts scalars.
+Legend: per-sample shapes ``(C, *spatial)``, e.g. ``(C, H, W)`` or ``(C, D, H, W)``, and
+``(F,)`` after flattening; ``flops`` are multiply-adds x 2 of the forward pass for one sample;
+``params`` counts scalars.
 """
 
 from __future__ import annotations
 
 import importlib
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +44,11 @@ from parallelkit import models
 from parallelkit.geometry import conv_padding, pair
 
 Shape = tuple[int, ...]
-NORMS = (nn.modules.batchnorm._BatchNorm,)
+NORMS = (nn.modules.batchnorm._BatchNorm,)  # SyncBatchNorm: statistics over data x spatial
+# Statistics of each sample over its spatial dimensions (and a group of channels): all-reduced
+# over the spatial group only (parallelkit/spatial/rules/norms.py).
+SAMPLE_NORMS = (nn.modules.instancenorm._InstanceNorm, nn.GroupNorm)
+CONVS = (nn.modules.conv._ConvNd,)  # Conv1d/2d/3d, and the transposed ones (``.transposed``)
 ELEMENTWISE = (
     nn.ReLU,
     nn.LeakyReLU,
@@ -47,8 +61,8 @@ ELEMENTWISE = (
     nn.Identity,
     nn.Dropout,
 )
-POOLS = (nn.MaxPool2d, nn.AvgPool2d)
-GLOBAL_POOLS = (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
+POOLS = (nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd)
+GLOBAL_POOLS = (nn.modules.pooling._AdaptiveAvgPoolNd, nn.modules.pooling._AdaptiveMaxPoolNd)
 
 
 @dataclass(frozen=True)
@@ -56,16 +70,17 @@ class Layer:
     """One leaf module call: what it computes per image and what it holds."""
 
     name: str
-    kind: str  # conv | convT | norm | pool | act | global_pool | linear | other
-    in_shape: Shape  # (C, H, W) or (F,) per image
+    kind: str  # conv | convT | norm | sample_norm | pool | act | global_pool | linear | other
+    in_shape: Shape  # (C, *spatial) or (F,) per sample
     out_shape: Shape
-    flops: float  # forward, one image
+    flops: float  # forward, one sample
     params: int
     tensors: int = 0  # parameter tensors (one all-reduce each where they are summed)
-    window: tuple[tuple[int, int, int, int, int], ...] = ()  # per dim (k, s, pad_lo, pad_hi, d)
+    # per spatial dimension, D H W order: (kernel, stride, pad_lo, pad_hi, dilation)
+    window: tuple[tuple[int, int, int, int, int], ...] = ()
     groups: int = 1
     inplace: bool = False
-    spatial: bool = True  # inside the spatial region (activations split by rows/cols)
+    spatial: bool = True  # inside the spatial region (activations split by depth/rows/cols)
     module: nn.Module | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -75,6 +90,11 @@ class Layer:
     @property
     def in_numel(self) -> int:
         return math.prod(self.in_shape)
+
+    @property
+    def dims(self) -> int:
+        """Spatial dimensions of its output: 1 (L), 2 (H, W) or 3 (D, H, W); 0 for (F,)."""
+        return len(self.out_shape) - 1
 
 
 @dataclass(frozen=True)
@@ -96,33 +116,45 @@ class Net:
     input_grad: bool = False
     model: nn.Module | None = field(default=None, compare=False, repr=False)
     input_shape: Shape = ()
+    output_shape: Shape = ()  # of the model's output (its "out" where it returns a dict)
+
+    @property
+    def per_pixel(self) -> bool:
+        """Whether it predicts per pixel (voxel): an output with the input's spatial size,
+        scored against labels of that size (segmentation), not one label per sample."""
+        return len(self.input_shape) > 1 and self.output_shape[1:] == self.input_shape[1:]
 
 
-def _conv_window(m: nn.Conv2d | nn.ConvTranspose2d | nn.MaxPool2d | nn.AvgPool2d):
-    k, s = pair(m.kernel_size), pair(m.stride or m.kernel_size)
-    d = pair(getattr(m, "dilation", 1))
+def _conv_window(m: nn.Module, dims: int) -> tuple[tuple[int, int, int, int, int], ...]:
+    """(kernel, stride, pad_lo, pad_hi, dilation) per spatial dimension of a convolution or
+    pooling layer acting on samples of ``dims`` spatial dimensions."""
+    k, s = pair(m.kernel_size, dims), pair(m.stride or m.kernel_size, dims)
+    d = pair(getattr(m, "dilation", 1), dims)
     pads = conv_padding(m.padding, k, d)  # ints, or "same" / "valid" (stride 1)
-    return tuple((k[i], s[i], pads[i][0], pads[i][1], d[i]) for i in range(2))
+    return tuple((k[i], s[i], pads[i][0], pads[i][1], d[i]) for i in range(dims))
 
 
 def _record(name: str, m: nn.Module, x: torch.Tensor, y: torch.Tensor, spatial: bool) -> Layer:
     """A Layer from one call of leaf ``m`` on ``x`` (batch 1) giving ``y``."""
     ins, outs = tuple(x.shape[1:]), tuple(y.shape[1:])
+    dims = x.dim() - 2  # spatial dimensions of (N, C, *spatial)
     own = list(m.parameters(recurse=False))
     params = sum(p.numel() for p in own)
     out_n = math.prod(outs)
     kind, flops, window, groups = "other", float(out_n), (), 1
-    if isinstance(m, nn.Conv2d):
-        kind, groups, window = "conv", m.groups, _conv_window(m)
-        flops = 2.0 * out_n * (m.in_channels // m.groups) * math.prod(m.kernel_size)
-    elif isinstance(m, nn.ConvTranspose2d):
-        kind, groups, window = "convT", m.groups, _conv_window(m)
+    if isinstance(m, CONVS) and m.transposed:
+        kind, groups, window = "convT", m.groups, _conv_window(m, dims)
         flops = 2.0 * math.prod(ins) * (m.out_channels // m.groups) * math.prod(m.kernel_size)
+    elif isinstance(m, CONVS):
+        kind, groups, window = "conv", m.groups, _conv_window(m, dims)
+        flops = 2.0 * out_n * (m.in_channels // m.groups) * math.prod(m.kernel_size)
     elif isinstance(m, NORMS):
         kind, flops = "norm", 4.0 * out_n
+    elif isinstance(m, SAMPLE_NORMS):
+        kind, flops = "sample_norm", 4.0 * out_n
     elif isinstance(m, POOLS):
-        kind, window = "pool", _conv_window(m)
-        flops = float(out_n * math.prod(pair(m.kernel_size)))
+        kind, window = "pool", _conv_window(m, dims)
+        flops = float(out_n * math.prod(pair(m.kernel_size, dims)))
     elif isinstance(m, GLOBAL_POOLS):
         kind, flops = "global_pool", float(math.prod(ins))
     elif isinstance(m, nn.Linear):
@@ -161,7 +193,8 @@ def walk(model: nn.Module, input_shape: Shape, name: str = "model", **net: Any) 
                 mod_name == k or mod_name.startswith(f"{k}.") for k in keep_dense
             ):
                 state["spatial"] = False
-            layer = _record(mod_name, m, args[0], out, state["spatial"] and out.dim() == 4)
+            split = state["spatial"] and 3 <= out.dim() <= 5  # (N, C, L) to (N, C, D, H, W)
+            layer = _record(mod_name, m, args[0], out, split)
             layers.append(_with_module(layer, real[mod_name]))
 
         return record
@@ -173,12 +206,29 @@ def walk(model: nn.Module, input_shape: Shape, name: str = "model", **net: Any) 
     ]
     try:
         with torch.no_grad():
-            meta(torch.empty((1, *input_shape), device="meta"))
+            out = meta(torch.empty((1, *input_shape), device="meta"))
+    except RuntimeError as e:  # a shape the network does not take (a 2-D network, a volume)
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        shape = tuple(input_shape)
+        raise ValueError(
+            f"{name} does not run on samples of shape {shape} (C, *spatial): {why}"
+        ) from e
     finally:
         for h in handles:
             h.remove()
     params = sum(p.numel() for p in model.parameters())
-    return Net(name, tuple(layers), params, model=model, input_shape=tuple(input_shape), **net)
+    return Net(
+        name, tuple(layers), params, model=model, input_shape=tuple(input_shape),
+        output_shape=_output_shape(out), **net,
+    )  # fmt: skip
+
+
+def _output_shape(out: Any) -> Shape:
+    """Per-sample shape of a model's output: a tensor, or the ``"out"`` of a dict
+    (torchvision's segmentation models); () for anything else."""
+    if isinstance(out, Mapping):
+        out = out.get("out")
+    return tuple(out.shape[1:]) if isinstance(out, torch.Tensor) else ()
 
 
 def _with_module(layer: Layer, module: nn.Module) -> Layer:
@@ -193,22 +243,50 @@ def _to_meta(model: nn.Module) -> nn.Module:
 
 
 # ---------------------------------------------------------------------------- models by name
-BUILTIN = ("resnet18", "resnet34", "resnet50", "dcgan")
+BUILTIN = ("resnet18", "resnet34", "resnet50", "unet", "dcgan")
 ZOO_PREFIXES = ("torchvision:", "timm:")
+MODELS_ZOO_PREFIXES = ("monai:", "smp:")  # built by parallelkit.models.zoo, as training does
+
+
+def sample_shape(size: int | Sequence[int], dims: int = 2) -> Shape:
+    """A sample's spatial size: ``size`` along each of ``dims`` dimensions (a square image, a
+    cube), or ``size`` itself when it lists every side (``(D, H, W)``)."""
+    if isinstance(size, int):
+        return (size,) * dims
+    return tuple(int(v) for v in size)
+
+
+def default_dims(name: str, kwargs: Mapping[str, Any] | None = None) -> int:
+    """The spatial dimensions model ``name`` takes unless told: 3 for MONAI's networks
+    (``spatial_dims=3`` unless ``kwargs`` sets it), 2 for every other."""
+    if name.startswith("monai:"):
+        return int((kwargs or {}).get("spatial_dims", 3))
+    return 2
 
 
 def build(
-    name: str, image_size: int, classes: int = 10, stem: str = "imagenet", channels: int = 3
+    name: str,
+    image_size: int | Sequence[int],
+    classes: int = 10,
+    stem: str = "imagenet",
+    channels: int = 3,
+    *,
+    dims: int | None = None,
+    kwargs: Mapping[str, Any] | None = None,
 ) -> list[Net]:
-    """The networks a training step of model ``name`` runs, walked at ``image_size``.
+    """The networks a training step of model ``name`` runs, walked at ``image_size``: a side
+    (repeated over ``dims`` spatial dimensions, by default :func:`default_dims`) or every side
+    (``(H, W)``, ``(D, H, W)``). ``kwargs`` go to the model's constructor (``model.kwargs``).
 
     Raises ValueError for an unknown name, and for a zoo name whose library does not import
     here (saying which library and how to get it).
     """
-    shape = (channels, image_size, image_size)
+    kwargs = dict(kwargs or {})
+    size = sample_shape(image_size, default_dims(name, kwargs) if dims is None else dims)
+    shape = (channels, *size)
     if name == "dcgan":
-        g = models.create("dcgan_generator", nc=channels, image_size=image_size)
-        d = models.create("dcgan_discriminator", nc=channels, image_size=image_size)
+        g = models.create("dcgan_generator", nc=channels, image_size=size[-1])
+        d = models.create("dcgan_discriminator", nc=channels, image_size=size[-1])
         return [
             walk(g, (100, 1, 1), "generator", passes=1, grad_passes=1),
             # D(real) and D(fake) for the discriminator's loss, D(fake) again for the
@@ -224,17 +302,20 @@ def build(
             ),
         ]
     if name.startswith(ZOO_PREFIXES):
-        return [walk(_zoo(name, classes), shape, name)]
+        return [walk(_zoo(name, classes, kwargs), shape, name)]
+    if name.startswith(MODELS_ZOO_PREFIXES):
+        return [walk(_models_zoo(name, classes, channels, kwargs), shape, name)]
     if name in BUILTIN:
-        model = models.create(name, num_classes=classes, in_channels=channels, stem=stem)
+        extra = {"stem": stem} if name.startswith("resnet") else {}
+        model = models.create(name, num_classes=classes, in_channels=channels, **extra, **kwargs)
         return [walk(model, shape, name)]
     raise ValueError(
         f"unknown model {name!r}; built-in models: {', '.join(BUILTIN)}, or a zoo network as "
-        "torchvision:NAME or timm:NAME"
+        "torchvision:NAME, timm:NAME, monai:NAME or smp:ARCH"
     )
 
 
-def _zoo(name: str, classes: int) -> nn.Module:
+def _zoo(name: str, classes: int, kwargs: Mapping[str, Any]) -> nn.Module:
     """A torchvision or timm network, untrained (no download)."""
     library, _, model = name.partition(":")
     module = "timm" if library == "timm" else "torchvision.models"
@@ -247,7 +328,19 @@ def _zoo(name: str, classes: int) -> nn.Module:
         ) from e
     try:
         if library == "timm":
-            return lib.create_model(model, num_classes=classes)
-        return lib.get_model(model, weights=None, num_classes=classes)
+            return lib.create_model(model, num_classes=classes, **kwargs)
+        return lib.get_model(model, weights=None, num_classes=classes, **kwargs)
     except (KeyError, RuntimeError, ValueError) as e:
         raise ValueError(f"model {name!r}: {library} has no such model ({e})") from e
+
+
+def _models_zoo(name: str, classes: int, channels: int, kwargs: Mapping[str, Any]) -> nn.Module:
+    """A MONAI or smp network as ``parallelkit train``'s ``model.name`` builds it, untrained.
+
+    Its errors (a library missing, a required argument unset) are the config's, which speak
+    of ``model.kwargs``: here that is ``--model-kwargs``.
+    """
+    try:
+        return models.create(name, num_classes=classes, in_channels=channels, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise ValueError(str(e).removeprefix("config: ")) from e
