@@ -648,3 +648,17 @@ def test_cli_a_2d_model_on_volumes_exits_2(capsys):
             "--ranks", "2", "--device", "h100-sxm"]  # fmt: skip
     assert cli.main(argv) == 2
     assert "resnet18 does not run on samples of shape (3, 32, 32, 32)" in capsys.readouterr().err
+
+
+def test_the_edge_path_needs_stride_1_everywhere_and_blocks_of_p_rows():
+    """As parallelkit.nn.spatial_edges.plan: a stride along a dimension that is not split (a
+    video stem's (1, 2, 2) split over depth) takes the halo fetch, whose block is saved."""
+    opt = Option(depth=2)
+    same = conv3d(2, 8, 6, 6, 3, 1, 1)
+    assert activation_bytes(walk_free([same]), opt, 1) == same.out_numel * 4 / 2
+    (stem,) = walk(nn.Sequential(nn.Conv3d(2, 2, 3, stride=(1, 2, 2), padding=1)),
+                   (2, 8, 6, 6)).layers  # fmt: skip
+    saved = 2 * (1 + 4 + 1) * 6 * 6 * 4  # C x (padding, its 4 planes, halo) x whole H x W
+    assert activation_bytes(walk_free([stem]), opt, 1) == stem.out_numel * 4 / 2 + saved
+    wide = conv3d(2, 8, 6, 6, 7, 1, 3)  # blocks of 2 planes, halo 3
+    assert activation_bytes(walk_free([wide]), Option(depth=4), 1) > wide.out_numel * 4 / 4

@@ -365,14 +365,15 @@ def activation_bytes(net: Net, opt: Option, batch: int) -> float:
 
 
 def _edge_path(layer: Layer, opt: Option) -> bool:
-    """A convolution that saves no fetched block (``parallelkit.nn.spatial_edges``): stride 1
-    and "same" padding along every split dimension, equal padding along the others."""
+    """A convolution that saves no fetched block (``parallelkit.nn.spatial_edges.plan``):
+    stride 1 and equal padding along every dimension, "same" padding ``p >= 1`` along every
+    split one, whose blocks all hold at least ``p`` rows."""
     parts = opt.parts(layer.dims) if layer.dims else ()
     if layer.kind != "conv" or not any(p > 1 for p in parts):
         return False
     return all(
-        lo == hi and (p == 1 or (s == 1 and lo >= 1 and d * (k - 1) == 2 * lo))
-        for (k, s, lo, hi, d), p in zip(layer.window, parts, strict=True)
+        s == 1 and lo == hi and (p == 1 or (lo >= 1 and d * (k - 1) == 2 * lo and n // p >= lo))
+        for (k, s, lo, hi, d), p, n in zip(layer.window, parts, layer.in_shape[1:], strict=True)
     )
 
 
