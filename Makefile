@@ -14,6 +14,11 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 # Ranks oversubscribe the cores: one thread each.
 export OMP_NUM_THREADS := 1
+# The gloo and zoo tiers run in this many pytest-xdist workers. A 2-rank test keeps about one
+# core busy (its ranks take turns), so 2 workers fill a 2-core machine; each worker starts its
+# own pools of ranks. test-py hands out whole files (module fixtures run once), test-zoo single
+# cases (nearly all of them are in one file).
+TEST_WORKERS ?= 2
 # A stuck MPI collective aborts the job after this many seconds (tests only).
 MPI_TEST_ENV := PARALLELKIT_TIMEOUT=120 MPIEXEC_TIMEOUT=600
 # torch_xla pins torch exactly, so the XLA tier has its own venv (PyPI's torch 2.9.0, ~7 GB
@@ -89,7 +94,7 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check parallelkit tests benchmarks examples
 
 test-py: $(VENV)/.installed
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile tests
 
 test-mpi: $(VENV)/.installed
 	for n in 1 2 3 4; do \
@@ -111,7 +116,8 @@ test-gpu: $(VENV)/.installed
 # pk.parallelize on 51 real networks x 4 strategies (4 of them also on data x rows) against
 # the dense model, and the spatially refused ones again under fallback="gather" (docs/zoo.md).
 test-zoo: $(ZOO_VENV)/.installed
-	$(ZOO_TEST_ENV) $(ZOO_PY) -m pytest -q --durations=10 -p no:cacheprovider tests/zoo
+	$(ZOO_TEST_ENV) $(ZOO_PY) -m pytest -q --durations=10 -p no:cacheprovider \
+	  -n $(TEST_WORKERS) --dist load tests/zoo
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/collectives.py
@@ -119,6 +125,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/data_parallel.py
 	$(PY) benchmarks/model_parallel.py
 	$(PY) benchmarks/spatial_resnet.py
+	$(PY) benchmarks/spatial_volume.py
 	$(PY) benchmarks/train.py
 	$(PY) benchmarks/plan_vs_measured.py
 
