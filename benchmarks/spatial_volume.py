@@ -1,6 +1,6 @@
 """Spatial parallelism on volumes: a 3-D U-Net at 128^3 and a Conv3d stack at 256^3, split over D.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/spatial_volume.py           # ~5 min on 2 free cores
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/spatial_volume.py   # ~5 min, 2 free cores
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/spatial_volume.py --quick   # smoke, < 1 min
 
 Two workloads, each one training step without the optimizer (forward + backward of the loss,
