@@ -7,9 +7,9 @@ backward sends the gradients back. Forward code calls these functionally (a Conv
 weight standardization, Inception's ``F.max_pool2d``, a ``padding_mode`` other than zeros), so
 the rules run the spatial layers' own code with the call's arguments, ``ceil_mode`` included.
 Adaptive average pooling to a fixed size applies torch's own weights per dimension to the rows
-each block reads (:mod:`parallelkit.nn.spatial_resample`); adaptive maximum pooling to a size
-other than 1 runs on the gathered whole samples (its ties pick one place), exactly, at that
-memory cost.
+each block reads (:mod:`parallelkit.nn.spatial_resample`); adaptive maximum pooling to any size
+takes each bin's first maximum per block and combines the small per-bin results across the
+group (:mod:`parallelkit.nn.spatial_adaptive_max`): ties and NaNs pick torch's one place.
 """
 
 from __future__ import annotations
@@ -21,18 +21,24 @@ from torch import Tensor
 import parallelkit.functional as pkf
 from parallelkit.comm import tensor_split_sizes
 from parallelkit.geometry import starts
+from parallelkit.nn import spatial_adaptive_max, spatial_resample
 from parallelkit.nn import spatial_parallel as sp
 from parallelkit.nn import spatial_pooling as spool
-from parallelkit.nn import spatial_resample
 from parallelkit.spatial.grid import gather
 from parallelkit.spatial.rules import compat
-from parallelkit.spatial.rules.reductions import extreme, mean_spatial
+from parallelkit.spatial.rules.reductions import mean_spatial
 from parallelkit.spatial.rules.registry import Call, Guard, all_, nchw, pair, rule
 
 MAX_POOLS = {F.max_pool1d: 1, F.max_pool2d: 2, F.max_pool3d: 3, torch.max_pool1d: 1,
              torch.max_pool2d: 2, torch.max_pool3d: 3}  # fmt: skip
 AVG_POOLS = {F.avg_pool1d: 1, F.avg_pool2d: 2, F.avg_pool3d: 3, torch.avg_pool1d: 1}
 ADAPTIVE_AVG = (F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d)
+ADAPTIVE_MAX = (F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d)
+ADAPTIVE_MAX_INDICES = (
+    F.adaptive_max_pool1d_with_indices,
+    F.adaptive_max_pool2d_with_indices,
+    F.adaptive_max_pool3d_with_indices,
+)  # return_indices=True calls these
 
 
 @rule(F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d,
@@ -101,26 +107,27 @@ def avg_pool(g: Guard, call: Call) -> Tensor:
     return _pool(g, call, _AVG_LAYERS[AVG_POOLS[call.func]], options)
 
 
-@rule(*ADAPTIVE_AVG, F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d,
+@rule(*ADAPTIVE_AVG, *ADAPTIVE_MAX, *ADAPTIVE_MAX_INDICES,
       params="input, output_size, return_indices=False")  # fmt: skip
-def adaptive_pool(g: Guard, call: Call) -> Tensor:
-    """To size 1: a mean (maximum) over the spatial dimensions, whole (CBAM's channel
-    attention). Average pooling to another size (VGG's 7x7, PSPNet's pyramid): per
-    dimension, torch's own pooling weights applied to the rows each output block reads, and
-    the small result gathered whole. Maximum pooling to another size: the whole samples
-    gathered (one all-gather of this feature map) and pooled (its ties pick one place, which
-    blocks cannot reproduce); the result is whole."""
+def adaptive_pool(g: Guard, call: Call) -> Tensor | tuple[Tensor, Tensor]:
+    """Average pooling to size 1: a mean over the spatial dimensions, whole (CBAM's channel
+    attention). To another size (VGG's 7x7, PSPNet's pyramid): per dimension, torch's own
+    pooling weights applied to the rows each output block reads, and the small result
+    gathered whole. Maximum pooling to any size, ``return_indices`` too: each rank takes the
+    first maximum (the last NaN) of its rows of every bin that meets its block, two
+    all-reduces of the output's size name each bin's winning place, and a third of the
+    winners' values makes the result whole, its gradient routed to the one place torch
+    routes it to (ties and NaNs as torch's kernels break them); nothing gathered."""
     x = call["input"]
     ndim = nchw(g, call, x)
-    if all_(call["output_size"], 1) and not call["return_indices"]:
-        if call.func in ADAPTIVE_AVG:
-            return mean_spatial(g, x)
-        return extreme(g, x, list(range(2, 2 + ndim)), largest=True)
-    if call.func not in ADAPTIVE_AVG:
-        return call.func(gather(x, g.comm, g.grid), *call.args[1:], **call.kwargs)
+    if call.func in ADAPTIVE_AVG and all_(call["output_size"], 1):
+        return mean_spatial(g, x)
     size = g.size_now or g.grid.global_size(x, call.name)
     asked = pair(call["output_size"], ndim)
     outs = [n if m is None else m for m, n in zip(asked, size, strict=True)]
+    if call.func not in ADAPTIVE_AVG:
+        indices = call["return_indices"] or call.func in ADAPTIVE_MAX_INDICES
+        return spatial_adaptive_max.adaptive_max_pool(x, g.comm, g.grid, size, outs, indices)
     mats = [spatial_resample.matrix(n, spatial_resample.adaptive_average(m))
             for n, m in zip(size, outs, strict=True)]  # fmt: skip
     y = spatial_resample.resample(x, g.grid, size, mats)
