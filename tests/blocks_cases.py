@@ -40,6 +40,7 @@ def _plain(conv: type, bn: type, pool: type, up: type, mode: str, c: int = 4) ->
     return Plain()
 
 
+CONVS = {2: nn.Conv2d, 3: nn.Conv3d}
 NETS = {
     "image": (lambda: _plain(nn.Conv2d, nn.BatchNorm2d, nn.MaxPool2d, nn.ConvTranspose2d,
                              "bilinear"), (4, 32, 24)),
@@ -50,13 +51,14 @@ NETS = {
 
 def _parallel(comm: Communicator, grid: dict, net: str, gathers: bool = False, **kw) -> tuple:
     """(dense, its parallel copy taking blocks, the process grid, the spatial grid, the sample
-    shape). ``gathers``: an adaptive max pool to a size other than 1 at the end, which runs on
-    the gathered whole samples (a negative control)."""
+    shape). ``gathers``: a last 1x1 convolution kept dense (``keep_dense``), which runs on the
+    gathered whole samples (a negative control)."""
     torch.manual_seed(0)
     build, shape = NETS[net]
     dense = build().double()
     if gathers:
-        dense = nn.Sequential(dense, nn.AdaptiveMaxPool2d((5, 4)))
+        dense = nn.Sequential(dense, CONVS[len(shape) - 1](shape[0], shape[0], 1).double())
+        kw = {**kw, "keep_dense": ["1"]}
     g = pk.Grid(comm, **grid)
     model = pk.parallelize(
         copy.deepcopy(dense), g, g, spatial_input="blocks", spatial_output="blocks", **kw

@@ -37,7 +37,7 @@ def test_no_rank_holds_a_whole_sample(ranks, size, net, grid):
 
 
 def test_negative_control_a_layer_on_gathered_samples_is_seen(ranks):
-    """Adaptive max pooling to 5 x 4 runs on the gathered whole samples: the record sees it."""
+    """A last convolution kept dense runs on the gathered whole samples: the record sees it."""
     for largest, _, whole in ranks(4).run(largest_tensor, "image", dict(rows=4), gathers=True):
         assert largest >= whole
 
