@@ -18,6 +18,13 @@ strategy under gather, a count per column, and the reason of every case that is 
 below the tables. Images and volumes get a table each, with their own strategies
 (``zoo_cases.IMAGE_STRATEGIES``, ``VOLUME_STRATEGIES``). Seconds per case are shown to keep
 the tier's budget in view; the tests never time anything.
+
+A gather cell counts the modules that ran on gathered whole images ("exact, 2 gathered": one
+warning of parallelkit each), and a section below the tables lists them per network and
+strategy with the memory per rank each warning states. Without ``--fallback refuse`` (as with
+``--fallback gather`` alone) the refuse columns show the outcomes recorded in EXPECTED, without
+seconds, so that ``--fallback gather`` refreshes the gather columns and that section of
+survey.md in about two minutes instead of the whole table's fourteen.
 """
 
 from __future__ import annotations
@@ -98,10 +105,12 @@ def main() -> None:
                 seconds[mode][arch, strategy] = took = time.monotonic() - t0
                 results[mode][arch, strategy] = outcome
                 print(f"{arch:32s} {strategy:12s} {mode:6s} {outcome.kind:8s} {took:5.1f}s "
-                      f"{outcome.reason[:150]}", flush=True)  # fmt: skip
+                      f"{outcome.gathers} gathered {outcome.reason[:150]}", flush=True)  # fmt: skip
     finally:
         pools.close()
     total = time.monotonic() - start
+    if "refuse" not in modes:  # shown as recorded (the gather cases were chosen by EXPECTED too)
+        results["refuse"] = merge({}, chosen, EXPECTED)
     if args.write_expected:
         # Cases not run this time keep their recorded outcome: a partial run refreshes a part.
         merged = {"refuse": merge(results["refuse"], cases(), EXPECTED)}
@@ -116,7 +125,8 @@ def main() -> None:
         write_expected(merged)
         print(f"wrote EXPECTED and EXPECTED_GATHER in {HERE / 'zoo_cases.py'}")
         results, archs, strategies = merged, list(ARCHS), list(STRATEGIES)
-    args.out.write_text(markdown(results, seconds, archs, strategies, total))
+    command = " ".join(["tests/zoo/survey.py", *map(_quoted, sys.argv[1:])])
+    args.out.write_text(markdown(results, seconds, archs, strategies, total, command))
     print(f"wrote {args.out} ({total:.0f} s)")
 
 
@@ -139,7 +149,11 @@ def merge(run: dict[Case, Outcome], wanted: list[Case], recorded: dict) -> dict[
     return out
 
 
-def markdown(results, seconds, archs, strategies, total) -> str:
+def _quoted(arg: str) -> str:
+    return f'"{arg}"' if " " in arg else arg
+
+
+def markdown(results, seconds, archs, strategies, total, command) -> str:
     import parallelkit
 
     counts = {mode: _counts(results[mode].values()) for mode in FALLBACKS}
@@ -155,14 +169,19 @@ def markdown(results, seconds, archs, strategies, total) -> str:
         "the tables.",
         "",
         'The columns marked *gather* run `fallback="gather"` on the cases refused under the '
-        'default (`fallback="refuse"`) with a spatial strategy: each must be exact. Elsewhere '
-        "nothing is refused, so nothing would be gathered (·).",
+        'default (`fallback="refuse"`) with a spatial strategy: each must be exact, and says how '
+        "many modules ran on gathered whole images (one warning each; listed with their memory "
+        'under "Gathered modules"). Elsewhere nothing is refused, so nothing would be gathered '
+        "(·); under the default no case gathers anything (test_zoo.py checks the count is 0).",
         "",
-        f"Command: `.venv-zoo/bin/python tests/zoo/survey.py`; torch {torch.__version__}, "
+        f"Command: `.venv-zoo/bin/python {command}`; torch {torch.__version__}, "
         f"parallelkit {parallelkit.__version__}, {platform.machine()}, "
         f"{os.cpu_count()} cores, {total:.0f} s in all. "
-        + "; ".join(f"{mode}: " + _count_text(c) for mode, c in counts.items() if c),
-    ]
+        + "; ".join(f"{mode}: " + _count_text(c) for mode, c in counts.items() if c)
+        + "."
+        + ("" if seconds["refuse"] else " The refuse columns were not run this time: they show "
+           "the outcomes recorded in EXPECTED (zoo_cases.py), without seconds."),
+    ]  # fmt: skip
     notes: list[str] = []
     sections = (
         ("Images (N, C, H, W)", False, IMAGE_STRATEGIES),
@@ -198,15 +217,42 @@ def markdown(results, seconds, archs, strategies, total) -> str:
         for arch in rows:
             cells = [_cell(results, seconds, notes, arch, mode, s) for mode, s in groups]
             lines.append(f"| {arch} | " + " | ".join(cells) + " |")
-        per_column = [
-            _count_text(
-                _counts(o for (a, s), o in results[mode].items() if s == strategy and a in rows)
-            )
-            for mode, strategy in groups
-        ]
+        per_column = []
+        for mode, strategy in groups:
+            column = [o for (a, s), o in results[mode].items() if s == strategy and a in rows]
+            text = _count_text(_counts(column))
+            if mode == "gather" and column:
+                text += f"; {sum(o.gathers or 0 for o in column)} gathered"
+            per_column.append(text)
         lines.append("| *all* | " + " | ".join(per_column) + " |")
-    lines += ["", "## Reasons", "", *notes, ""]
+    lines += ["", "## Reasons", "", *notes, "", *_gathered_section(results["gather"]), ""]
     return "\n".join(lines)
+
+
+def _gathered_section(results: dict[Case, Outcome]) -> list[str]:
+    """Per network and strategy, the modules run on gathered whole images and the memory per
+    rank their warnings state (the zoo's inputs are small: compare, do not budget by them)."""
+    lines = [
+        "## Gathered modules",
+        "",
+        'Under `fallback="gather"`, each module that ran on gathered whole images, with the '
+        "extra memory per rank its warning states (its whole input and output; its activations "
+        "inside are not split either). The zoo's inputs are small (`zoo_cases.BATCH` samples of "
+        "each network's `shape`, float64), so the MiB compare modules, not real budgets.",
+        "",
+        "| architecture | strategy | gathered | MiB per rank, summed "
+        "| module (type): MiB per rank |",
+        "|---|---|---|---|---|",
+    ]
+    for (arch, strategy), o in results.items():
+        if o.gathers is None:
+            continue
+        modules = "; ".join(f"`{path}` ({kind}): {mib:.1f}" for path, kind, mib in o.gathered)
+        total = sum(mib for _, _, mib in o.gathered)
+        lines.append(f"| {arch} | {strategy} | {o.gathers} | {total:.1f} | {modules or '·'} |")
+    if not results:
+        lines.append("| · | · | · | · | not run this time |")
+    return lines
 
 
 def _cell(results, seconds, notes: list[str], arch: str, mode: str, s: str) -> str:
@@ -215,6 +261,8 @@ def _cell(results, seconds, notes: list[str], arch: str, mode: str, s: str) -> s
     if o is None:
         return "·"  # not part of the tier (FOUR_RANKS, gather) or not run
     cell = MARK[o.kind] + (" (no remedy)" if o.label == "refused (no remedy)" else "")
+    if mode == "gather" and o.gathers is not None:
+        cell += f", {o.gathers} gathered" + ("," if (arch, s) in seconds[mode] else "")
     if o.reason:
         where = s if mode == "refuse" else f"{s}, gather"
         notes.append(f"{len(notes) + 1}. {arch}, {where}: {o.kind}: {o.reason}")

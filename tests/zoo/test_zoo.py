@@ -12,6 +12,11 @@ spatial strategy must be exact: the refused operation's smallest enclosing modul
 gathered whole images. Its outcomes are in ``zoo_cases.EXPECTED_GATHER``, marked as above. The
 test is skipped while ``pk.parallelize`` takes no ``fallback`` keyword.
 
+Each case also counts the modules run on gathered whole images (parallelkit's one warning per
+gathered module, ``Outcome.gathers``): under the default nothing may gather, so a refuse case
+with a gather fails whatever its label; under gather a case that was refused must have gathered
+at least one module (``survey.md`` lists them, with the memory each costs).
+
 The negative controls show that the classifier cannot pass vacuously: a model run on each
 rank's block without halo exchange, and a gradient perturbed by 1e-6 on one rank, must both
 come out "wrong"; and the merging of rank reports is checked without processes.
@@ -22,10 +27,14 @@ from __future__ import annotations
 import inspect
 
 import pytest
+import torch
+from torch import nn
 
 import parallelkit as pk
+from parallelkit.parallel.spatial_fallback import gathered_message
 
 from zoo_cases import ARCHS, EXPECTED, EXPECTED_GATHER, cases, gather_cases
+from zoo_parity import gathered
 from zoo_run import PROMISED, Outcome, classify, elide, names_a_remedy, run_case
 
 REFRESH = "refresh the table: .venv-zoo/bin/python tests/zoo/survey.py --write-expected"
@@ -97,6 +106,27 @@ def test_classify_merges_rank_reports():
     assert not Outcome("wrong", "x").keeps_promise and not Outcome("crash", "x").keeps_promise
 
 
+def test_classify_counts_gathers_apart_from_the_label():
+    one = [("stages.2.1", "MobileVitBlock", 0.5)]
+    got = classify([_report("exact", gathered=one), _report("exact", gathered=one)])
+    assert (got.label, got.gathers, got.gathered) == ("exact", 1, tuple(one))
+    assert classify([_report("exact"), _report("exact")]).gathers == 0
+    # A gather on one rank only still counts.
+    assert classify([_report("refused"), _report("refused", gathered=one)]).gathers == 1
+    assert Outcome("exact").gathers is None  # not counted: read back from EXPECTED
+
+
+def test_gather_warning_is_parsed():
+    """The warning parallelkit emits for a gathered module, read back as zoo_parity reads it:
+    if its wording changes, the count would silently read 0 everywhere."""
+    conv = nn.Conv2d(2, 3, 1).double()
+    x = torch.zeros(2, 2, 16, 16, dtype=torch.float64)
+    message = gathered_message("stages.0.attn", conv, (x,), conv(x))
+    assert gathered(message) == ("stages.0.attn", "Conv2d", round(2 * 5 * 256 * 8 / 2**20, 1))
+    assert gathered(gathered_message("", conv, (x,), conv(x)))[0] == "the model"
+    assert gathered("some other warning") is None
+
+
 # ----------------------------------------------------------------------------- the zoo
 # One pool of ranks serves every case, whatever the order (zoo_run.Pools).
 @pytest.mark.timeout(300)
@@ -105,6 +135,7 @@ def test_classify_merges_rank_reports():
 )
 def test_exact_or_refused(pools, arch, strategy, expected):
     got = run_case(pools, arch, strategy)
+    assert got.gathers == 0, f"gathered unasked under the default: {got.gathered}"
     assert got.kind in PROMISED, f"{got.kind}: {got.reason}"
     if got.kind == "refused":
         assert names_a_remedy(got.reason), f"the refusal does not say what to do: {got.reason}"
@@ -127,6 +158,7 @@ def test_exact_under_gather(pools, arch, strategy, expected):
     """Refused under ``fallback="refuse"``, so exact under ``fallback="gather"``."""
     got = run_case(pools, arch, strategy, fallback="gather")
     assert got.kind == "exact", f"{got.label}: {got.reason}"
+    assert got.gathers, "exact under gather, refused under refuse, yet nothing gathered"
 
 
 def test_every_case_has_an_expected_outcome():

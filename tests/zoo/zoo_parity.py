@@ -18,6 +18,11 @@ The report of a rank (a small dict, cheap to pickle back) is one of
     {"outcome": "refused", "message": str, "phase": where, "origin": file:line}
     {"outcome": "crash",   "type": name, "message": str, "phase": where, "origin": file:line}
 
+each with "gathered": [(module path, module type, MiB per rank), ...], the modules this rank
+ran on gathered whole images, from parallelkit's one warning per gathered module
+(``parallelkit.parallel.spatial_fallback.gathered_message``), in the order they warned. Under
+``fallback="refuse"`` the list must be empty: nothing may gather unasked.
+
 A ValueError counts as a refusal only when parallelkit raised it; one from torch, timm or smp
 is a crash. ``zoo_run.classify`` merges the ranks' reports.
 
@@ -34,7 +39,9 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +68,13 @@ FIRST = 6  # mismatch labels kept in a report
 TAMPERS = (None, "no-halo", "perturb-grad")
 FALLBACKS = ("refuse", "gather")
 PACKAGE = Path(pk.__file__).resolve().parent
+GATHERED = re.compile(
+    r"^spatial parallelism \(fallback='gather'\): '(?P<path>[^']*)' \((?P<type>\w+)\) runs on "
+    r"the whole images, gathered on every rank: (?P<mib>[0-9.]+) MiB per rank"
+)
+"""parallelkit's warning for a gathered module (``spatial_fallback.gathered_message``); a
+model gathered whole is named 'the model'. test_zoo.py checks the two still agree."""
+Gathered = tuple[str, str, float]  # (module path, module type, MiB per rank it states)
 
 
 def zoo_parity(
@@ -79,6 +93,28 @@ def zoo_parity(
     if comm is None:
         return {"outcome": "idle"}
     state = {"phase": "build", "checked": 0, "bad": []}
+    # "always": Python's registry would otherwise hide a warning this worker showed before.
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        report = _report(comm, arch, strategy, tamper, fallback, state)
+    report["gathered"] = [g for w in seen if (g := gathered(str(w.message))) is not None]
+    return report
+
+
+def gathered(message: str) -> Gathered | None:
+    """(path, type, MiB per rank) of parallelkit's warning for a gathered module, else None."""
+    m = GATHERED.match(message)
+    return None if m is None else (m["path"], m["type"], float(m["mib"]))
+
+
+def _report(
+    comm: Communicator,
+    arch: str,
+    strategy: str,
+    tamper: str | None,
+    fallback: str,
+    state: dict,
+) -> dict[str, Any]:
     try:
         _run(comm, arch, strategy, tamper, fallback, state)
     except ValueError as e:

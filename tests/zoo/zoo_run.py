@@ -9,18 +9,23 @@ classify alike.
 
 The promise of ``pk.parallelize`` holds for a case when it is exact, or refused with a
 message that says what to do (:func:`names_a_remedy`).
+
+Apart from the kind, an outcome carries what the case gathered: the modules that ran on
+gathered whole images (``zoo_parity``'s "gathered", one warning each) and their count. They
+do not enter the label: EXPECTED records kinds, and the count is checked on its own (0 under
+``fallback="refuse"``, at least 1 for a case that gather turned from refused into exact).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from parallelkit.testing import RankError, Ranks
 
 from zoo_cases import STRATEGIES
-from zoo_parity import zoo_parity
+from zoo_parity import Gathered, zoo_parity
 
 CASE_TIMEOUT_S = 180.0
 """Deadline of one case on the pool; a case past it is a crash (hang), never a wait."""
@@ -43,6 +48,11 @@ PROMISED = ("exact", "refused")
 class Outcome:
     kind: str  # "exact" | "refused" | "wrong" | "crash"
     reason: str = ""
+    gathers: int | None = None
+    """Modules run on gathered whole images (warnings of one rank, the most any rank saw);
+    None where not counted: an outcome read back from EXPECTED, or ranks that did not report."""
+    gathered: tuple[Gathered, ...] = ()
+    """Those modules: (path, type, MiB per rank stated by the warning), in the order run."""
 
     @property
     def label(self) -> str:
@@ -63,7 +73,14 @@ def names_a_remedy(message: str) -> bool:
 
 
 def classify(reports: list[dict]) -> Outcome:
-    """One outcome from every rank's report (``zoo_parity``'s dicts, in rank order)."""
+    """One outcome from every rank's report (``zoo_parity``'s dicts, in rank order), with the
+    gathers of the rank that saw the most (every rank gathers the same modules)."""
+    outcome = _kind(reports)
+    most = max((tuple(map(tuple, r.get("gathered", ()))) for r in reports), key=len, default=())
+    return replace(outcome, gathers=len(most), gathered=most)
+
+
+def _kind(reports: list[dict]) -> Outcome:
     kinds = {r["outcome"] for r in reports}
     if kinds == {"exact"}:
         return Outcome("exact")
