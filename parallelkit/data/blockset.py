@@ -244,11 +244,11 @@ class BlockDataset(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         view = self.view(index)
         block = self.block(*view.size) if self.block else tuple(slice(0, n) for n in view.size)
-        image = view.read(self.images[index], block).astype(np.float32)
-        if self.mean is not None:
+        image = view.read(self.images[index], block).astype(np.float32)  # a copy: ours
+        if self.mean is not None:  # in place: no block-sized temporaries
             shape = (-1,) + (1,) * len(block)
-            std = np.where(self.std > 0, self.std, 1).reshape(shape)  # constant channels
-            image = (image - self.mean.reshape(shape)) / std
+            image -= self.mean.reshape(shape)
+            image /= np.where(self.std > 0, self.std, 1).reshape(shape)  # constant channels
         mask = view.read(self.masks[index], block)[0]
         if mask.dtype.kind == "f" and not np.array_equal(mask, np.round(mask)):
             raise ValueError(f"mask {self.masks[index].path} holds non-integer values")
