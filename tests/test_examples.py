@@ -127,30 +127,50 @@ def test_lightning_trains_with_parallelkit_sync_batchnorm():
     assert float(row.group(2)) > 80.0  # 98% measured; chance is 10%
 
 
-def test_segmentation_large_images(tmp_path):
-    # 64x64 instead of 1024x1024: 8 rows per rank at the last stage.
-    table = train_example(
-        "segmentation_large_images", tmp_path, "model.width=4", "data.image_size=64",
-        "data.train_samples=4", "data.test_samples=2",
-    )  # fmt: skip
-    assert table["grid (data x depth x rows x cols x channel)"] == "1 x 1 x 2 x 1 x 1"
-    assert table["test mIoU"].split("%")[0].replace(".", "").isdigit()
-    png = tmp_path / "picture.png"
-    cmd = [sys.executable, str(EXAMPLES / "segmentation_large_images/picture.py"), str(tmp_path),
-           "--panel", "64", "--out", str(png)]  # fmt: skip
+def write_store(root: Path, *args: str) -> None:
+    """``examples/common/shapes_store.py root args``: generated shapes as zarr arrays."""
+    cmd = [sys.executable, str(EXAMPLES / "common/shapes_store.py"), str(root), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=ENV, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    with Image.open(png) as sheet:
-        assert sheet.size == (3 * 64 + 2 * 8, 64 + 20)  # input, mask, prediction
-    folder = EXAMPLES / "segmentation_large_images"
+
+
+def picture(name: str, run_dir: Path, panel: int) -> Image.Image:
+    """``examples/<name>/picture.py run_dir``: the PNG it wrote, loaded."""
+    png = run_dir / "picture.png"
+    cmd = [sys.executable, str(EXAMPLES / name / "picture.py"), str(run_dir), "--panel",
+           str(panel), "--out", str(png)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=ENV, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    folder = EXAMPLES / name
     shown = re.findall(r"\]\((\S+\.png)\)", (folder / "README.md").read_text())
     assert shown and all((folder / p).is_file() for p in shown)
+    with Image.open(png) as sheet:
+        sheet.load()
+        return sheet
 
 
-def measure(tmp_path: Path, *args: str) -> dict:
-    """examples/segmentation_large_images/measure.py ``args``, its JSON record."""
-    cmd = [sys.executable, str(EXAMPLES / "segmentation_large_images/measure.py"), *args,
-           "--width", "4", "--timeout", "200", "--out-dir", str(tmp_path)]  # fmt: skip
+def test_segmentation_large_images(tmp_path):
+    # 64x64 instead of 1024x1024: 8 rows per rank at the last stage; the images and masks are
+    # read from a zarr store, each rank its rows.
+    write_store(tmp_path / "data", "--side", "64", "--train", "4", "--test", "2")
+    run = tmp_path / "run"
+    table = train_example(
+        "segmentation_large_images", run, "model.width=4", "data.image_size=64",
+        f"data.name=zarr:{tmp_path / 'data'}",
+    )  # fmt: skip
+    assert table["grid (data x depth x rows x cols x channel)"] == "1 x 1 x 2 x 1 x 1"
+    assert table["task"] == f"segment (unet on zarr:{tmp_path / 'data'})"
+    assert table["test mIoU"].split("%")[0].replace(".", "").isdigit()
+    assert [r["pixels"] for r in records(run, "eval")] == [2 * 64 * 64]  # every test pixel
+    sheet = picture("segmentation_large_images", run, 64)
+    assert sheet.size == (3 * 64 + 2 * 8, 64 + 20)  # input, mask, prediction
+
+
+def measure(tmp_path: Path, *args: str, example: str = "segmentation_large_images") -> dict:
+    """examples/<example>/measure.py ``args``, its JSON record."""
+    cmd = [sys.executable, str(EXAMPLES / example / "measure.py"), *args, "--width", "4",
+           "--timeout", "200", "--out-dir", str(tmp_path), "--store-dir",
+           str(tmp_path / "stores")]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env=ENV, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads((tmp_path / f"{args[0]}.json").read_text())
@@ -167,7 +187,10 @@ def test_segmentation_memory_divides_over_ranks(tmp_path):
     assert record["rows"][1]["ratio"] == pytest.approx(ratio)
     for r in one + two:
         assert sum(r["layers_mib"].values()) == pytest.approx(r["saved_mib"])
-        assert r["peak_rss_mib"] > r["runtime_rss_mib"]
+        assert r["peak_rss_mib"] > r["runtime_rss_mib"] >= r["cold_rss_mib"]
+    # Each rank reads only its rows: 3 x 64 x 128 float32, half the image.
+    assert [r["input_mib"] for r in two] == [pytest.approx(3 * 64 * 128 * 4 / 2**20)] * 2
+    assert one[0]["input_mib"] == pytest.approx(3 * 128 * 128 * 4 / 2**20)
     assert (tmp_path / "memory.md").read_text().count("| 128 |") == 2
 
 
@@ -180,3 +203,29 @@ def test_segmentation_budget_is_enforced(tmp_path):
     assert small["fits"] and small["side"] == 64
     assert not large["fits"], large  # measure.py raises on any error but a failed allocation
     assert record["largest_side"] == {"2": 64}
+
+
+@pytest.mark.timeout(120)
+def test_segmentation_volumes(tmp_path):
+    # 32^3 volumes on 2 depth ranks (the README: 64^3 on 2, 4 and 8): the store, 2 training
+    # steps, the picture, and one step's memory on 1 and 2 ranks.
+    pytest.importorskip("monai")
+    write_store(tmp_path / "data", "--dims", "3", "--side", "32", "--train", "4", "--test", "1")
+    run = tmp_path / "run"
+    table = train_example(
+        "segmentation_volumes", run, f"data.name=zarr:{tmp_path / 'data'}",
+        "data.image_size=32", "train.epochs=1",
+    )  # fmt: skip
+    assert table["grid (data x depth x rows x cols x channel)"] == "1 x 2 x 1 x 1 x 1"
+    assert table["steps"] == "2"
+    assert [r["pixels"] for r in records(run, "eval")] == [32**3]
+    sheet = picture("segmentation_volumes", run, 32)
+    assert sheet.size == (3 * 32 + 2 * 8, 3 * (32 + 20) + 2 * 8)  # 3 slices x 3 panels
+    record = measure(tmp_path, "memory", "--sides", "32", "--ranks", "1", "2",
+                     example="segmentation_volumes")  # fmt: skip
+    one, two = (row["per_rank"] for row in record["rows"])
+    # Each rank reads only its depth slab of the volume: 16 x 32 x 32 float32.
+    assert [r["input_mib"] for r in two] == [pytest.approx(16 * 32 * 32 * 4 / 2**20)] * 2
+    ratio = max(r["saved_mib"] for r in two) / (one[0]["saved_mib"] / 2)
+    assert 1.0 <= ratio < 1.25, ratio  # at 32^3 the 4^3 bottom carries one halo slice a side
+    assert record["rows"][1]["ratio"] == pytest.approx(ratio)
