@@ -83,7 +83,16 @@ $(CHAINER_VENV)/.installed: Makefile
 run: $(VENV)/.installed
 	$(VENV)/bin/parallelkit train train.overwrite=true
 
-test: lint test-py test-mpi test-xla test-gpu test-zoo
+# The XLA and zoo venvs (pip installs of several GB that mostly wait on the disk and the
+# network) are built in the background while the CPU-bound gloo and mpiexec tiers run; their
+# log is printed when both are done.
+test: lint
+	@$(MAKE) --no-print-directory $(XLA_VENV)/.installed $(ZOO_VENV)/.installed \
+	  > $(VENV)/venv-builds.log 2>&1 & builds=$$!; \
+	$(MAKE) --no-print-directory test-py test-mpi; tiers=$$?; \
+	wait $$builds; built=$$?; cat $(VENV)/venv-builds.log; \
+	[ $$tiers = 0 ] && [ $$built = 0 ]
+	@$(MAKE) --no-print-directory test-xla test-gpu test-zoo
 
 # Pure tests and the pool tests on 2 ranks (tests/conftest.py: --fast); no subprocess runs of
 # parallelkit train, no 1-, 3- or 4-rank cases, no mpiexec, XLA or zoo tiers.
@@ -94,7 +103,7 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check parallelkit tests benchmarks examples
 
 test-py: $(VENV)/.installed
-	$(PY) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 test-mpi: $(VENV)/.installed
 	for n in 1 2 3 4; do \
