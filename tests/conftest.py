@@ -17,8 +17,9 @@ from parallelkit.testing import Ranks
 
 # Whole modules of subprocess runs (seconds each) or lazy-tensor tracing: not in --fast.
 SLOW_MODULES = {
-    "test_train.py", "test_train_segment.py", "test_examples.py", "test_faults.py",
-    "test_device_discipline.py", "test_integrity.py", "test_preflight.py",
+    "test_train.py", "test_train_segment.py", "test_train_segment_volumes.py",
+    "test_train_blocks.py", "test_examples.py", "test_faults.py", "test_device_discipline.py",
+    "test_integrity.py", "test_preflight.py",
 }  # fmt: skip
 FAST_SIZES = (2,)
 
