@@ -9,9 +9,6 @@
 #      make bench-peers (ChainerMN and torch's DDP/SyncBatchNorm/DTensor next to parallelkit)
 
 VENV ?= .venv
-# Python compiles a module's bytecode when it is first imported; compiling every file of
-# torch at install time (pip's default) took 15 of the 23 s of its install here.
-PIP := -m pip install -q --disable-pip-version-check --no-compile
 PY := $(VENV)/bin/python
 # The CPU build of torch that lies on the machine; torch_xla needs its own venv (see docs).
 TORCH ?= torch==2.13.0
@@ -49,25 +46,25 @@ CHAINER ?= chainer==7.8.1
 
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
-	$(PY) $(PIP) "$(TORCH)"
-	$(PY) $(PIP) -e ".[mpi,dev,data,tensorboard,plot,examples]" mpich
+	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[mpi,dev,data,tensorboard,plot,examples]" mpich
 	touch $@
 
 # torch and torch_xla first, pinned together; then the package and its test tools, which
 # accept that torch (torch>=2.4) and so leave it alone.
 $(XLA_VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(XLA_VENV)
-	$(XLA_PY) $(PIP) $(TORCH_XLA)
-	$(XLA_PY) $(PIP) -e ".[dev]" $(TORCH_XLA)
+	$(XLA_PY) -m pip install -q --disable-pip-version-check $(TORCH_XLA)
+	$(XLA_PY) -m pip install -q --disable-pip-version-check -e ".[dev]" $(TORCH_XLA)
 	touch $@
 
 # torch and torchvision first, pinned together; every later install repeats the pins so that
 # nothing replaces them; the last line checks it.
 $(ZOO_VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(ZOO_VENV)
-	$(ZOO_PY) $(PIP) $(TORCH_ZOO)
-	$(ZOO_PY) $(PIP) $(ZOO_MODELS) $(TORCH_ZOO)
-	$(ZOO_PY) $(PIP) -e ".[dev]" $(TORCH_ZOO)
+	$(ZOO_PY) -m pip install -q --disable-pip-version-check $(TORCH_ZOO)
+	$(ZOO_PY) -m pip install -q --disable-pip-version-check $(ZOO_MODELS) $(TORCH_ZOO)
+	$(ZOO_PY) -m pip install -q --disable-pip-version-check -e ".[dev]" $(TORCH_ZOO)
 	$(ZOO_PY) -c "import torch, torchvision, timm, segmentation_models_pytorch, monai; \
 	  assert torch.__version__.startswith('2.14.1'), torch.__version__; print('zoo venv: torch', \
 	  torch.__version__, 'torchvision', torchvision.__version__, 'timm', timm.__version__)"
