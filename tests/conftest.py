@@ -15,12 +15,17 @@ import pytest
 
 from parallelkit.testing import Ranks
 
-# Whole modules of subprocess runs (seconds each) or lazy-tensor tracing: not in --fast.
-SLOW_MODULES = {
-    "test_train.py", "test_train_segment.py", "test_train_segment_volumes.py",
-    "test_train_blocks.py", "test_examples.py", "test_faults.py", "test_device_discipline.py",
-    "test_integrity.py", "test_preflight.py",
-}  # fmt: skip
+# Whole modules of subprocess runs (seconds to minutes each: ``parallelkit train`` and the
+# examples as subprocesses, faults) or lazy-tensor tracing: not in --fast. Listed longest
+# first: ``make test`` hands whole modules to 2 pytest-xdist workers in collection order
+# (``--dist loadfile --no-loadscope-reorder``), and :func:`longest_first` puts these first;
+# xdist's own reorder, most cases first, would hand out these modules of few long cases last
+# and leave one worker running them alone at the end.
+SLOW_MODULES = (
+    "test_faults.py", "test_train.py", "test_train_segment.py", "test_examples.py",
+    "test_train_segment_volumes.py", "test_device_discipline.py", "test_integrity.py",
+    "test_preflight.py", "test_train_blocks.py",
+)  # fmt: skip
 FAST_SIZES = (2,)
 
 
@@ -31,29 +36,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )  # fmt: skip
 
 
-# The longest modules first (minutes each: end-to-end runs of ``parallelkit train`` as
-# subprocesses), in this order, then the others, most cases first. ``make test`` hands whole
-# modules to 2 pytest-xdist workers in collection order (``--dist loadfile
-# --no-loadscope-reorder``); xdist's own reorder, most cases first, would hand out these
-# modules of few long cases last and leave one worker running them alone at the end.
-LONGEST_FIRST = (
-    "test_faults.py", "test_train.py", "test_train_segment.py", "test_examples.py",
-    "test_train_segment_volumes.py", "test_device_discipline.py", "test_integrity.py",
-    "test_preflight.py", "test_train_blocks.py",
-)  # fmt: skip
-
-
 def longest_first(items: list[pytest.Item]) -> None:
-    """Reorder ``items`` module by module (stable within a module): see LONGEST_FIRST."""
+    """Reorder ``items`` module by module (stable within a module): SLOW_MODULES in their
+    order, then the others, most cases first."""
     count: dict[object, int] = {}
     for item in items:
         count[item.path] = count.get(item.path, 0) + 1
 
     def key(item: pytest.Item) -> tuple[int, int, str]:
         name = item.path.name
-        if name in LONGEST_FIRST:
-            return (LONGEST_FIRST.index(name), 0, "")
-        return (len(LONGEST_FIRST), -count[item.path], str(item.path))
+        if name in SLOW_MODULES:
+            return (SLOW_MODULES.index(name), 0, "")
+        return (len(SLOW_MODULES), -count[item.path], str(item.path))
 
     items.sort(key=key)
 
