@@ -7,6 +7,8 @@ process: the loaders must agree without communicating, which is exactly what is 
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import json
 import os
 import pickle
@@ -33,7 +35,7 @@ from parallelkit.data import (
     shard_main,
     write_shards,
 )
-from parallelkit.data.datasets import DigitsDataset, fit
+from parallelkit.data.datasets import DigitsDataset, _digits, fit
 from parallelkit.data.shardio import MANIFEST, encode_sample
 from parallelkit.data.shardstream import resume, round_robin, segments
 
@@ -121,6 +123,21 @@ def test_digits_shapes_labels_determinism():
     assert gray[7][0].shape == (1, 16, 16)
     one = load_dataset(DataConfig(channels=1), "train")[7][0]
     assert torch.equal(one.expand(3, -1, -1), train[7][0])  # gray repeated to RGB
+
+
+def test_digits_read_without_scikit_learn_equal_load_digits(monkeypatch, tmp_path):
+    """The shipped CSV, read directly, gives ``load_digits()`` exactly; where the file is not
+    where it is looked for, ``load_digits`` itself is the fallback."""
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    want = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    images, labels = _digits.__wrapped__()
+    assert torch.equal(images, want) and torch.equal(labels, torch.tensor(data.target))
+    moved = importlib.machinery.ModuleSpec("sklearn", None, origin=str(tmp_path / "init.py"))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: moved)
+    fallback = _digits.__wrapped__()
+    assert torch.equal(fallback[0], want) and torch.equal(fallback[1], labels)
 
 
 def test_digits_train_test_disjoint():
