@@ -164,9 +164,9 @@ def markdown(results, seconds, archs, strategies, total, command) -> str:
         "SGD steps in float64 (tests/zoo). exact: outputs, input and parameter gradients and "
         "`pk.to_dense` state match; refused: the same ValueError from parallelkit on every rank; "
         "**WRONG**: ran with different numbers (a silent defect); **CRASH**: any other "
-        "failure; ·: not run (the 4-rank strategies data x rows and data x depth run the "
-        "FOUR_RANKS and FOUR_RANKS_3D subsets). Numbers in brackets point to the reasons below "
-        "the tables.",
+        "failure; ·: not run (cols runs the COLS subset, the 4-rank strategies data x rows "
+        "and data x depth the FOUR_RANKS and FOUR_RANKS_3D subsets). Numbers in brackets point "
+        "to the reasons below the tables.",
         "",
         'The columns marked *gather* run `fallback="gather"` on the cases refused under the '
         'default (`fallback="refuse"`) with a spatial strategy: each must be exact, and says how '
@@ -259,7 +259,7 @@ def _cell(results, seconds, notes: list[str], arch: str, mode: str, s: str) -> s
     """One table cell; a reason is appended to ``notes`` and pointed to by its number."""
     o = results[mode].get((arch, s))
     if o is None:
-        return "·"  # not part of the tier (FOUR_RANKS, gather) or not run
+        return "·"  # not part of the tier (COLS, FOUR_RANKS, gather) or not run
     cell = MARK[o.kind] + (" (no remedy)" if o.label == "refused (no remedy)" else "")
     if mode == "gather" and o.gathers is not None:
         cell += f", {o.gathers} gathered" + ("," if (arch, s) in seconds[mode] else "")
