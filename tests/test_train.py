@@ -32,6 +32,7 @@ TINY = [
     "train.log_every=1",
     "train.progress=false",
     "train.tensorboard=false",
+    "train.plot=false",  # curves.png: drawn by the bf16 run below
     "parallel.timeout=120",
     "optim.lr=0.4",
 ]
@@ -47,6 +48,7 @@ GAN = [
     "train.log_every=1",
     "train.progress=false",
     "train.tensorboard=false",
+    "train.plot=false",
     "parallel.timeout=120",
     "optim.name=adam",
     "optim.lr=2e-4",
@@ -97,7 +99,10 @@ def one_rank(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProc
         "lars": [*TINY, "optim.name=lars", "optim.lr=2.0"],
         "gan": GAN,
         "seed1": [*TINY, "train.seed=1"],
-        "bf16": [*TINY, "train.precision=bf16", "train.progress=true", "train.tensorboard=true"],
+        "bf16": [
+            *TINY, "train.precision=bf16", "train.progress=true", "train.tensorboard=true",
+            "train.plot=true",
+        ],
     }
     procs = train_all({k: (root / k, [*o, "parallel.ranks=1"]) for k, o in runs.items()})
     return {k: (root / k, procs[k]) for k in runs}
@@ -223,12 +228,14 @@ def test_resume_is_exact_after_a_rank_dies(tmp_path):
 # grid's model.pt is loaded into the plain model there).
 
 
-def test_bf16_progress_bar_and_tensorboard(one_rank):
+def test_bf16_progress_bar_tensorboard_and_curves(one_rank):
     run_dir, proc = one_rank["bf16"]
     assert "epoch 1/" in proc.stderr  # the bar
     assert "test accuracy" in proc.stdout  # the final table
     assert all(torch.isfinite(torch.tensor(curve(run_dir))))
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert (run_dir / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert "curves.png" in proc.stdout
 
 
 def test_webdataset_shards_end_to_end(tmp_path):
