@@ -94,3 +94,39 @@ def test_the_docs_fault_table_is_whole_and_names_every_fault():
         "manifest was deleted",
     ]:  # fmt: skip
         assert fault in faults, fault
+
+
+# The launcher's model check --------------------------------------------------------------------
+
+META_BUILD = """
+import sys, torch
+from parallelkit.train import config, preflight
+from parallelkit.train.tasks import TASKS
+for overrides in ([], ["train.task=gan", "model.name=dcgan"],
+                  ["train.task=segment", "data.name=shapes", "model.name=unet"]):
+    cfg = config.load(None, [*overrides, "data.image_size=32"])
+    loader = preflight.check_data(cfg, None)
+    meta = preflight.build_on_meta(cfg, loader)
+    real = TASKS[cfg.train.task].dense_networks(cfg, loader)
+    for name, net in real.items():
+        want = {k: (v.shape, v.dtype) for k, v in net.state_dict().items()}
+        got = {k: (v.shape, v.dtype) for k, v in meta[name].state_dict().items()}
+        assert got == want and all(v.is_meta for v in meta[name].state_dict().values()), name
+        print(cfg.train.task, name, len(want), "torch._dynamo" in sys.modules)
+"""
+
+
+def test_the_networks_built_on_meta_have_the_real_shapes_and_skip_the_fills():
+    """Each task's networks as the launcher builds them (initializers' fills skipped): every
+    parameter and buffer of the real build, shape and dtype; and torch._dynamo, which torch's
+    meta fills import (a second of every start), is not imported before the real builds."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", META_BUILD], capture_output=True, text=True, timeout=120, check=True
+    ).stdout.split("\n")
+    assert [line.split()[:2] for line in out if line] == [
+        ["classify", "model"], ["gan", "generator"], ["gan", "discriminator"], ["segment", "model"]
+    ], out  # fmt: skip
+    assert out[0].endswith("False"), out

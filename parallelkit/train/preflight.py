@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from parallelkit.data import Loader, build_loader
 from parallelkit.train.config import Config, grid_dims
@@ -80,7 +81,7 @@ def build_on_meta(cfg: Config, loader: Loader) -> dict[str, nn.Module] | None:
     another reason (the ranks then build it for real, and say what is wrong)."""
     m = cfg.model
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), _NoFills():
             return TASKS[cfg.train.task].dense_networks(cfg, loader)
     except (TypeError, ValueError) as e:
         what = " ".join(str(e).split())[:300]
@@ -88,6 +89,29 @@ def build_on_meta(cfg: Config, loader: Loader) -> dict[str, nn.Module] | None:
         raise ValueError(f"config: model.name={m.name} cannot be built{kwargs}: {what}") from None
     except Exception:
         return None
+
+
+class _NoFills(TorchFunctionMode):
+    """Skips the weight initializers' writes of values into meta tensors, which hold none.
+
+    torch runs several of them on the meta device (``normal_``, ``erfinv_``, ``clamp_``) through
+    Python references whose first call imports ``torch._dynamo``: about a second of CPU at the
+    start of every ``parallelkit train``, spent before any rank may start. Shapes, dtypes and
+    everything else still run as written.
+    """
+
+    FILLS = frozenset(
+        {"normal_", "uniform_", "trunc_normal_", "erfinv_", "clamp_", "exponential_",
+         "log_normal_", "cauchy_", "geometric_", "kaiming_normal_", "kaiming_uniform_",
+         "xavier_normal_", "xavier_uniform_", "orthogonal_"}
+    )  # fmt: skip
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        target = args[0] if args else None
+        name = getattr(func, "__name__", None)
+        if name in self.FILLS and isinstance(target, torch.Tensor) and target.is_meta:
+            return target
+        return func(*args, **(kwargs or {}))
 
 
 def space_needed(cfg: Config, nets: dict[str, nn.Module]) -> int:
