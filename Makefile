@@ -3,7 +3,7 @@
 #   make test   ruff + the whole suite: pure and gloo tiers, the mpiexec tier on 1-4 ranks, the XLA
 #               tier, the GPU tier (skipped without CUDA), and the model-zoo tier (pk.parallelize
 #               on torchvision, timm and smp networks, in .venv-zoo)
-#   make test-fast  the inner loop (~2 min): ruff, the pure tests and the 2-rank pool tests
+#   make test-fast  the inner loop (~1.5 min): ruff, the pure tests and the 2-rank pool tests
 # and: make bench (every script under benchmarks/ but the peers, ~50 min; results under
 #                  benchmarks/results/)
 #      make bench-peers (ChainerMN and torch's DDP/SyncBatchNorm/DTensor next to parallelkit)
