@@ -3,6 +3,9 @@
 parallelkit train [--config FILE] [--resume] [key=value ...]
                         train (see parallelkit.train.config for every key); starts
                         parallel.ranks local ranks, or joins torchrun / mpiexec / srun
+parallelkit predict train.run_dir=RUN predict.output=OUT [key=value ...]
+                        a trained segmentation run applied to whole samples of any size,
+                        block by block over the ranks (docs/inference.md)
 parallelkit data shard SRC OUT --samples-per-shard N
                         write a data set as WebDataset tar shards
 parallelkit plot RUN_DIR
@@ -106,11 +109,71 @@ def train(argv: list[str]) -> int:
     return status
 
 
+def predict(argv: list[str]) -> int:
+    """Read the run's config and the command line's keys; start the local ranks, or be one
+    rank of a launched job (as :func:`train`). Mistakes found before any rank starts are one
+    line on stderr and exit status 2."""
+    from pathlib import Path
+
+    from parallelkit.train import config, launch, procs
+    from parallelkit.train import predict as predicting
+    from parallelkit.train.agree import Stop
+    from parallelkit.train.stopping import exit_now
+
+    parser = argparse.ArgumentParser(
+        prog="parallelkit predict",
+        description="Apply a trained segmentation run to whole samples, each rank writing its "
+        "block: parallelkit predict train.run_dir=RUN predict.output=OUT "
+        "[data.name=FORMAT:DIR | predict.input=PATH] [parallel.ranks=N parallel.rows=N ...] "
+        "[predict.format=zarr|nifti|npy predict.probabilities=true predict.resume=true "
+        "predict.overwrite=true]",
+    )
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    args = parser.parse_args(argv)
+    try:
+        runs = [o.partition("=")[2] for o in args.overrides if o.startswith("train.run_dir=")]
+        if not runs:
+            raise ValueError("train.run_dir=RUN is missing: the trained run to predict with")
+        saved = Path(runs[-1]) / "config.yaml"
+        if not saved.is_file():
+            raise ValueError(f"train.run_dir={runs[-1]} is not a run: it has no config.yaml")
+        cfg = config.load(str(saved), args.overrides)
+        if launch.under_launcher():
+            procs.die_with_launcher()
+            try:
+                predicting.run(cfg)
+            except Stop as stop:
+                exit_now(stop.status, f"parallelkit predict: error: {stop}" if stop.report else "")
+            return 0
+        predicting.check(cfg, cfg.parallel.ranks)
+        command = launch.local_command(cfg, argv, "predict")
+    except ValueError as e:
+        if launch.under_launcher():
+            raise
+        print(f"parallelkit predict: error: {e}", file=sys.stderr)
+        return 2
+    if command is None:
+        try:
+            predicting.run(cfg)
+        except (ValueError, Stop) as e:
+            print(f"parallelkit predict: error: {e}", file=sys.stderr)
+            return e.status if isinstance(e, Stop) else 2
+        return 0
+    status = launch.launch(command, cfg.parallel.ranks)
+    if status and status != procs.REFUSED_EXIT and status - 128 not in (signal.SIGINT,
+                                                                         signal.SIGTERM):
+        print(f"parallelkit predict: a rank failed (exit status {status}); see above",
+              file=sys.stderr)  # fmt: skip
+    return status
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # train and data hand the rest of the line to their own parsers.
     if argv[:1] == ["train"]:
         return train(argv[1:])
+    if argv[:1] == ["predict"]:
+        return predict(argv[1:])
     if argv[:1] == ["plan"]:
         from parallelkit.plan.command import main as plan_main
 
@@ -125,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     plot = sub.add_parser("plot", help="draw RUN_DIR/curves.png from RUN_DIR/metrics.jsonl")
     plot.add_argument("run_dir", metavar="RUN_DIR")
     sub.add_parser("train", help="train a network (parallelkit train --help)")
+    sub.add_parser("predict", help="apply a trained run to whole samples (parallelkit predict "
+                   "--help)")
     sub.add_parser("plan", help="rank the grids for a model (parallelkit plan --help)")
     data = sub.add_parser("data", help="data tools (parallelkit data shard --help)")
     data.add_subparsers(dest="data_command", required=True).add_parser(

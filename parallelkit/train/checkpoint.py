@@ -217,10 +217,16 @@ def load(folder: Path, grid: Grid) -> dict[str, Any]:
         )
     try:
         name = manifest["shards"][model_rank(grid)]
-        path = folder / name
     except (IndexError, KeyError, TypeError):
         message = f"checkpoint {folder}: its manifest lists no shard for this rank"
         raise Unreadable(message) from None
+    return load_shard(folder, manifest, name)
+
+
+def load_shard(folder: Path, manifest: dict[str, Any], name: str) -> dict[str, Any]:
+    """The shard ``name`` of the checkpoint in ``folder``, its SHA-256 checked against
+    ``manifest`` before anything is unpickled (:class:`Unreadable` otherwise)."""
+    path = folder / name
     try:
         data = path.read_bytes()
     except OSError as e:

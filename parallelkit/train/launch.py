@@ -35,6 +35,7 @@ from parallelkit.train.config import Config
 from parallelkit.train.procs import LAUNCHER_PID, Child, supervise
 
 WORKER = [sys.executable, "-m", "parallelkit.cli", "train"]
+PACKAGE_CLI = WORKER[:3]  # the worker of any command: python -m parallelkit.cli COMMAND
 LOOPBACK = "127.0.0.1"
 
 
@@ -43,9 +44,11 @@ def under_launcher() -> bool:
     return detect_backend() != "local" or "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def local_command(cfg: Config, argv: list[str]) -> list[str] | None:
-    """The command that starts ``parallel.ranks`` ranks here: ``mpiexec ...`` for MPI, the
-    worker command (started once per rank) otherwise; None: run in this process."""
+def local_command(cfg: Config, argv: list[str], command: str = "train") -> list[str] | None:
+    """The command that starts ``parallel.ranks`` ranks of ``parallelkit COMMAND`` here:
+    ``mpiexec ...`` for MPI, the worker command (started once per rank) otherwise; None: run
+    in this process."""
+    worker = [*PACKAGE_CLI, command]
     n, backend = cfg.parallel.ranks, cfg.parallel.backend
     if backend == "xla":
         return None  # torch_xla.launch is a function, called by launch_xla
@@ -59,8 +62,8 @@ def local_command(cfg: Config, argv: list[str]) -> list[str] | None:
         )
         if mpiexec is None:
             raise ValueError("parallel.backend=mpi: no mpiexec found (pip install mpich)")
-        return [mpiexec, "-n", str(n), *WORKER, *argv]
-    return [*WORKER, *argv]
+        return [mpiexec, "-n", str(n), *worker, *argv]
+    return [*worker, *argv]
 
 
 def launch(command: list[str], ranks: int = 1) -> int:
@@ -68,7 +71,7 @@ def launch(command: list[str], ranks: int = 1) -> int:
     supervision and wait; the exit status is the job's."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores
-    if command[: len(WORKER)] != WORKER:  # mpiexec, which cleans up its ranks when it dies
+    if command[: len(PACKAGE_CLI)] != PACKAGE_CLI:  # mpiexec, which cleans up its ranks
         return supervise([Child(command, env, "mpiexec")])
     env[LAUNCHER_PID] = str(os.getpid())
     with loopback_store() as port:

@@ -74,6 +74,7 @@ OUTPUTS = (
     "generator.pt",
     "discriminator.pt",
     "curves.png",
+    "normalization.json",
 )
 OUTPUT_DIRS = ("checkpoints", "tensorboard", "samples")
 

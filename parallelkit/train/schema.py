@@ -131,6 +131,29 @@ class TrainConfig:
 
 
 @dataclass
+class PredictConfig:
+    """``parallelkit predict``: a trained run applied to whole samples (docs/inference.md).
+
+    The samples are every image of ``split`` (``test``: the ``test`` or ``val`` folder) of
+    ``data.name=FORMAT:DIR``, or the file or folder ``input``; each is predicted at its own
+    full size, split over the ranks as ``parallel.depth/rows/cols`` say (the data ranks take
+    different samples). ``output``: the folder of predictions, one per sample, in ``format``
+    (zarr: OME-Zarr; nifti: .nii with the input's affine; npy). ``probabilities``: the softmax
+    too, as ``dtype`` (float16 or float32). ``resume``: skip the samples already written
+    whole; ``overwrite``: replace an earlier prediction in ``output``.
+    """
+
+    output: str = ""
+    split: str = "test"
+    input: str = ""
+    format: str = "zarr"
+    probabilities: bool = False
+    dtype: str = "float16"
+    resume: bool = False
+    overwrite: bool = False
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(
@@ -143,3 +166,4 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    predict: PredictConfig = field(default_factory=PredictConfig)

@@ -61,9 +61,13 @@ class Segment(Task):
                 f"train.task=segment: data.name={cfg.data.name} ({cfg.data.root}) holds labels, "
                 "not masks; write shards from a data set with masks (shapes, segfolder:DIR)"
             )
+        return {"model": cls.dense_model(cfg, train.num_classes, train.channels)}
+
+    @staticmethod
+    def dense_model(cfg: Config, classes: int, channels: int) -> nn.Module:
+        """The configured network, untrained: what training and ``parallelkit predict`` build."""
         w = cfg.model.width
-        dense = network(cfg, train.num_classes, train.channels, widths=(w, 2 * w, 4 * w, 8 * w))
-        return {"model": dense}
+        return network(cfg, classes, channels, widths=(w, 2 * w, 4 * w, 8 * w))
 
     def __init__(self, cfg: Config, grid: Grid, device: torch.device, train: Loader) -> None:
         super().__init__(cfg, grid, device, train)

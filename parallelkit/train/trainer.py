@@ -22,6 +22,7 @@ exception ends the whole job at once (the communicator's exit hook).
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -91,6 +92,19 @@ def end_of_step(device: torch.device) -> None:
         import torch_xla
 
         torch_xla.sync()
+
+
+NORMALIZATION = "normalization.json"
+"""The per-channel mean and std that a run's block reader normalizes with (FORMAT:DIR data)."""
+
+
+def save_normalization(run_dir: Path, loader) -> None:
+    """Keep the training data's normalization in the run, so that ``parallelkit predict``
+    normalizes as training did without the training data at hand."""
+    dataset = loader.dataloader.dataset
+    if getattr(dataset, "mean", None) is not None:
+        numbers = {"mean": dataset.mean.tolist(), "std": dataset.std.tolist()}
+        atomic_text(run_dir / NORMALIZATION, json.dumps(numbers))
 
 
 def open_run_dir(cfg: Config, comm: pk.Communicator) -> tuple[rundir.Lock | None, str | None]:
@@ -223,6 +237,8 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
         for split in ("train", "test")
     }
     train = loaders["train"]
+    if lead:  # what parallelkit predict normalizes whole samples with
+        save_normalization(run_dir, train)
     torch.manual_seed(t.seed)  # the same initial weights on every rank
     task = tasks.create(cfg, grid, device, train)
 

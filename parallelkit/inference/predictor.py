@@ -1,0 +1,205 @@
+"""Whole-sample prediction on blocks: every rank reads, runs and writes only its block.
+
+    predictor = Predictor(model, grid, normalize=(mean, std))   # dense, trained; made once
+    result = predictor(SampleReader("scan.nii.gz"), out)       # collective over the sample's
+                                                                # spatial group
+    pk.predict(model, sample, grid, out)                        # the same, in one call
+
+Why this is the whole-sample prediction, not a tiled one. The model is parallelized over the
+grid's spatial group with blocks in and blocks out (``pk.parallelize(spatial_input="blocks",
+spatial_output="blocks")``): each convolution, pooling and upsampling fetches the rows it
+needs from the neighbouring blocks, so the output block is exactly the dense model's output
+on the whole sample, restricted to the block. There are no tiles, no overlaps and no blending;
+the receptive field is never cut. MONAI's ``sliding_window_inference`` runs each tile alone,
+so its result depends on the tile size, the overlap and the blending.
+
+Eval mode: BatchNorm uses its running statistics, so nothing is reduced over the spatial
+group; the only communication is the halo exchange of each layer (and, per sample, one small
+all-gather of the blocks' sizes, which checks their layout). Nothing keeps activations for a
+backward pass, so a rank holds its block of one layer's input and output at a time.
+
+Legend: ``_blk`` is this rank's block, ``size`` a whole sample's spatial size, ``K`` classes.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from parallelkit.data.readers import Block, SampleReader
+from parallelkit.inference.outputs import Output
+from parallelkit.parallel import Grid, parallelize
+from parallelkit.spatial import grid_of
+
+
+@dataclass
+class Result:
+    """What one sample's prediction did on this rank."""
+
+    size: tuple[int, ...]
+    voxels: int  # in this rank's block
+    seconds: float
+    counts: torch.Tensor | None = field(default=None, repr=False)
+    """(3, K) intersection, predicted, labelled voxels of this block (with a mask)."""
+
+
+class Predictor:
+    """``model`` (dense, trained) run over the spatial group of ``grid`` on whole samples.
+
+    ``grid``: a :class:`~parallelkit.Grid` whose spatial group (depth x rows x cols) splits a
+    sample; its data ranks predict different samples (the caller hands them out). Channel
+    parallelism is refused: prediction splits samples, not layers. ``normalize``: per-channel
+    ``(mean, std)`` applied to every block read (what training used), or None.
+    ``dtype``: the dtype the model runs in (float32; float64 for exactness tests).
+    """
+
+    def __init__(self, model: nn.Module, grid: Grid,
+                 normalize: tuple[Sequence[float], Sequence[float]] | None = None,
+                 dtype: torch.dtype = torch.float32, fallback: str = "refuse") -> None:
+        if grid.channel > 1:
+            raise ValueError(
+                f"predict: the grid splits channels over {grid.channel} ranks; prediction splits "
+                "samples (parallel.depth/rows/cols) and hands samples to data ranks"
+            )
+        self.grid, self.dtype = grid, dtype
+        self.comm = grid.spatial_comm
+        self.blocks = grid_of(self.comm, grid.spatial)
+        spatial = Grid(self.comm, depth=grid.depth, rows=grid.rows, cols=grid.cols)
+        dense = copy.deepcopy(model).to(dtype).eval()
+        self.model = parallelize(dense, spatial, spatial, spatial_input="blocks",
+                                 spatial_output="blocks", fallback=fallback).eval()
+        self.mean = self.std = None
+        if normalize is not None:
+            self.mean = np.asarray(normalize[0], np.float32)
+            self.std = np.asarray(normalize[1], np.float32)
+
+    def block(self, size: Sequence[int]) -> Block:
+        """This rank's block of a sample of ``size`` (``pk.spatial.scatter``'s layout)."""
+        return self.blocks.block(*size)
+
+    def read(self, sample: SampleReader, block: Block) -> torch.Tensor:
+        """``(1, C, *block)``: this rank's block of ``sample``, normalized."""
+        x = sample.read(block).astype(np.float32)
+        if self.mean is not None:
+            shape = (-1,) + (1,) * len(block)
+            x -= self.mean.reshape(shape)
+            x /= np.where(self.std > 0, self.std, 1).reshape(shape)
+        return torch.from_numpy(np.ascontiguousarray(x))[None].to(self.dtype)
+
+    @torch.no_grad()
+    def logits(self, x_blk: torch.Tensor) -> torch.Tensor:
+        """The model's output block ``(1, K, *block)`` for the input block ``x_blk``."""
+        out = self.model(x_blk)
+        if isinstance(out, dict):  # torchvision's segmentation models: {"out", "aux"}
+            out = out["out"]
+        if out.shape[2:] != x_blk.shape[2:]:
+            raise ValueError(
+                f"predict: the model returned {tuple(out.shape)} for an input block of "
+                f"{tuple(x_blk.shape)}; it must return per-voxel logits at the input's "
+                "resolution"
+            )
+        return out
+
+    def __call__(self, sample: SampleReader, output: Output | None = None,
+                 mask: SampleReader | None = None, probabilities: bool = False) -> Result:
+        """Predict ``sample`` (collective over the spatial group): read this rank's block, run
+        it, write it to ``output`` (None: write nothing) and count it against ``mask``."""
+        started = time.perf_counter()
+        size = tuple(sample.size)
+        block = self.block(size)
+        logits = self.logits(self.read(sample, block))[0]  # (K, *block)
+        classes = logits.argmax(0)
+        if output is not None:
+            probs = logits.float().softmax(0).numpy() if probabilities else None
+            write_in_turns(self.comm, self.blocks.axes(len(size)), size, block, output,
+                           classes.to(torch.uint8).numpy(), probs)
+        counts = None
+        if mask is not None:
+            from parallelkit.train.segmetrics import pixel_counts
+
+            target = torch.from_numpy(np.asarray(mask.read(block)[0], dtype=np.int64))
+            counts = pixel_counts(classes, target, logits.shape[0])
+        return Result(size, math.prod(s.stop - s.start for s in block),
+                      time.perf_counter() - started, counts)
+
+
+def predict(model: nn.Module, sample: SampleReader, grid: Grid, output: Output | None = None,
+            **kwargs) -> Result:
+    """One sample predicted over ``grid``'s spatial group: :class:`Predictor` made and called
+    once (make a Predictor to predict many samples)."""
+    return Predictor(model, grid, **kwargs)(sample, output)
+
+
+def write_in_turns(comm, axes, size: Sequence[int], block: Block, output: Output,
+                   classes: np.ndarray, probs: np.ndarray | None) -> None:
+    """Write this rank's block so that no two ranks write one chunk at once.
+
+    The chunks wholly inside the block are written at once by every rank; the parts of chunks
+    shared with a neighbour are written in ``2 ** split dimensions`` turns, by the parity of
+    the block's coordinates (two blocks sharing a chunk are neighbours along some dimension,
+    so their parities differ there), with a barrier between turns.
+    """
+    split = [d for d, (_, parts, _) in enumerate(axes) if parts > 1]
+    if output.chunks is None or not split:
+        output.write(block, classes, probs)
+        return
+    own, shared = boxes(block, size, output.chunks)
+    for box in own:
+        _write_box(output, block, box, classes, probs)
+    parity = sum(((axes[d][2] % 2) << i) for i, d in enumerate(split))
+    for turn in range(2 ** len(split)):
+        comm.barrier()
+        if turn == parity:
+            for box in shared:
+                _write_box(output, block, box, classes, probs)
+    comm.barrier()
+
+
+def boxes(block: Block, size: Sequence[int], chunks: Sequence[int],
+          ) -> tuple[list[Block], list[Block]]:
+    """``block`` cut into boxes made of whole chunks (no other block touches them) and boxes in
+    chunks that a neighbouring block shares; together they tile ``block``."""
+    per_dim = []
+    for s, n, c in zip(block, size, chunks, strict=True):
+        a, b = s.start, s.stop
+        inner_a = -(-a // c) * c
+        inner_b = b if b == n else b // c * c
+        if inner_a < inner_b:
+            pieces = [(slice(a, inner_a), True), (slice(inner_a, inner_b), False),
+                      (slice(inner_b, b), True)]
+        else:
+            pieces = [(slice(a, b), True)]
+        per_dim.append([(p, sh) for p, sh in pieces if p.stop > p.start])
+    own, shared = [], []
+    for combo in itertools.product(*per_dim):
+        box = tuple(p for p, _ in combo)
+        (shared if any(sh for _, sh in combo) else own).append(box)
+    return own, shared
+
+
+def _write_box(output: Output, block: Block, box: Block, classes: np.ndarray,
+               probs: np.ndarray | None) -> None:
+    local = tuple(slice(p.start - s.start, p.stop - s.start) for p, s in zip(box, block,
+                                                                          strict=True))
+    output.write(box, classes[local], None if probs is None else probs[(slice(None), *local)])
+
+
+def sample_paths(where: Path) -> list[Path]:
+    """The samples in a folder (sorted), or the file itself."""
+    from parallelkit.data.readers import format_of
+
+    if where.is_dir() and format_of(where) is None:
+        return sorted(p for p in where.iterdir() if format_of(p) and not p.name.startswith("."))
+    return [where]
+
+
+__all__ = ["Predictor", "Result", "boxes", "predict", "sample_paths"]

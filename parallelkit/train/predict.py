@@ -1,0 +1,358 @@
+"""``parallelkit predict``: a trained segmentation run applied to whole samples, on any grid.
+
+    parallelkit predict train.run_dir=RUN predict.output=OUT [data.name=FORMAT:DIR]
+                        [predict.input=PATH] [parallel.ranks=8 parallel.depth=2 ...]
+
+On every rank:
+
+    config      the run's ``config.yaml``, then the command line's keys (the grid may differ
+                from training's: train on 2 ranks, predict on 8)
+    model       the dense network with the newest checkpoint that verifies (its SHA-256s),
+                channel shards put together; in eval mode (BatchNorm's running statistics)
+    samples     every image of ``predict.split`` of ``data.name``, or ``predict.input``; data
+                rank ``d`` of ``D`` takes samples ``d, d + D, ...``, and its spatial group
+                splits each one (:class:`parallelkit.inference.Predictor`)
+    output      per sample, each rank writes its block into a temporary file; when all have,
+                the file is renamed into place: a name in ``OUT`` is a whole prediction, and
+                ``predict.resume=true`` skips those and redoes the rest
+    end         a table on rank 0 (samples, voxels/s, peak memory per rank, output folder;
+                mIoU and pixel accuracy where the samples have masks), and ``OUT/predict.json``
+
+The launcher's checks (:func:`check`) come first, each a one-line error and exit status 2.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import parallelkit as pk
+from parallelkit.data.blockset import cached_stats, pairs
+from parallelkit.data.config import block_format, block_root
+from parallelkit.data.readers import SampleReader, format_of, stem_of
+from parallelkit.inference import Predictor, outputs
+from parallelkit.inference.predictor import sample_paths
+from parallelkit.parallel import Grid
+from parallelkit.train import checkpoint
+from parallelkit.train.agree import agree, same_everywhere
+from parallelkit.train.config import Config, grid_dims
+from parallelkit.train.files import atomic_text
+from parallelkit.train.monitor import table
+from parallelkit.train.segment import Segment
+from parallelkit.train.trainer import NORMALIZATION, device_for, peak_memory_mib, requested_device
+
+SUMMARY = "predict.json"
+DTYPES = ("float16", "float32")
+
+
+@dataclass(frozen=True)
+class Sample:
+    name: str
+    image: Path
+    mask: Path | None
+
+
+# ------------------------------------------------------------------------- what to predict
+def samples(cfg: Config) -> list[Sample]:
+    """``predict.input`` (a file or a folder of them), else ``predict.split`` of
+    ``data.name=FORMAT:DIR``, with its masks."""
+    p = cfg.predict
+    if p.input:
+        where = Path(p.input)
+        if not where.exists():
+            raise ValueError(f"predict.input={p.input} does not exist")
+        found = [Sample(stem_of(f), f, None) for f in sample_paths(where)]
+        if not found:
+            raise ValueError(f"predict.input={p.input}: no zarr, TIFF, NIfTI or npy samples in it")
+        return found
+    if not block_format(cfg.data.name):
+        raise ValueError(
+            f"parallelkit predict reads samples by blocks: give predict.input=PATH, or "
+            f"data.name=FORMAT:DIR (zarr, tiff, nifti, npy), not data.name={cfg.data.name}"
+        )
+    return [Sample(stem_of(i), i, m) for i, m in pairs(block_root(cfg.data.name), p.split)]
+
+
+def normalization(cfg: Config) -> tuple[list[float], list[float]]:
+    """What the run normalized with: its ``normalization.json``, else the statistics of its
+    training data (runs from before that file)."""
+    saved = Path(cfg.train.run_dir) / NORMALIZATION
+    if saved.is_file():
+        numbers = json.loads(saved.read_text())
+        return numbers["mean"], numbers["std"]
+    dims = 3 if cfg.data.dims == 3 or block_format(cfg.data.name) == "nifti" else 2
+    root = block_root(cfg.data.name)
+    readers = [SampleReader(i, dims) for i, _ in pairs(root, "train")]
+    return cached_stats(readers, Path(root) / "channel_stats.json")
+
+
+def dims_of(cfg: Config) -> int:
+    return 3 if cfg.data.dims == 3 or block_format(cfg.data.name) == "nifti" else 2
+
+
+# ------------------------------------------------------------------------------ the model
+def dense_weights(folder: Path, dense: nn.Module) -> dict[str, torch.Tensor]:
+    """The dense state dict in checkpoint ``folder``: every shard's SHA-256 checked; spatial
+    shards hold it whole (under ``module.``), channel shards their slices, put together along
+    the dimension where they differ from the dense shape."""
+    manifest = checkpoint.read_manifest(folder)
+    shards = [checkpoint.load_shard(folder, manifest, name)["task"]["model"]
+              for name in manifest["shards"]]
+    shards = [{k.removeprefix("module."): v for k, v in s.items()} for s in shards]
+    out = {}
+    for key, want in dense.state_dict().items():
+        parts = [s.get(key) for s in shards]
+        if any(p is None for p in parts):
+            raise checkpoint.Unreadable(f"checkpoint {folder} has no {key} for this model")
+        if all(p.shape == want.shape for p in parts):
+            out[key] = parts[0]
+            continue
+        split = [d for d in range(want.dim()) if parts[0].shape[d] != want.shape[d]]
+        joined = torch.cat(parts, split[0]) if len(split) == 1 else None
+        if joined is None or joined.shape != want.shape:
+            raise checkpoint.Unreadable(
+                f"checkpoint {folder}: {key} is {[tuple(p.shape) for p in parts]} over its "
+                f"shards, which do not make the model's {tuple(want.shape)}"
+            )
+        out[key] = joined
+    return out
+
+
+def load_model(cfg: Config, report: bool = True) -> tuple[nn.Module, Path]:
+    """The run's network with the newest checkpoint that can be used (older ones are tried,
+    each failure said once), and that checkpoint's folder."""
+    run_dir = Path(cfg.train.run_dir)
+    found = checkpoint.complete(run_dir)
+    if not found:
+        raise ValueError(f"train.run_dir={run_dir} holds no checkpoint to predict with")
+    torch.manual_seed(0)
+    dense = Segment.dense_model(cfg, cfg.data.num_classes, cfg.data.channels)
+    problems = []
+    for folder in reversed(found):
+        try:
+            dense.load_state_dict(dense_weights(folder, dense))
+        except (checkpoint.Unreadable, RuntimeError) as e:
+            problems.append(str(e).splitlines()[0])
+            if report:
+                print(f"parallelkit predict: {problems[-1]}; trying the next older checkpoint",
+                      file=sys.stderr, flush=True)
+            continue
+        return dense.eval(), folder
+    raise ValueError(f"no usable checkpoint in {run_dir}: {problems[-1]}")
+
+
+# ------------------------------------------------------------------------- before the ranks
+def check(cfg: Config, world: int) -> None:
+    """What ``parallelkit predict`` checks before any rank starts (each a one-line ValueError):
+    the run, its checkpoint, the output, the samples against the model and the grid."""
+    p = cfg.predict
+    if cfg.train.task != "segment":
+        raise ValueError(f"parallelkit predict applies segmentation runs; {cfg.train.run_dir} "
+                         f"is a train.task={cfg.train.task} run")
+    if not p.output:
+        raise ValueError("predict.output=DIR is missing: the folder to write predictions into")
+    if p.format not in outputs.FORMATS:
+        raise ValueError(f"predict.format={p.format!r} must be one of {outputs.FORMATS}")
+    if p.dtype not in DTYPES:
+        raise ValueError(f"predict.dtype={p.dtype!r} must be one of {DTYPES}")
+    dims = grid_dims(cfg.parallel, world)
+    if dims["channel"] > 1:
+        raise ValueError("parallelkit predict splits samples (parallel.depth/rows/cols) and "
+                         "hands them to data ranks; parallel.channel must be 1")
+    check_output(cfg)
+    found = samples(cfg)
+    dense, _ = load_model(cfg, report=False)
+    counts = {"depth": dims["depth"], "rows": dims["rows"], "cols": dims["cols"]}
+    for sample in found:
+        check_sample(cfg, sample, dense, counts)
+
+
+def check_output(cfg: Config) -> None:
+    out = Path(cfg.predict.output)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"predict.output={out} is a file, not a folder")
+    if not cfg.predict.resume and not cfg.predict.overwrite and out.is_dir() and any(out.iterdir()):
+        raise ValueError(
+            f"predict.output={out} already holds files: predict.overwrite=true replaces its "
+            "predictions, predict.resume=true finishes the ones not yet written"
+        )
+
+
+def check_sample(cfg: Config, sample: Sample, dense: nn.Module, counts: dict[str, int]) -> None:
+    """The sample opens, has the model's channels and dimensions, splits over the grid, and
+    the dense model takes its whole size (run on the meta device: no memory, no time)."""
+    dims = dims_of(cfg)
+    try:
+        reader = SampleReader(sample.image, dims)
+        mask = SampleReader(sample.mask, dims) if sample.mask else None
+    except (ValueError, OSError, EOFError, RuntimeError) as e:
+        raise ValueError(f"{sample.image}: cannot be read: {' '.join(str(e).split())[:300]}"
+                         ) from None
+    if reader.channels != cfg.data.channels:
+        raise ValueError(f"{sample.image} has {reader.channels} channels; the model of "
+                         f"{cfg.train.run_dir} takes {cfg.data.channels}")
+    if mask is not None and mask.size != reader.size:
+        raise ValueError(f"mask {mask.path} is {mask.size}, its image {reader.size}")
+    split = dict(zip(("depth", "rows", "cols")[3 - dims:], reader.size, strict=True))
+    if dims == 2 and counts["depth"] > 1:
+        raise ValueError(f"parallel.depth={counts['depth']} splits volumes; {sample.image} is 2-D")
+    for axis, n in split.items():
+        if counts[axis] > n:
+            raise ValueError(f"{sample.image} is {n} long along {axis}, fewer than the "
+                             f"parallel.{axis}={counts[axis]} blocks it would be split into")
+    x = torch.empty(1, reader.channels, *reader.size, device="meta")
+    try:
+        copy.deepcopy(dense).to("meta")(x)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"{cfg.model.name} cannot take {sample.image} whole ({reader.channels} "
+                         f"x {' x '.join(map(str, reader.size))}): "
+                         f"{' '.join(str(e).split())[:300]}") from None
+    except Exception:
+        return  # an operation without a meta kernel: the ranks find out for real
+
+
+# ------------------------------------------------------------------------------ the ranks
+def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
+    """Predict every sample (collective over the world); returns the summary."""
+    comm = comm or pk.init(cfg.parallel.backend, timeout=cfg.parallel.timeout,
+                           device=requested_device(cfg.parallel.device))
+    try:
+        dims = grid_dims(cfg.parallel, comm.size)
+    except ValueError as e:
+        raise same_everywhere(str(e), comm) from None
+    grid = Grid(comm, **dims)
+    device = device_for(comm)
+    lead = comm.rank == 0
+    p, out = cfg.predict, Path(cfg.predict.output)
+    dense, folder = load_model(cfg, report=lead)
+    predictor = Predictor(dense.to(device), grid, normalization(cfg))
+    found = samples(cfg)
+    problem = ""
+    if lead:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            if p.overwrite and not p.resume:
+                for sample in found:
+                    for path in outputs.final_paths(p.format, out / sample.name, p.probabilities):
+                        outputs.remove(path)
+        except OSError as e:
+            problem = f"predict.output={out} cannot be used: {e.strerror or e}"
+    agree(comm, problem)
+    done = [outputs.final_paths(p.format, out / s.name, p.probabilities)[-1].exists()
+            for s in found]
+    done = comm.broadcast(torch.tensor(done, dtype=torch.int32, device=device)).bool().tolist()
+    mine = [i for i in range(len(found)) if i % grid.data == grid.coords[0] and not done[i]]
+    if lead:
+        print(f"parallelkit predict: {len(found)} samples ({sum(done)} already written) from "
+              f"{found[0].image.parent} with {folder}, {comm.size} ranks ({comm.backend}), "
+              f"{grid}", flush=True)
+    bar = _bar(lead, len(mine))
+    started, voxels, k = time.perf_counter(), 0, cfg.data.num_classes
+    counts = torch.zeros(3, k, dtype=torch.float64)
+    dims_n = dims_of(cfg)
+    for i in mine:
+        result = predict_one(cfg, predictor, found[i], out, dims_n)
+        voxels += result.voxels
+        if result.counts is not None:
+            counts += result.counts
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    seconds = time.perf_counter() - started
+    totals = comm.all_reduce(torch.cat([torch.tensor([float(voxels)], dtype=torch.float64),
+                                        counts.flatten()]))
+    memory = comm.all_gather(torch.tensor([peak_memory_mib(device)], device=device)).cpu()
+    summary = _summary(cfg, comm, grid, found, done, totals, seconds, memory, folder)
+    if lead:
+        atomic_text(out / SUMMARY, json.dumps(summary, indent=2))
+        rows = [(k_, str(v)) for k_, v in summary.items() if not isinstance(v, dict | list)]
+        print(table(rows, "parallelkit predict: done"), flush=True)
+    return summary
+
+
+def predict_one(cfg: Config, predictor: Predictor, sample: Sample, out: Path, dims: int):
+    """One sample over this rank's spatial group: made under temporary names, renamed whole."""
+    p, comm = cfg.predict, predictor.comm
+    reader = SampleReader(sample.image, dims)
+    mask = SampleReader(sample.mask, dims) if sample.mask else None
+    finals = outputs.final_paths(p.format, out / sample.name, p.probabilities)
+    temps = [outputs.partial_path(f) for f in finals]
+    counts = predictor.blocks.counts(len(reader.size))
+    chunks = outputs.chunking(reader.size, counts, _input_chunks(reader))
+    dtype = p.dtype if p.probabilities else None
+    if comm.rank == 0:
+        for t in temps:
+            outputs.remove(t)
+        outputs.create(p.format, temps, reader.size, cfg.data.num_classes, dtype, reader, chunks)
+    comm.barrier()
+    result = predictor(reader, outputs.open_output(p.format, temps, chunks), mask,
+                       probabilities=p.probabilities)
+    comm.barrier()
+    if comm.rank == 0:
+        for t, f in zip(temps, finals, strict=True):
+            outputs.fsync_tree(t)
+            outputs.remove(f)
+            t.rename(f)
+    comm.barrier()
+    return result
+
+
+def _input_chunks(reader: SampleReader) -> tuple[int, ...] | None:
+    """The input's chunk sides along its spatial axes (zarr), else None."""
+    if format_of(reader.path) != "zarr":
+        return None
+    import zarr
+
+    node = zarr.open(reader.path, mode="r")
+    if isinstance(node, zarr.Group):
+        attrs = dict(node.attrs)
+        scales = attrs.get("ome", {}).get("multiscales") or attrs.get("multiscales")
+        node = node[scales[0]["datasets"][0]["path"]]
+    return tuple(node.chunks[i] for i in reader.layout.spatial)
+
+
+def _bar(lead: bool, total: int):
+    if not lead:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="predict (rank 0's samples)", unit="sample", file=sys.stderr,
+                dynamic_ncols=True)
+
+
+def _summary(cfg: Config, comm, grid: Grid, found: list[Sample], done: list[bool],
+             totals: torch.Tensor, seconds: float, memory: torch.Tensor, folder: Path,
+             ) -> dict[str, Any]:
+    from parallelkit.train.segmetrics import scores
+
+    voxels = totals[0].item()
+    counts = totals[1:].view(3, -1)
+    summary: dict[str, Any] = {
+        "samples": len(found),
+        "samples written now": len(found) - sum(done),
+        "ranks": f"{comm.size} ({comm.backend})",
+        "grid (data x depth x rows x cols)": " x ".join(
+            map(str, (grid.data, grid.depth, grid.rows, grid.cols))),
+        "voxels": int(voxels),
+        "wall time (s)": round(seconds, 3),
+        "voxels/s": round(voxels / max(seconds, 1e-9)),
+        "peak memory per rank, MiB (max)": round(memory.max().item()),
+        "checkpoint": str(folder),
+        "output": str(cfg.predict.output),
+    }
+    if counts[2].sum() > 0:
+        s = scores(counts)
+        summary["mIoU"] = f"{100 * s['miou']:.2f}%"
+        summary["pixel accuracy"] = f"{100 * s['pixel_accuracy']:.2f}%"
+        summary["iou"] = s["iou"]
+    return summary
+
