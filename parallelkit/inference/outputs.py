@@ -104,7 +104,8 @@ def create(fmt: str, paths: Sequence[Path], size: Sequence[int], classes: int,
         return
     pairs: list[tuple[Path, tuple[int, ...], str]] = [(paths[-1], size, "uint8")]
     if probabilities:
-        pairs.insert(0, (paths[0], (classes, *size), probabilities))
+        shape = (classes, *size) if fmt == "npy" else (*size, classes)  # NIfTI: (X, Y, Z, K)
+        pairs.insert(0, (paths[0], shape, probabilities))
     for path, shape, dtype in pairs:
         if fmt == "npy":
             np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape).flush()

@@ -60,17 +60,24 @@ class Predictor:
     parallelism is refused: prediction splits samples, not layers. ``normalize``: per-channel
     ``(mean, std)`` applied to every block read (what training used), or None.
     ``dtype``: the dtype the model runs in (float32; float64 for exactness tests).
+    ``pad``: a sample the model cannot take at its size (a U-Net that halves it four times
+    needs a multiple of 16) is padded at its far end, with zeros after normalization, to a
+    multiple of ``pad``; ``"auto"``: the smallest power of two that the model takes (found on
+    the meta device, where nothing is computed). The padding is cut off the output.
     """
 
     def __init__(self, model: nn.Module, grid: Grid,
                  normalize: tuple[Sequence[float], Sequence[float]] | None = None,
-                 dtype: torch.dtype = torch.float32, fallback: str = "refuse") -> None:
+                 dtype: torch.dtype = torch.float32, fallback: str = "refuse",
+                 pad: str | int = "auto") -> None:
         if grid.channel > 1:
             raise ValueError(
                 f"predict: the grid splits channels over {grid.channel} ranks; prediction splits "
                 "samples (parallel.depth/rows/cols) and hands samples to data ranks"
             )
-        self.grid, self.dtype = grid, dtype
+        self.grid, self.dtype, self.pad = grid, dtype, pad
+        self._meta = copy.deepcopy(model).to("meta")
+        self._multiples: dict[tuple[int, ...], int] = {}
         self.comm = grid.spatial_comm
         self.blocks = grid_of(self.comm, grid.spatial)
         spatial = Grid(self.comm, depth=grid.depth, rows=grid.rows, cols=grid.cols)
@@ -82,13 +89,24 @@ class Predictor:
             self.mean = np.asarray(normalize[0], np.float32)
             self.std = np.asarray(normalize[1], np.float32)
 
+    def padded(self, size: Sequence[int], channels: int) -> tuple[int, ...]:
+        """The size that ``size`` runs at: padded to a multiple the model takes (``pad``)."""
+        size = tuple(size)
+        if self.pad != "auto":
+            m = int(self.pad)
+        else:
+            if size not in self._multiples:
+                self._multiples[size] = fitting_multiple(self._meta, channels, size)
+            m = self._multiples[size]
+        return tuple(-(-n // m) * m for n in size)
+
     def block(self, size: Sequence[int]) -> Block:
         """This rank's block of a sample of ``size`` (``pk.spatial.scatter``'s layout)."""
         return self.blocks.block(*size)
 
     def read(self, sample: SampleReader, block: Block) -> torch.Tensor:
         """``(1, C, *block)``: this rank's block of ``sample``, normalized."""
-        x = sample.read(block).astype(np.float32)
+        x = sample.read(block).astype(np.float64 if self.dtype == torch.float64 else np.float32)
         if self.mean is not None:
             shape = (-1,) + (1,) * len(block)
             x -= self.mean.reshape(shape)
@@ -115,8 +133,19 @@ class Predictor:
         it, write it to ``output`` (None: write nothing) and count it against ``mask``."""
         started = time.perf_counter()
         size = tuple(sample.size)
-        block = self.block(size)
-        logits = self.logits(self.read(sample, block))[0]  # (K, *block)
+        run = self.padded(size, sample.channels)
+        block = self.block(run)  # of the padded sample
+        inside = tuple(slice(min(s.start, n), min(s.stop, n)) for s, n in zip(block, size,
+                                                                               strict=True))
+        kept = (slice(None), *(slice(0, s.stop - s.start) for s in inside))
+        if run == size:
+            x_blk = self.read(sample, block)
+        else:  # zeros (the mean, once normalized) past the sample's far end
+            x_blk = torch.zeros(1, sample.channels, *(s.stop - s.start for s in block),
+                                dtype=self.dtype)
+            x_blk[0][kept] = self.read(sample, inside)[0]
+        logits = self.logits(x_blk)[0][kept]  # (K, *inside): the padding cut off
+        block = inside
         classes = logits.argmax(0)
         if output is not None:
             probs = logits.float().softmax(0).numpy() if probabilities else None
@@ -130,6 +159,30 @@ class Predictor:
             counts = pixel_counts(classes, target, logits.shape[0])
         return Result(size, math.prod(s.stop - s.start for s in block),
                       time.perf_counter() - started, counts)
+
+
+def fitting_multiple(model: nn.Module, channels: int, size: Sequence[int],
+                     largest: int = 256) -> int:
+    """The smallest power of two ``m`` such that ``model`` takes a ``(1, channels, *size)``
+    input padded to multiples of ``m`` (tried on the meta device: no memory, no time). A
+    ``ValueError`` when none up to ``largest`` does; 1 when the model cannot run on meta."""
+    meta = model if next(model.parameters(), torch.empty(0, device="meta")).is_meta else (
+        copy.deepcopy(model).to("meta"))
+    dtype = next(model.parameters(), torch.empty(0)).dtype
+    m, error = 1, ""
+    while m <= largest:
+        shape = tuple(-(-n // m) * m for n in size)
+        try:
+            meta(torch.empty(1, channels, *shape, device="meta", dtype=dtype))
+            return m
+        except (RuntimeError, ValueError) as e:
+            error = " ".join(str(e).split())[:300]
+        except Exception:
+            return 1  # an operation with no meta kernel: the ranks find out for real
+        m *= 2
+    raise ValueError(f"the model takes no padding of a {channels} x "
+                     f"{' x '.join(map(str, size))} sample to a multiple of up to {largest}: "
+                     f"{error}")
 
 
 def predict(model: nn.Module, sample: SampleReader, grid: Grid, output: Output | None = None,
