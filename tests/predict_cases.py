@@ -133,3 +133,29 @@ def read_output(fmt: str, paths: list[Path], channels: int) -> tuple[torch.Tenso
         probs = np.moveaxis(np.asarray(nib.load(str(paths[0])).dataobj), -1, 0)
         classes = np.asarray(nib.load(str(paths[1])).dataobj)
     return torch.from_numpy(np.array(probs)), torch.from_numpy(np.array(classes)).long()
+
+
+def largest_in_prediction(comm: Communicator, tmp: str, net: str, grid: dict, size: tuple,
+                          ) -> tuple[int, str, int]:
+    """(the largest tensor that predicting one sample creates on this rank, the operation that
+    made it, one whole sample's elements), reading from and writing to disk."""
+    from blocks_cases import _Largest
+
+    dense = dense_net(net).float()
+    channels = NETS[net][1][0]
+    root = Path(tmp)
+    if comm.rank == 0:
+        np.save(root / "input.npy", np.random.default_rng(0).random((channels, *size), np.float32))
+    comm.barrier()
+    sample = SampleReader(root / "input.npy", dims=len(size))
+    g = pk.Grid(comm, **grid)
+    predictor = Predictor(dense, g)
+    out = final_paths("npy", root / "pred", probabilities=True)
+    if comm.rank == 0:
+        create("npy", out, size, channels, "float32", sample, (1,) * len(size))
+    comm.barrier()
+    output = open_output("npy", out, (1,) * len(size))
+    predictor.padded(size, channels)  # the meta-device trial runs before the record
+    with _Largest() as seen:
+        predictor(sample, output, probabilities=True)
+    return seen.largest, seen.op, channels * int(np.prod(size))

@@ -12,7 +12,7 @@ negative control switches the halo exchange off, and the file no longer matches.
 from __future__ import annotations
 
 import pytest
-from predict_cases import predict_parity
+from predict_cases import largest_in_prediction, predict_parity
 
 from parallelkit.inference.outputs import chunking, final_paths
 from parallelkit.inference.predictor import boxes
@@ -48,6 +48,17 @@ def test_negative_control_without_the_halo_exchange_the_prediction_differs(ranks
                               (32, 24), "npy", tamper=True)
     bad = mismatches([(label, got, want, {}) for label, got, want in results[0]])
     assert "probabilities" in bad
+
+
+@pytest.mark.parametrize(
+    ("size", "net", "grid", "shape"),
+    [(4, "image", dict(rows=2, cols=2), (64, 48)), (8, "volume", dict(depth=2, rows=2, cols=2),
+                                                    (32, 32, 16))],
+)
+def test_no_rank_holds_a_whole_sample_while_predicting(ranks, tmp_path, size, net, grid, shape):
+    for largest, op, whole in ranks(size).run(largest_in_prediction, str(tmp_path), net, grid,
+                                              shape, timeout=300):
+        assert 0 < largest < whole, f"{op} made a tensor of {largest} elements (a sample: {whole})"
 
 
 def test_boxes_tile_the_block_and_own_only_whole_chunks():

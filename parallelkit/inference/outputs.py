@@ -226,7 +226,8 @@ class _MemmapOutput(Output):
             return np.load(path, mmap_mode="r+")
         import nibabel as nib
 
-        header = nib.load(str(path)).header
+        with open(path, "rb") as f:  # by its header: a temporary name has no .nii to go by
+            header = nib.Nifti1Header.from_fileobj(f)
         return np.memmap(path, dtype=header.get_data_dtype(), mode="r+", offset=NIFTI_OFFSET,
                          shape=header.get_data_shape(), order="F")
 

@@ -164,7 +164,8 @@ class Predictor:
 def fitting_multiple(model: nn.Module, channels: int, size: Sequence[int],
                      largest: int = 256) -> int:
     """The smallest power of two ``m`` such that ``model`` takes a ``(1, channels, *size)``
-    input padded to multiples of ``m`` (tried on the meta device: no memory, no time). A
+    input padded to multiples of ``m`` and returns per-voxel outputs of the padded size (tried
+    on the meta device: no memory, no time). A
     ``ValueError`` when none up to ``largest`` does; 1 when the model cannot run on meta."""
     meta = model if next(model.parameters(), torch.empty(0, device="meta")).is_meta else (
         copy.deepcopy(model).to("meta"))
@@ -173,8 +174,12 @@ def fitting_multiple(model: nn.Module, channels: int, size: Sequence[int],
     while m <= largest:
         shape = tuple(-(-n // m) * m for n in size)
         try:
-            meta(torch.empty(1, channels, *shape, device="meta", dtype=dtype))
-            return m
+            out = meta(torch.empty(1, channels, *shape, device="meta", dtype=dtype))
+            out = out["out"] if isinstance(out, dict) else out
+            out = out[0] if isinstance(out, tuple | list) else out
+            if tuple(out.shape[2:]) == shape:
+                return m
+            error = f"it returns {tuple(out.shape)} for an input of {shape}"
         except (RuntimeError, ValueError) as e:
             error = " ".join(str(e).split())[:300]
         except Exception:
