@@ -46,10 +46,13 @@ class Result:
     """What one sample's prediction did on this rank."""
 
     size: tuple[int, ...]
-    voxels: int  # in this rank's block
+    block: Block  # this rank's block of the sample
     seconds: float
-    counts: torch.Tensor | None = field(default=None, repr=False)
-    """(3, K) intersection, predicted, labelled voxels of this block (with a mask)."""
+    logits: torch.Tensor = field(repr=False)  # (K, *block): for scoring against a mask
+
+    @property
+    def voxels(self) -> int:
+        return math.prod(s.stop - s.start for s in self.block)
 
 
 class Predictor:
@@ -128,9 +131,9 @@ class Predictor:
         return out
 
     def __call__(self, sample: SampleReader, output: Output | None = None,
-                 mask: SampleReader | None = None, probabilities: bool = False) -> Result:
+                 probabilities: bool = False) -> Result:
         """Predict ``sample`` (collective over the spatial group): read this rank's block, run
-        it, write it to ``output`` (None: write nothing) and count it against ``mask``."""
+        it, and write it to ``output`` (None: write nothing)."""
         started = time.perf_counter()
         size = tuple(sample.size)
         run = self.padded(size, sample.channels)
@@ -145,20 +148,12 @@ class Predictor:
                                 dtype=self.dtype)
             x_blk[0][kept] = self.read(sample, inside)[0]
         logits = self.logits(x_blk)[0][kept]  # (K, *inside): the padding cut off
-        block = inside
-        classes = logits.argmax(0)
         if output is not None:
             probs = logits.float().softmax(0).numpy() if probabilities else None
-            write_in_turns(self.comm, self.blocks.axes(len(size)), size, block, output,
-                           classes.to(torch.uint8).numpy(), probs)
-        counts = None
-        if mask is not None:
-            from parallelkit.train.segmetrics import pixel_counts
-
-            target = torch.from_numpy(np.asarray(mask.read(block)[0], dtype=np.int64))
-            counts = pixel_counts(classes, target, logits.shape[0])
-        return Result(size, math.prod(s.stop - s.start for s in block),
-                      time.perf_counter() - started, counts)
+            classes = logits.argmax(0).to(torch.uint8).numpy()
+            write_in_turns(self.comm, self.blocks.axes(len(size)), size, inside, output,
+                           classes, probs)
+        return Result(size, inside, time.perf_counter() - started, logits)
 
 
 def fitting_multiple(model: nn.Module, channels: int, size: Sequence[int],

@@ -37,7 +37,7 @@ import parallelkit as pk
 from parallelkit.data.blockset import cached_stats, pairs
 from parallelkit.data.config import block_format, block_root
 from parallelkit.data.readers import SampleReader, format_of, stem_of
-from parallelkit.inference import Predictor, outputs
+from parallelkit.inference import Predictor, Result, outputs
 from parallelkit.inference.predictor import fitting_multiple, sample_paths
 from parallelkit.parallel import Grid
 from parallelkit.train import checkpoint
@@ -46,6 +46,7 @@ from parallelkit.train.config import Config, grid_dims
 from parallelkit.train.files import atomic_text
 from parallelkit.train.monitor import table
 from parallelkit.train.segment import Segment
+from parallelkit.train.segmetrics import score_block
 from parallelkit.train.trainer import NORMALIZATION, device_for, peak_memory_mib, requested_device
 
 SUMMARY = "predict.json"
@@ -254,10 +255,10 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
     counts = torch.zeros(3, k, dtype=torch.float64)
     dims_n = dims_of(cfg)
     for i in mine:
-        result = predict_one(cfg, predictor, found[i], out, dims_n)
+        result, mask = predict_one(cfg, predictor, found[i], out, dims_n)
         voxels += result.voxels
-        if result.counts is not None:
-            counts += result.counts
+        if mask is not None:
+            counts += score_block(result.logits, mask, result.block)[0]
         if bar is not None:
             bar.update(1)
     if bar is not None:
@@ -274,8 +275,10 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
     return summary
 
 
-def predict_one(cfg: Config, predictor: Predictor, sample: Sample, out: Path, dims: int):
-    """One sample over this rank's spatial group: made under temporary names, renamed whole."""
+def predict_one(cfg: Config, predictor: Predictor, sample: Sample, out: Path, dims: int,
+                ) -> tuple[Result, SampleReader | None]:
+    """One sample over this rank's spatial group, made under temporary names and renamed
+    whole; its result and its mask (None without one)."""
     p, comm = cfg.predict, predictor.comm
     reader = SampleReader(sample.image, dims)
     mask = SampleReader(sample.mask, dims) if sample.mask else None
@@ -289,7 +292,7 @@ def predict_one(cfg: Config, predictor: Predictor, sample: Sample, out: Path, di
             outputs.remove(t)
         outputs.create(p.format, temps, reader.size, cfg.data.num_classes, dtype, reader, chunks)
     comm.barrier()
-    result = predictor(reader, outputs.open_output(p.format, temps, chunks), mask,
+    result = predictor(reader, outputs.open_output(p.format, temps, chunks),
                        probabilities=p.probabilities)
     comm.barrier()
     if comm.rank == 0:
@@ -298,7 +301,7 @@ def predict_one(cfg: Config, predictor: Predictor, sample: Sample, out: Path, di
             outputs.remove(f)
             t.rename(f)
     comm.barrier()
-    return result
+    return result, mask
 
 
 def _input_chunks(reader: SampleReader) -> tuple[int, ...] | None:

@@ -33,13 +33,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import parallelkit as pk
 import parallelkit.functional as pkf
 from parallelkit.data import Loader
+from parallelkit.data.blockset import BlockDataset
 from parallelkit.data.segfolder import IGNORE
+from parallelkit.inference import Predictor
 from parallelkit.parallel import Grid
 from parallelkit.train.protocol import Losses, Metrics, Task, network, no_sync
 from parallelkit.train.schema import Config
-from parallelkit.train.segmetrics import pixel_counts, scores
+from parallelkit.train.segmetrics import pixel_counts, score_block, scores
 
 
 class Segment(Task):
@@ -120,7 +123,11 @@ class Segment(Task):
     def evaluate(self, loader: Loader) -> Metrics:
         """Loss, mIoU and pixel accuracy over the whole test split: each rank sums the loss
         and the pixel counts of its blocks, and one all-reduce over the batch group (data x
-        spatial; channel ranks hold the same whole output) adds them."""
+        spatial; channel ranks hold the same whole output) adds them. Data read by blocks
+        (``FORMAT:DIR``) are scored on whole samples, each at its own size
+        (:meth:`evaluate_whole`)."""
+        if isinstance(loader.dataloader.dataset, BlockDataset):
+            return self.evaluate_whole(loader.dataloader.dataset)
         self.model.eval()
         k = self.classes
         sums = torch.zeros(3 + 3 * k, dtype=torch.float64, device=self.device)
@@ -141,6 +148,33 @@ class Segment(Task):
             **scores(sums[3:].view(3, k)),
             "pixels": int(pixels),
             "count": int(images) // spatial,
+        }
+
+    @torch.no_grad()
+    def evaluate_whole(self, data: BlockDataset) -> Metrics:
+        """The test metrics on whole samples, as ``parallelkit predict`` computes them
+        (:class:`parallelkit.inference.Predictor`): data rank ``d`` of ``D`` takes samples
+        ``d, d + D, ...``, its spatial group splits each one, and each rank counts its block
+        (eval mode: BatchNorm's running statistics)."""
+        g = self.grid
+        spatial = Grid(g.spatial_comm, depth=g.depth, rows=g.rows, cols=g.cols)
+        normalize = None if data.mean is None else (data.mean, data.std)
+        predictor = Predictor(pk.to_dense(self.model), spatial, normalize)
+        k = self.classes
+        counts = torch.zeros(3, k, dtype=torch.float64)
+        loss, samples = 0.0, 0
+        for i in range(g.coords[0], len(data), g.data):
+            result = predictor(data.images[i])
+            more, part = score_block(result.logits, data.masks[i], result.block)
+            counts, loss, samples = counts + more, loss + part, samples + 1
+        head = torch.tensor([loss, counts[2].sum().item(), samples], dtype=torch.float64)
+        sums = g.batch_comm.all_reduce(torch.cat([head, counts.flatten()]).to(self.device)).cpu()
+        loss, pixels, images = sums[:3].tolist()
+        return {
+            "loss": loss / max(pixels, 1),
+            **scores(sums[3:].view(3, k)),
+            "pixels": int(pixels),
+            "count": int(images) // g.dims.spatial_size,
         }
 
     def report(self, evals: Metrics) -> str:

@@ -48,3 +48,16 @@ def scores(counts: torch.Tensor) -> dict[str, float | list[float | None]]:
         "iou": [float(v) if ok else None for v, ok in zip(iou, present, strict=True)],
         "classes_present": int(present.sum()),
     }
+
+
+def score_block(logits: torch.Tensor, mask, block) -> tuple[torch.Tensor, float]:
+    """``(pixel_counts, summed cross-entropy)`` of a block's logits ``(K, *block)`` against
+    the same block of a mask on disk (a :class:`~parallelkit.data.readers.SampleReader`)."""
+    import numpy as np
+    import torch.nn.functional as F
+
+    target = torch.from_numpy(np.asarray(mask.read(block)[0], dtype=np.int64))
+    counts = pixel_counts(logits.argmax(0), target, logits.shape[0])
+    loss = F.cross_entropy(logits[None].float(), target[None], ignore_index=IGNORE,
+                           reduction="sum")
+    return counts, loss.item()
