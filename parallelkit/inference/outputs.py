@@ -1,8 +1,8 @@
 """Where a prediction goes: one sample's class map (and softmax), written block by block.
 
-    out = open_output("zarr", "pred/scan-07", size=(512, 512, 80), classes=3,
-                      probabilities="float16", reference=sample)   # rank 0 only: creates
-    out.write(block, classes_blk, probs_blk)                       # every rank: its block
+    with writing("zarr", "pred/scan-07", sample, 3, comm, counts=(1, 4, 1),
+                 probabilities="float16") as out:     # collective: rank 0 makes the files
+        out.write(block, classes_blk, probs_blk)        # every rank: its block
 
 Formats (each lays the data out so that ranks write disjoint parts of it):
 
@@ -29,15 +29,17 @@ every rank has written its block, so a name in the output folder is a whole pred
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from parallelkit.comm import Communicator
 from parallelkit.data.readers import Block, SampleReader, format_of
 
 FORMATS = ("zarr", "nifti", "npy")
@@ -118,6 +120,52 @@ def open_output(fmt: str, paths: Sequence[Path], chunks: Sequence[int]) -> Outpu
     if fmt == "zarr":
         return _ZarrOutput(paths[0], tuple(chunks))
     return _MemmapOutput(fmt, list(paths))
+
+
+@contextlib.contextmanager
+def writing(fmt: str, base: str | Path, sample: SampleReader, classes: int, comm: Communicator,
+            counts: Sequence[int], probabilities: str | None = None) -> Iterator[Output]:
+    """One sample's prediction, written by every rank of ``comm`` (collective)::
+
+        with writing("zarr", "out/scan-07", sample, 3, comm, counts) as out:
+            predictor(sample, out)                      # each rank writes its block
+
+    Rank 0 makes the files under temporary names (:func:`partial_path`), chunked for a
+    sample split in ``counts`` blocks per dimension (:func:`chunking`, the input's chunks
+    where it has them); when every rank has written, rank 0 flushes them and renames them into
+    place, so a final name always holds a whole prediction. ``probabilities``: also write the
+    softmax, in this dtype (``"float16"``, ``"float32"``).
+    """
+    finals = final_paths(fmt, Path(base), probabilities is not None)
+    temps = [partial_path(f) for f in finals]
+    chunks = chunking(sample.size, counts, input_chunks(sample))
+    if comm.rank == 0:
+        for t in temps:
+            remove(t)
+        create(fmt, temps, sample.size, classes, probabilities, sample, chunks)
+    comm.barrier()
+    yield open_output(fmt, temps, chunks)
+    comm.barrier()
+    if comm.rank == 0:
+        for t, f in zip(temps, finals, strict=True):
+            fsync_tree(t)
+            remove(f)
+            t.rename(f)
+    comm.barrier()
+
+
+def input_chunks(reader: SampleReader) -> tuple[int, ...] | None:
+    """The input's chunk sides along its spatial axes (zarr), else None."""
+    if format_of(reader.path) != "zarr":
+        return None
+    import zarr
+
+    node = zarr.open(reader.path, mode="r")
+    if isinstance(node, zarr.Group):
+        attrs = dict(node.attrs)
+        scales = attrs.get("ome", {}).get("multiscales") or attrs.get("multiscales")
+        node = node[scales[0]["datasets"][0]["path"]]
+    return tuple(node.chunks[i] for i in reader.layout.spatial)
 
 
 # ----------------------------------------------------------------------------- zarr

@@ -36,7 +36,7 @@ from torch import nn
 import parallelkit as pk
 from parallelkit.data.blockset import cached_stats, pairs
 from parallelkit.data.config import block_format, block_root
-from parallelkit.data.readers import SampleReader, format_of, stem_of
+from parallelkit.data.readers import SampleReader, stem_of
 from parallelkit.inference import Predictor, Result, outputs
 from parallelkit.inference.predictor import fitting_multiple, sample_paths
 from parallelkit.parallel import Grid
@@ -282,40 +282,12 @@ def predict_one(cfg: Config, predictor: Predictor, sample: Sample, out: Path, di
     p, comm = cfg.predict, predictor.comm
     reader = SampleReader(sample.image, dims)
     mask = SampleReader(sample.mask, dims) if sample.mask else None
-    finals = outputs.final_paths(p.format, out / sample.name, p.probabilities)
-    temps = [outputs.partial_path(f) for f in finals]
     counts = predictor.blocks.counts(len(reader.size))
-    chunks = outputs.chunking(reader.size, counts, _input_chunks(reader))
-    dtype = p.dtype if p.probabilities else None
-    if comm.rank == 0:
-        for t in temps:
-            outputs.remove(t)
-        outputs.create(p.format, temps, reader.size, cfg.data.num_classes, dtype, reader, chunks)
-    comm.barrier()
-    result = predictor(reader, outputs.open_output(p.format, temps, chunks),
-                       probabilities=p.probabilities)
-    comm.barrier()
-    if comm.rank == 0:
-        for t, f in zip(temps, finals, strict=True):
-            outputs.fsync_tree(t)
-            outputs.remove(f)
-            t.rename(f)
-    comm.barrier()
+    probabilities = p.dtype if p.probabilities else None
+    with outputs.writing(p.format, out / sample.name, reader, cfg.data.num_classes, comm, counts,
+                         probabilities) as output:
+        result = predictor(reader, output, probabilities=p.probabilities)
     return result, mask
-
-
-def _input_chunks(reader: SampleReader) -> tuple[int, ...] | None:
-    """The input's chunk sides along its spatial axes (zarr), else None."""
-    if format_of(reader.path) != "zarr":
-        return None
-    import zarr
-
-    node = zarr.open(reader.path, mode="r")
-    if isinstance(node, zarr.Group):
-        attrs = dict(node.attrs)
-        scales = attrs.get("ome", {}).get("multiscales") or attrs.get("multiscales")
-        node = node[scales[0]["datasets"][0]["path"]]
-    return tuple(node.chunks[i] for i in reader.layout.spatial)
 
 
 def _bar(lead: bool, total: int):

@@ -172,7 +172,10 @@ def _status(code: int) -> str:
 
 
 def _say(message: str) -> None:
-    print(f"parallelkit train: {message}", file=sys.stderr, flush=True)
+    """One line from the launcher, named after its command (``parallelkit train``, ``parallelkit
+    predict``)."""
+    command = "predict" if sys.argv[1:2] == ["predict"] else "train"
+    print(f"parallelkit {command}: {message}", file=sys.stderr, flush=True)
 
 
 def die_with_launcher() -> None:
