@@ -73,3 +73,45 @@ def test_two_spatial_ranks_reading_blocks_give_the_one_process_curve(tmp_path, k
     # scored on the whole test samples (28^2 pixels, 20^3 voxels), not on crops
     assert last[0]["pixels"] == last[1]["pixels"] == 4 * (28**2 if kind == "npy" else 20**3)
     assert last[1]["loss"] == pytest.approx(last[0]["loss"], rel=2e-4, abs=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_precise_bn_is_the_average_of_the_batch_statistics(tmp_path):
+    """``train.precise_bn=3``: the exported BatchNorm statistics are the plain average of the
+    batch statistics of 3 training batches for the final weights, on 1 rank and on 2 spatial
+    ranks alike; without it they are the training's moving averages (a negative control)."""
+    import torch
+
+    from parallelkit import models
+    from parallelkit.data import build_loader
+    from parallelkit.train import config
+
+    _write(tmp_path / "data", "npy")
+    opts = [*IMAGES, f"data.name=npy:{tmp_path / 'data'}", "train.precise_bn=3"]
+    train_all({
+        "one": (tmp_path / "one", [*opts, "parallel.ranks=1"]),
+        "two": (tmp_path / "two", [*opts, "parallel.strategy=spatial", "parallel.rows=2",
+                                   "parallel.ranks=2"]),
+        "off": (tmp_path / "off", [*opts[:-1], "parallel.ranks=1"]),
+    })  # fmt: skip
+    cfg = config.load(str(tmp_path / "one" / "config.yaml"))
+    dense = models.create("unet", num_classes=3, in_channels=1, widths=(4, 8, 16, 32))
+    weights = torch.load(tmp_path / "one" / "model.pt")
+    dense.load_state_dict(weights)
+    norms = [m for m in dense.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None
+    loader = build_loader(cfg.data, "train", rank=0, size=1, batch_size=4, seed=0)
+    loader.set_epoch(1 << 20)
+    with torch.no_grad():
+        for _, (x, _) in zip(range(3), loader, strict=False):
+            dense.train()(x)
+    want = dense.state_dict()
+    two, off = (torch.load(tmp_path / run / "model.pt") for run in ("two", "off"))
+    keys = [k for k in want if "running" in k]
+    assert keys
+    for k in keys:
+        torch.testing.assert_close(weights[k], want[k], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(two[k], want[k], rtol=1e-4, atol=1e-5)
+    assert any(not torch.allclose(off[k], want[k], rtol=1e-3) for k in keys)

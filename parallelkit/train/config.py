@@ -210,6 +210,7 @@ def _check_values(cfg: Config) -> None:
         ("parallel.bucket_cap_mb", p.bucket_cap_mb, p.bucket_cap_mb > 0, "must be > 0"),
         ("train.max_steps", t.max_steps, t.max_steps >= 0, "must be >= 0 (0: every epoch)"),
         ("train.checkpoint_every", t.checkpoint_every, t.checkpoint_every >= 0, "must be >= 0"),
+        ("train.precise_bn", t.precise_bn, t.precise_bn >= 0, "must be >= 0 (batches; 0: off)"),
         ("train.fail_at_step", t.fail_at_step, t.fail_at_step >= -1, "must be >= -1 (off)"),
         ("train.fail_rank", t.fail_rank, t.fail_rank >= -1, "must be >= -1 (the last)"),
         ("train.run_dir", t.run_dir, bool(str(t.run_dir).strip()), "must name a directory"),

@@ -131,6 +131,36 @@ class Task:
     def end_epoch(self, epoch: int, run_dir: Path | None) -> None:
         """After each epoch (collective over the model group); ``run_dir`` on rank 0 only."""
 
+    @torch.no_grad()
+    def precise_bn(self, loader: Loader, batches: int) -> int:
+        """BatchNorm's running statistics recomputed for the final weights: the plain average
+        of the batch statistics over ``batches`` training batches, forward only (Wu and
+        Johnson's "precise BN", as fvcore's ``update_bn_stats``). Why: during training the
+        running statistics trail the weights (an exponential average with momentum 0.1 of
+        statistics that earlier weights produced), and an evaluation with them can be far
+        worse than the network is. SyncBatchNorm merges each batch's statistics over the
+        ranks, so the result is the 1-process one. Returns the batches used (collective)."""
+        model = self.nets["model"]
+        norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+                 and m.track_running_stats]
+        if not norms or batches < 1:
+            return 0
+        momenta = [m.momentum for m in norms]
+        for m in norms:
+            m.reset_running_stats()
+            m.momentum = None  # the cumulative average over the batches seen
+        loader.set_epoch(1 << 20)  # an order of its own, the same on every rank
+        used = 0
+        for x, _ in loader:
+            with self.autocast:
+                model(x.to(self.device))
+            used += 1
+            if used == min(batches, len(loader)):
+                break
+        for m, momentum in zip(norms, momenta, strict=True):
+            m.momentum = momentum
+        return used
+
     # ------------------------------------------------------------------ shared set-up
     def add(self, name: str, dense: nn.Module, **parallelize_kwargs: Any) -> nn.Module:
         """``dense`` parallelized over the grid, with an optimizer and a schedule."""

@@ -114,6 +114,9 @@ class TrainConfig:
     log_every: int = 10  # steps between global loss reductions and log lines
     eval_every: int = 1  # epochs
     checkpoint_every: int = 0  # steps; 0: at the end of every epoch
+    # after the last step, BatchNorm's running statistics recomputed over this many training
+    # batches for the final weights ("precise BN"; classify and segment); 0: off
+    precise_bn: int = 0
     keep_checkpoints: int = 2
     run_dir: str = "runs/${model.name}-${data.name}-${parallel.strategy}"
     resume: bool = False  # continue from the newest complete checkpoint in run_dir

@@ -133,6 +133,8 @@ class Gan(Task):
             )
         if cfg.train.accumulate > 1:
             raise ValueError("config: train.accumulate > 1 is for train.task=classify or segment")
+        if cfg.train.precise_bn:
+            raise ValueError("config: train.precise_bn is for train.task=classify or segment")
 
     @classmethod
     def dense_networks(cls, cfg: Config, train: Loader) -> dict[str, nn.Module]:

@@ -303,6 +303,12 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
         monitor.end_epoch()
         if window.steps:
             log_window()
+        if step >= total and t.precise_bn:
+            used = task.precise_bn(train, t.precise_bn)
+            monitor.print(f"parallelkit train: BatchNorm statistics recomputed over {used} "
+                          "training batches for the final weights (train.precise_bn)")
+            if t.checkpoint_every and step % t.checkpoint_every == 0:
+                save_checkpoint()  # the last step's checkpoint again, with them
         if not t.checkpoint_every and (step == (epoch + 1) * len(train) or step >= total):
             save_checkpoint()
         due = (epoch + 1) % t.eval_every == 0 or step >= total
