@@ -64,10 +64,11 @@ def one_shape(scene: dict, i: int) -> dict:
 
 def volume_slab(scene: dict, side: int, depth: slice, classes: int, channels: int = 1):
     """Depth slices ``depth`` of a ``shapes3d`` volume: ``(d, side, side)`` uint8 (one
-    channel) and labels. The background ramp, the shapes and their brightness are shapes3d's
-    (its luma), the noise is drawn per depth slice."""
-    if channels != 1:
-        raise ValueError("shapes_store: volumes are written with one channel")
+    channel, the luma) or ``(3, d, side, side)`` (the class colours), and labels. The
+    background ramp, the shapes and their colours are shapes3d's, the noise is drawn per depth
+    slice (and channel)."""
+    if channels not in (1, 3):
+        raise ValueError("shapes_store: volumes are written with 1 or 3 channels")
     whole = slice(0, side)
     axes = [(torch.arange(s.start, s.stop, dtype=torch.float64) + 0.5) / side
             for s in (depth, whole, whole)]  # fmt: skip
@@ -75,21 +76,23 @@ def volume_slab(scene: dict, side: int, depth: slice, classes: int, channels: in
     a, b, c = scene["direction"].tolist()
     ramp = ((a * z + b * y + c * x) / (abs(a) + abs(b) + abs(c) + 1e-9) + 0.5).clamp(0, 1)
     low, high = scene["background"].tolist()
-    value = low + (high - low) * ramp
+    value = (low + (high - low) * ramp).expand(channels, *ramp.shape)
     del z, y, x, ramp
-    luma = torch.tensor(LUMA, dtype=torch.float64)
+    weights = torch.tensor(LUMA, dtype=torch.float64)[None] if channels == 1 else torch.eye(3)
     for i, label in enumerate(scene["classes"].tolist()):
         colour = shapes.class_colour(torch.tensor(label), classes) + float(scene["jitter"][i])
         inside = shapes3d.draw_mask(one_shape(scene, i), side, (depth, whole, whole)) > 0
-        value = torch.where(inside, float(colour @ luma), value)
+        value = torch.where(inside, (weights.double() @ colour)[:, None, None, None], value)
     noise = torch.empty(value.shape, dtype=torch.float32)
     seed = int(scene["noise_seed"])
     for k, zi in enumerate(range(depth.start, depth.stop)):
-        g = torch.Generator().manual_seed(seed * 100_003 + zi)
-        noise[k] = torch.randn((side, side), generator=g)
+        for ch in range(channels):  # one channel: the seeds of earlier stores
+            g = torch.Generator().manual_seed(seed * 100_003 + zi + ch * 1_000_003)
+            noise[ch, k] = torch.randn((side, side), generator=g)
     value = (value.float() + 0.05 * noise).clamp(0, 1)
     mask = shapes3d.draw_mask(scene, side, (depth, whole, whole))
-    return (value * 255).round().to(torch.uint8).numpy(), mask.to(torch.uint8).numpy()
+    pixels = (value * 255).round().to(torch.uint8).numpy()
+    return pixels[0] if channels == 1 else pixels, mask.to(torch.uint8).numpy()
 
 
 def write_sample(root: Path, name: str, dims: int, side: int, scene: dict, classes: int,

@@ -54,11 +54,13 @@ def no_sync(model: nn.Module, skip: bool):
 
 
 def network(cfg: Config, classes: int, channels: int, **builtin: Any) -> nn.Module:
-    """``model.name`` as a dense network: a built-in one gets ``builtin`` (widths, stem) as
-    well as ``model.kwargs``; another library's (``timm:NAME``, ...) only ``model.kwargs``."""
+    """``model.name`` as a dense network: a built-in one gets ``builtin`` (widths, stem) unless
+    ``model.kwargs`` gives them (``model.kwargs={widths: [8, 16, 32, 64, 128]}``: a U-Net of 5
+    stages); another library's (``timm:NAME``, ...) only ``model.kwargs``."""
     m = cfg.model
     extra = {} if zoo.is_zoo_name(m.name) else builtin
-    return models.create(m.name, num_classes=classes, in_channels=channels, **extra, **m.kwargs)
+    return models.create(m.name, num_classes=classes, in_channels=channels,
+                         **{**extra, **m.kwargs})
 
 
 class Task:
@@ -134,8 +136,9 @@ class Task:
     @torch.no_grad()
     def precise_bn(self, loader: Loader, batches: int) -> int:
         """BatchNorm's running statistics recomputed for the final weights: the plain average
-        of the batch statistics over ``batches`` training batches, forward only (Wu and
-        Johnson's "precise BN", as fvcore's ``update_bn_stats``). Why: during training the
+        of the batch statistics over ``batches`` training batches (in as many shuffled passes
+        as that takes), forward only (Wu and Johnson's "precise BN", as fvcore's
+        ``update_bn_stats``). Why: during training the
         running statistics trail the weights (an exponential average with momentum 0.1 of
         statistics that earlier weights produced), and an evaluation with them can be far
         worse than the network is. SyncBatchNorm merges each batch's statistics over the
@@ -149,14 +152,16 @@ class Task:
         for m in norms:
             m.reset_running_stats()
             m.momentum = None  # the cumulative average over the batches seen
-        loader.set_epoch(1 << 20)  # an order of its own, the same on every rank
-        used = 0
-        for x, _ in loader:
-            with self.autocast:
-                model(x.to(self.device))
-            used += 1
-            if used == min(batches, len(loader)):
-                break
+        used, epoch = 0, 1 << 20  # orders of their own, the same on every rank
+        while used < batches:
+            loader.set_epoch(epoch)
+            for x, _ in loader:
+                with self.autocast:
+                    model(x.to(self.device))
+                used += 1
+                if used == batches:
+                    break
+            epoch += 1
         for m, momentum in zip(norms, momenta, strict=True):
             m.momentum = momentum
         return used
