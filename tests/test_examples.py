@@ -134,11 +134,11 @@ def write_store(root: Path, *args: str) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-def picture(name: str, run_dir: Path, panel: int) -> Image.Image:
+def picture(name: str, run_dir: Path, panel: int, *more: str) -> Image.Image:
     """``examples/<name>/picture.py run_dir``: the PNG it wrote, loaded."""
     png = run_dir / "picture.png"
     cmd = [sys.executable, str(EXAMPLES / name / "picture.py"), str(run_dir), "--panel",
-           str(panel), "--out", str(png)]  # fmt: skip
+           str(panel), "--out", str(png), *more]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=ENV, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     folder = EXAMPLES / name
@@ -150,20 +150,37 @@ def picture(name: str, run_dir: Path, panel: int) -> Image.Image:
 
 
 def test_segmentation_large_images(tmp_path):
-    # 64x64 instead of 1024x1024: 8 rows per rank at the last stage; the images and masks are
-    # read from a zarr store, each rank its rows.
+    # 64x64 instead of 2048x2048, crops of 32: the store, one epoch of training on 2 data
+    # ranks, then the README's parallelkit predict on 4 ranks (2 x 2 blocks of each whole test
+    # image read from the store) and the picture of its prediction.
     write_store(tmp_path / "data", "--side", "64", "--train", "4", "--test", "2")
     run = tmp_path / "run"
     table = train_example(
-        "segmentation_large_images", run, "model.width=4", "data.image_size=64",
-        f"data.name=zarr:{tmp_path / 'data'}",
+        "segmentation_large_images", run, "data.image_size=32", "train.epochs=1",
+        f"data.name=zarr:{tmp_path / 'data'}", "train.precise_bn=2",
     )  # fmt: skip
-    assert table["grid (data x depth x rows x cols x channel)"] == "1 x 1 x 2 x 1 x 1"
+    assert table["grid (data x depth x rows x cols x channel)"] == "2 x 1 x 1 x 1 x 1"
     assert table["task"] == f"segment (unet on zarr:{tmp_path / 'data'})"
     assert table["test mIoU"].split("%")[0].replace(".", "").isdigit()
     assert [r["pixels"] for r in records(run, "eval")] == [2 * 64 * 64]  # every test pixel
-    sheet = picture("segmentation_large_images", run, 64)
-    assert sheet.size == (3 * 64 + 2 * 8, 64 + 20)  # input, mask, prediction
+    pred = predict_example("segmentation_large_images", run, tmp_path / "pred")
+    assert pred["samples"] == 2 and pred["voxels"] == 2 * 64 * 64
+    sheet = picture("segmentation_large_images", run, 64, "--prediction", str(tmp_path / "pred"))
+    assert sheet.size == (3 * 64 + 2 * 8, 64 + 20 + 20)  # input, mask, prediction; numbers
+
+
+def predict_example(name: str, run_dir: Path, out: Path) -> dict:
+    """The ``parallelkit predict`` command of the example's README on ``run_dir``; its
+    ``predict.json``."""
+    readme = (EXAMPLES / name / "README.md").read_text().replace("\\\n", " ")
+    line = next(ln for ln in readme.splitlines() if ln.strip().startswith("parallelkit predict"))
+    keys = [k for k in line.split()[2:] if k.startswith("parallel.")]
+    assert keys, line
+    cmd = [sys.executable, "-m", "parallelkit.cli", "predict", f"train.run_dir={run_dir}",
+           f"predict.output={out}", *keys]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=ENV, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads((out / "predict.json").read_text())
 
 
 def measure(tmp_path: Path, *args: str, example: str = "segmentation_large_images") -> dict:
@@ -207,20 +224,24 @@ def test_segmentation_budget_is_enforced(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_segmentation_volumes(tmp_path):
-    # 32^3 volumes on 2 depth ranks (the README: 64^3 on 2, 4 and 8): the store, 2 training
-    # steps, the picture, and one step's memory on 1 and 2 ranks.
+    # 32^3 volumes in 3 channels, crops of 16^3 (the README: 64^3 crops of 128^3): the store,
+    # one epoch on 2 data ranks, the README's parallelkit predict on 8 ranks (2 x 2 x 2 blocks
+    # of the whole test volume), the picture, and one step's memory on 1 and 2 ranks.
     pytest.importorskip("monai")
-    write_store(tmp_path / "data", "--dims", "3", "--side", "32", "--train", "4", "--test", "1")
+    write_store(tmp_path / "data", "--dims", "3", "--side", "32", "--train", "4", "--test", "1",
+                "--channels", "3")
     run = tmp_path / "run"
     table = train_example(
         "segmentation_volumes", run, f"data.name=zarr:{tmp_path / 'data'}",
-        "data.image_size=32", "train.epochs=1",
+        "data.image_size=16", "train.epochs=1", "train.precise_bn=2",
     )  # fmt: skip
-    assert table["grid (data x depth x rows x cols x channel)"] == "1 x 2 x 1 x 1 x 1"
-    assert table["steps"] == "2"
+    assert table["grid (data x depth x rows x cols x channel)"] == "2 x 1 x 1 x 1 x 1"
+    assert table["steps"] == "1"
     assert [r["pixels"] for r in records(run, "eval")] == [32**3]
-    sheet = picture("segmentation_volumes", run, 32)
-    assert sheet.size == (3 * 32 + 2 * 8, 3 * (32 + 20) + 2 * 8)  # 3 slices x 3 panels
+    pred = predict_example("segmentation_volumes", run, tmp_path / "pred")
+    assert pred["voxels"] == 32**3 and pred["grid (data x depth x rows x cols)"] == "1 x 2 x 2 x 2"
+    sheet = picture("segmentation_volumes", run, 32, "--prediction", str(tmp_path / "pred"))
+    assert sheet.size == (3 * 32 + 2 * 8, 3 * (32 + 20) + 2 * 8 + 20)  # 3 slices x 3 panels
     record = measure(tmp_path, "memory", "--sides", "32", "--ranks", "1", "2",
                      example="segmentation_volumes")  # fmt: skip
     one, two = (row["per_rank"] for row in record["rows"])

@@ -64,6 +64,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch._dynamo  # torch.optim's first optimizer imports it (70 MiB): runtime
 import torch.nn.functional as F
@@ -161,19 +162,62 @@ def status_kib(key: str) -> int:
 
 
 def step(comm: pk.Communicator, setup: Setup, store: str, side: int, width: int,
-         budget_mib: float | None = None) -> dict:
-    """One training step on this rank within ``budget_mib`` (the soft RLIMIT_DATA, lifted
-    again afterwards, so that a rank that ran out can still report it); what it measured."""
+         budget_mib: float | None = None, predict: bool = False) -> dict:
+    """One training step (``predict``: one whole-sample prediction) on this rank within
+    ``budget_mib`` (the soft RLIMIT_DATA, lifted again afterwards, so that a rank that ran out
+    can still report it); what it measured."""
     cold_kib = status_kib("VmRSS")
-    warm_up(comm, setup, width)
+    if predict:
+        predictor = warm_predictor(comm, setup, width, store)
+    else:
+        warm_up(comm, setup, width)
     soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
     if budget_mib is not None:
         resource.setrlimit(resource.RLIMIT_DATA, (int(budget_mib * MIB), hard))
     try:
-        return {**measured_step(comm, setup, store, side, width),
-                "cold_rss_mib": cold_kib / 1024}
+        measured = (measured_prediction(predictor, store, setup) if predict
+                    else measured_step(comm, setup, store, side, width))
+        return {**measured, "cold_rss_mib": cold_kib / 1024}
     finally:
         resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+
+
+def warm_predictor(comm: pk.Communicator, setup: Setup, width: int, store: str):
+    """The trained-network stand-in (random weights: memory does not depend on them) as a
+    :class:`parallelkit.inference.Predictor` over this rank's grid, warmed up on a tiny
+    sample (kernels and libraries loaded before the baseline)."""
+    from parallelkit.data.readers import SampleReader
+
+    torch.manual_seed(0)
+    grid = _grid(comm, setup) if comm.size > 1 else pk.Grid(comm)
+    stats = json.loads((Path(store) / "channel_stats.json").read_text())
+    predictor = pk.Predictor(build_model(setup, width), grid, (stats["mean"], stats["std"]))
+    tiny = Path(store).parent / f"tiny-{setup.name}.npy"
+    if comm.rank == 0 and not tiny.exists():
+        np.save(tiny, np.zeros((setup.channels,) + (16 * 8,) * setup.dims, np.uint8))
+    comm.barrier()
+    predictor(SampleReader(tiny, dims=setup.dims))
+    return predictor
+
+
+def measured_prediction(predictor, store: str, setup: Setup) -> dict:
+    """One whole-sample prediction of sample 0 of ``store`` (eval mode, no gradients): this
+    rank reads its block, runs it, keeps its block of the logits."""
+    from parallelkit.data.readers import SampleReader
+
+    runtime_kib = status_kib("VmRSS")
+    sample = SampleReader(sorted((Path(store) / "train" / "images").iterdir())[0],
+                          dims=setup.dims)
+    predictor.padded(sample.size, sample.channels)
+    with Largest(setup.dims) as seen:
+        result = predictor(sample)
+    return {
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "runtime_rss_mib": runtime_kib / 1024,
+        "largest_tensor_mib": seen.nbytes / MIB,
+        "largest_extent": seen.extent / math.prod(sample.size),
+        "voxels": result.voxels,
+    }
 
 
 def warm_up(comm: pk.Communicator, setup: Setup, width: int) -> None:
@@ -299,7 +343,7 @@ def run_step(args: argparse.Namespace, ranks: int, side: int, budget_mib=None) -
     try:
         with Ranks(ranks, backend="gloo" if ranks > 1 else "local", comm_timeout=timeout) as pool:
             return pool.run(step, args.setup, store, side, args.width, budget_mib,
-                            timeout=timeout)  # fmt: skip
+                            args.predict, timeout=timeout)  # fmt: skip
     finally:
         if saved is None:
             os.environ.pop(MMAP_THRESHOLD, None)
@@ -319,7 +363,8 @@ def fits(args: argparse.Namespace, ranks: int, side: int) -> tuple[bool, str]:
         if "died" in lines[0]:  # killed without a word (by the kernel's OOM killer?)
             return False, lines[0]
         raise
-    return True, f"trains, peak RSS {max(r['peak_rss_mib'] for r in rows):.0f} MiB"
+    what = "predicts" if args.predict else "trains"
+    return True, f"{what}, peak RSS {max(r['peak_rss_mib'] for r in rows):.0f} MiB"
 
 
 def trial(ranks: int, side: int, args: argparse.Namespace) -> dict:
@@ -447,8 +492,9 @@ def budget(args: argparse.Namespace) -> None:
         results[p], trials = best, trials + found
     record = {**header(args), "largest_side": results, "trials": trials}
     one = results.get(1)
+    what = "is predicted whole (eval mode)" if args.predict else "trains"
     lines = [
-        f"# {args.setup.name}: the largest {args.setup.noun} side that trains within "
+        f"# {args.setup.name}: the largest {args.setup.noun} side that {what} within "
         f"{args.budget_mib:g} MiB per rank (RLIMIT_DATA), blocks read from zarr\n",
         env_line(record), "| ranks | largest side | vs 1 rank |", "|---|---|---|",
     ]  # fmt: skip
@@ -459,7 +505,8 @@ def budget(args: argparse.Namespace) -> None:
     lines += [f"\nTrials ({how}):\n", "| ranks | side | result | s |",
               "|---|---|---|---|"]  # fmt: skip
     lines += [f"| {t['ranks']} | {t['side']} | {t['how']} | {t['seconds']} |" for t in trials]
-    write(args.out_dir / "budget", "\n".join(lines) + "\n", record)
+    write(args.out_dir / ("predict_budget" if args.predict else "budget"),
+          "\n".join(lines) + "\n", record)
 
 
 def write(stem: Path, markdown: str, record: dict) -> None:
@@ -485,6 +532,8 @@ def main(setup: Setup, doc: str, out_dir: Path) -> None:
     bud.add_argument("--hi", type=int, default=setup.hi, help="the largest side tried")
     bud.add_argument("--multiple", type=int, default=setup.multiple, help="sides tried: k x this")
     bud.add_argument("--sides", type=int, nargs="+", help="try these sides (no bisection)")
+    bud.add_argument("--predict", action="store_true", help="a whole-sample prediction "
+                     "(parallelkit predict's Predictor) instead of a training step")
     bud.set_defaults(func=budget)
     for p in (mem, bud):
         p.add_argument("--width", type=int, default=setup.width,
@@ -497,4 +546,5 @@ def main(setup: Setup, doc: str, out_dir: Path) -> None:
                        help="where the generated zarr stores are written, one per side")
     args = parser.parse_args()
     args.setup = setup
+    args.predict = getattr(args, "predict", False)
     args.func(args)

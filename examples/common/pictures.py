@@ -35,10 +35,11 @@ def panel(pixels: torch.Tensor, side: int, nearest: bool) -> Image.Image:
 
 
 def sheet(rows: list[list[tuple[Image.Image, str]]], side: int) -> Image.Image:
-    """Titled panels of ``side`` pixels, row by row."""
+    """Titled panels of ``side`` pixels, row by row, and a line below them for
+    :func:`caption`."""
     cols = max(len(r) for r in rows)
     out = Image.new("RGB", (cols * side + (cols - 1) * GAP,
-                            len(rows) * (side + TITLE) + (len(rows) - 1) * GAP), "white")
+                            len(rows) * (side + TITLE) + (len(rows) - 1) * GAP + TITLE), "white")
     draw = ImageDraw.Draw(out)
     for i, row in enumerate(rows):
         top = i * (side + TITLE + GAP)
@@ -46,3 +47,8 @@ def sheet(rows: list[list[tuple[Image.Image, str]]], side: int) -> Image.Image:
             out.paste(picture, (j * (side + GAP), top + TITLE))
             draw.text((j * (side + GAP) + 4, top + 4), title, fill="black")
     return out
+
+
+def caption(picture: Image.Image, text: str) -> None:
+    """``text`` on the sheet's last line (the measured numbers)."""
+    ImageDraw.Draw(picture).text((4, picture.height - TITLE + 4), text, fill="black")

@@ -14,20 +14,23 @@ background black), each scaled to ``--panel`` pixels.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 import torch
+import zarr
 
 from parallelkit.data import load_dataset
-from parallelkit.data.config import block_format
-from parallelkit.data.loader import block_dataset
+from parallelkit.data.blockset import BlockDataset
+from parallelkit.data.config import block_format, block_root
+from parallelkit.data.readers import stem_of
 from parallelkit.train.config import load
-from parallelkit.train.protocol import network
+from parallelkit.train.segment import Segment
 from parallelkit.train.segmetrics import pixel_counts, scores
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
-from pictures import colours, display, panel, sheet
+from pictures import caption, colours, display, panel, sheet
 
 
 def main() -> None:
@@ -36,30 +39,43 @@ def main() -> None:
     parser.add_argument("--index", type=int, default=0, help="which test image")
     parser.add_argument("--panel", type=int, default=512, help="pixels per panel side")
     parser.add_argument("--out", type=Path, help="default: RUN_DIR/prediction.png")
+    parser.add_argument("--prediction", type=Path, help="a parallelkit predict output folder "
+                        "(zarr): show its class map, and its numbers, instead of running the "
+                        "model here")
     args = parser.parse_args()
 
     cfg = load(str(args.run_dir / "config.yaml"))
-    k, w = cfg.data.num_classes, cfg.model.width
-    model = network(cfg, k, cfg.data.channels, widths=(w, 2 * w, 4 * w, 8 * w))
-    model.load_state_dict(torch.load(args.run_dir / "model.pt", weights_only=True))
+    k = cfg.data.num_classes
     # The whole test image, on one process: a store's (data.name=zarr:DIR) or a generated one.
     if block_format(cfg.data.name):
-        data = block_dataset(cfg.data, "test", block=None, seed=cfg.train.seed)
+        data = BlockDataset(block_root(cfg.data.name), "test", dims=2, crop=None)
+        name = stem_of(data.images[args.index].path)
     else:
-        data = load_dataset(cfg.data, "test")
+        data, name = load_dataset(cfg.data, "test"), None
     image, mask = data[args.index]
-    with torch.no_grad():
-        out = model.eval()(image[None])
-    pred = (out["out"] if isinstance(out, dict) else out)[0].argmax(0)
+    if args.prediction:  # what parallelkit predict wrote, block by block
+        pred = torch.from_numpy(zarr.open_group(str(args.prediction / f"{name}.zarr"),
+                                                mode="r")["0"][...]).long()
+    else:
+        model = Segment.dense_model(cfg, k, cfg.data.channels)
+        model.load_state_dict(torch.load(args.run_dir / "model.pt", weights_only=True))
+        with torch.no_grad():
+            out = model.eval()(image[None])
+        pred = (out["out"] if isinstance(out, dict) else out)[0].argmax(0)
     score = scores(pixel_counts(pred, mask, k))
     summary = f"pixel accuracy {score['pixel_accuracy']:.1%}, mIoU {score['miou']:.1%}"
+    if args.prediction:
+        split = json.loads((args.prediction / "predict.json").read_text())
+        summary += (f"; all {split['samples']} test images: mIoU {split['mIoU']}, pixel "
+                    f"accuracy {split['pixel accuracy']}")
 
     side = args.panel
     picture = sheet([[
         (panel(display(image), side, nearest=False), f"input {image.shape[-1]}x{image.shape[-2]}"),
         (panel(colours(mask, k), side, nearest=True), "mask"),
-        (panel(colours(pred, k), side, nearest=True), f"prediction ({summary})"),
+        (panel(colours(pred, k), side, nearest=True), "prediction"),
     ]], side)  # fmt: skip
+    caption(picture, summary)
     out_path = args.out or args.run_dir / "prediction.png"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     picture.save(out_path)

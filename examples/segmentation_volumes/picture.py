@@ -15,18 +15,22 @@ set, background black), each scaled to ``--panel`` pixels.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 import torch
+import zarr
 
-from parallelkit.data.loader import block_dataset
+from parallelkit.data.blockset import BlockDataset
+from parallelkit.data.config import block_root
+from parallelkit.data.readers import stem_of
 from parallelkit.train.config import load
-from parallelkit.train.protocol import network
+from parallelkit.train.segment import Segment
 from parallelkit.train.segmetrics import pixel_counts, scores
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
-from pictures import colours, display, panel, sheet
+from pictures import caption, colours, display, panel, sheet
 
 
 def main() -> None:
@@ -35,17 +39,30 @@ def main() -> None:
     parser.add_argument("--index", type=int, default=0, help="which test volume")
     parser.add_argument("--panel", type=int, default=256, help="pixels per panel side")
     parser.add_argument("--out", type=Path, help="default: RUN_DIR/prediction.png")
+    parser.add_argument("--prediction", type=Path, help="a parallelkit predict output folder "
+                        "(zarr): show its class map, and its numbers, instead of running the "
+                        "model here")
     args = parser.parse_args()
 
     cfg = load(str(args.run_dir / "config.yaml"))
     k = cfg.data.num_classes
-    model = network(cfg, k, cfg.data.channels)
-    model.load_state_dict(torch.load(args.run_dir / "model.pt", weights_only=True))
-    volume, mask = block_dataset(cfg.data, "test", block=None, seed=cfg.train.seed)[args.index]
-    with torch.no_grad():
-        pred = model.eval()(volume[None])[0].argmax(0)  # (D, H, W)
+    data = BlockDataset(block_root(cfg.data.name), "test", dims=3, crop=None)
+    volume, mask = data[args.index]  # the whole test volume
+    if args.prediction:  # what parallelkit predict wrote, block by block
+        name = stem_of(data.images[args.index].path)
+        pred = torch.from_numpy(zarr.open_group(str(args.prediction / f"{name}.zarr"),
+                                                mode="r")["0"][...]).long()
+    else:
+        model = Segment.dense_model(cfg, k, cfg.data.channels)
+        model.load_state_dict(torch.load(args.run_dir / "model.pt", weights_only=True))
+        with torch.no_grad():
+            pred = model.eval()(volume[None])[0].argmax(0)  # (D, H, W)
     score = scores(pixel_counts(pred, mask, k))
     summary = f"accuracy {score['pixel_accuracy']:.1%}, mIoU {score['miou']:.1%}"
+    if args.prediction:
+        split = json.loads((args.prediction / "predict.json").read_text())
+        summary += (f"; all {split['samples']} test volumes: mIoU {split['mIoU']}, voxel "
+                    f"accuracy {split['pixel accuracy']}")
 
     side, rows = args.panel, []
     for axis, name in enumerate("DHW"):
@@ -56,10 +73,11 @@ def main() -> None:
             (panel(colours(labels, k), side, nearest=True), "mask"),
             (panel(colours(guess, k), side, nearest=True), "prediction"),
         ])  # fmt: skip
-    rows[0][2] = (rows[0][2][0], f"prediction: {summary}")
     out_path = args.out or args.run_dir / "prediction.png"
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    sheet(rows, side).save(out_path)
+    picture = sheet(rows, side)
+    caption(picture, summary)
+    picture.save(out_path)
     print(f"wrote {out_path} (test volume {args.index}, {'x'.join(map(str, mask.shape))}: "
           f"voxel {summary})")
 
