@@ -96,7 +96,7 @@ def whole(comm: pk.Communicator, cfg_path: str, image: str, out: str, how: dict)
     on the whole volume; the logits saved to ``out``."""
     _, dense, normalize = _model(cfg_path)
     sample = SampleReader(image, dims=3)
-    small = SampleReader(str(Path(image).parent.parent / "warm.npy"), dims=3)
+    small = SampleReader(str(Path(image).parents[2] / "warm.npy"), dims=3)
 
     def run(s: SampleReader) -> torch.Tensor:
         x = _read_whole(s, normalize)
@@ -125,7 +125,7 @@ def blocks(comm: pk.Communicator, cfg_path: str, image: str, out: str, grid: dic
     g = pk.Grid(comm, **grid)
     predictor = pk.Predictor(dense, g, normalize)
     sample = SampleReader(image, dims=3)
-    predictor(SampleReader(str(Path(image).parent.parent / "warm.npy"), dims=3))  # warm-up
+    predictor(SampleReader(str(Path(image).parents[2] / "warm.npy"), dims=3))  # warm-up
     predictor.padded(sample.size, sample.channels)
     comm.barrier()
     before = rss_kib()

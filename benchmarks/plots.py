@@ -308,6 +308,30 @@ def volume_ratios(row: dict, variant: str) -> str:
     return text + (f"\n{cpu['dense'] / cpu[variant]:.2f}x" if cpu else "")
 
 
+def inference(record: dict, out: Path) -> list[Path]:
+    """Per method: the share of voxels whose class differs from the dense prediction, and the
+    peak memory per rank against the ideal (the dense run's / P)."""
+    rows = record["rows"]
+    fig, (wrong, memory) = plt.subplots(1, 2, figsize=(12, 0.9 + 0.32 * len(rows)),
+                                        sharey=True)
+    labels = [r["method"].replace("MONAI sliding window", "MONAI SW") for r in rows]
+    ys = range(len(rows))
+    colors = ["C2" if r["method"].startswith("parallelkit") else "C0"
+              if r["method"].startswith("dense") else "C1" for r in rows]
+    bars = wrong.barh(ys, [100 * r["class_differs"] for r in rows], color=colors)
+    wrong.bar_label(bars, [f"{100 * r['class_differs']:.3f}%, |dlogit| {r['max_logit_diff']:.1e}"
+                           for r in rows], fontsize=6)
+    wrong.set_yticks(list(ys), labels, fontsize=7)
+    wrong.invert_yaxis()
+    wrong.set(xlabel="voxels whose class differs from the dense prediction (%)",
+              title="against the whole-volume prediction")
+    bars = memory.barh(ys, [r["peak_mib"] for r in rows], color=colors)
+    memory.bar_label(bars, [f"{r['peak_vs_ideal']:.2f}x ideal" for r in rows], fontsize=6)
+    memory.set(xlabel="peak memory per rank above the runtime (MiB)",
+               title="memory per rank (ideal: dense / P)")
+    return [save_fig(fig, out.with_name("inference.png"))]
+
+
 # ---------------------------------------------------------------------------- driver
 PLOTTERS: dict[str, Callable[[dict, Path], list[Path]]] = {
     "model_parallel": model_parallel,
@@ -317,6 +341,7 @@ PLOTTERS: dict[str, Callable[[dict, Path], list[Path]]] = {
     "collectives": collectives,
     "peers": peers,
     "spatial_volume": spatial_volume,
+    "inference": inference,
 }
 
 
