@@ -173,8 +173,8 @@ def predict_example(name: str, run_dir: Path, out: Path) -> dict:
     """The ``parallelkit predict`` command of the example's README on ``run_dir``; its
     ``predict.json``."""
     readme = (EXAMPLES / name / "README.md").read_text().replace("\\\n", " ")
-    line = next(ln for ln in readme.splitlines() if ln.strip().startswith("parallelkit predict"))
-    keys = [k for k in line.split()[2:] if k.startswith("parallel.")]
+    line = next(ln for ln in readme.splitlines() if "parallelkit predict train.run_dir" in ln)
+    keys = [k for k in line.split() if k.startswith("parallel.")]
     assert keys, line
     cmd = [sys.executable, "-m", "parallelkit.cli", "predict", f"train.run_dir={run_dir}",
            f"predict.output={out}", *keys]

@@ -211,3 +211,23 @@ def test_mistakes_stop_before_any_rank_starts(runs, tmp_path):
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and expected in lines[0], (expected, proc.stderr[-2000:])
         assert lines[0].startswith("parallelkit predict: error: ")
+
+
+def test_channel_shards_make_the_dense_model(runs, tmp_path):
+    """A run trained with channel parallelism keeps each rank's slices of the convolutions in
+    its shard; ``parallelkit predict`` puts them together: the exported dense ``model.pt``."""
+    import torch
+
+    from parallelkit.train import config
+    from parallelkit.train.predict import load_model
+
+    _, data = runs[2]
+    run = tmp_path / "channel"
+    train(run, *IMAGES, "parallel.strategy=channel", "parallel.ranks=2",
+          f"data.name=zarr:{data}")
+    cfg = config.load(str(run / "config.yaml"))
+    dense, folder = load_model(cfg, report=False)
+    assert "shard-1.pt" in {p.name for p in folder.iterdir()}
+    exported = torch.load(run / "model.pt")
+    for key, value in dense.state_dict().items():
+        torch.testing.assert_close(value, exported[key], rtol=0, atol=0)

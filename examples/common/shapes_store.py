@@ -120,11 +120,31 @@ def write_sample(root: Path, name: str, dims: int, side: int, scene: dict, class
         mask[slab] = labels
 
 
+def write_mosaic(root: Path, name: str, side: int, scenes: list[dict], tiles: int,
+                 classes: int, channels: int) -> None:
+    """One image of ``tiles x tiles`` scenes, each drawn at ``side`` (so its shapes have the
+    pixel sizes of a ``side`` image's), and its mask, as zarr arrays written tile by tile."""
+    whole, chunks = tiles * side, tuple(min(c, side) for c in CHUNK[2])
+    image = zarr.create_array(root / "images" / f"{name}.zarr", shape=(channels, whole, whole),
+                              chunks=(channels, *chunks), dtype="u1", overwrite=True)
+    mask = zarr.create_array(root / "masks" / f"{name}.zarr", shape=(whole, whole),
+                             chunks=chunks, dtype="u1", overwrite=True)  # fmt: skip
+    for k, scene in enumerate(scenes):
+        rows = slice(k // tiles * side, (k // tiles + 1) * side)
+        cols = slice(k % tiles * side, (k % tiles + 1) * side)
+        pixels, labels = image_slab(scene, side, slice(0, side), classes, channels)
+        image[:, rows, cols] = pixels
+        mask[rows, cols] = labels
+
+
 def write_store(root: str | Path, dims: int, side: int, train: int = 1, test: int = 0,
-                classes: int | None = None, channels: int | None = None) -> Path:
+                classes: int | None = None, channels: int | None = None,
+                test_tiles: int = 1) -> Path:
     """``train`` and ``test`` generated samples of ``side`` (a square image for ``dims`` 2, a
     cube for 3) under ``root`` (see the module's docs), and the training images' statistics;
-    returns ``root``. Scenes: index ``i`` of ``shapes``/``shapes3d``, base 0 (train) or 1000."""
+    returns ``root``. Scenes: index ``i`` of ``shapes``/``shapes3d``, base 0 (train) or 1000.
+    ``test_tiles``: each test image is a mosaic of ``test_tiles x test_tiles`` scenes of
+    ``side`` (images only): larger images whose shapes have the training images' sizes."""
     root = Path(root)
     classes = classes or (4 if dims == 2 else 3)
     channels = channels or (3 if dims == 2 else 1)
@@ -132,8 +152,14 @@ def write_store(root: str | Path, dims: int, side: int, train: int = 1, test: in
     for split, count, base in (("train", train, 0), ("test", test, 1000)):
         if count == 0:
             continue
-        scenes = Data(count, side, channels=channels, num_classes=classes, base=base)
+        tiles = test_tiles if split == "test" else 1
+        scenes = Data(count * tiles**2, side, channels=channels, num_classes=classes, base=base)
         for i in range(count):
+            if tiles > 1:
+                write_mosaic(root / split, f"s{i:04d}", side,
+                             [scenes.scene(i * tiles**2 + k) for k in range(tiles**2)], tiles,
+                             classes, channels)
+                continue
             write_sample(root / split, f"s{i:04d}", dims, side, scenes.scene(i), classes,
                          channels)
     readers = [SampleReader(p, dims) for p in sorted((root / "train/images").glob("*.zarr"))]
@@ -150,11 +176,16 @@ def main() -> None:
     parser.add_argument("--test", type=int, default=4, help="test samples")
     parser.add_argument("--classes", type=int, help="classes with the background (4; 3 in 3-D)")
     parser.add_argument("--channels", type=int, help="image channels (3; volumes: 1)")
+    parser.add_argument("--test-tiles", type=int, default=1, help="test images of N x N "
+                        "scenes of --side each (images only): larger, shapes of the same size")
     args = parser.parse_args()
+    if args.test_tiles > 1 and args.dims != 2:
+        parser.error("--test-tiles is for images (--dims 2)")
     write_store(args.root, args.dims, args.side, args.train, args.test, args.classes,
-                args.channels)
+                args.channels, args.test_tiles)
     n = args.side ** args.dims
-    print(f"wrote {args.train} + {args.test} samples of {args.side}^{args.dims} "
+    test = f" ({args.side * args.test_tiles}^2 mosaics)" if args.test_tiles > 1 else ""
+    print(f"wrote {args.train} + {args.test}{test} samples of {args.side}^{args.dims} "
           f"({n / 2**20:.1f} Mi{'pixels' if args.dims == 2 else 'voxels'} each) to {args.root}")
 
 

@@ -88,13 +88,13 @@ def normalization(cfg: Config) -> tuple[list[float], list[float]]:
     if saved.is_file():
         numbers = json.loads(saved.read_text())
         return numbers["mean"], numbers["std"]
-    dims = 3 if cfg.data.dims == 3 or block_format(cfg.data.name) == "nifti" else 2
     root = block_root(cfg.data.name)
-    readers = [SampleReader(i, dims) for i, _ in pairs(root, "train")]
+    readers = [SampleReader(i, dims_of(cfg)) for i, _ in pairs(root, "train")]
     return cached_stats(readers, Path(root) / "channel_stats.json")
 
 
 def dims_of(cfg: Config) -> int:
+    """Spatial dimensions of the run's samples: 3 for volumes (NIfTI, or ``data.dims=3``)."""
     return 3 if cfg.data.dims == 3 or block_format(cfg.data.name) == "nifti" else 2
 
 
