@@ -25,8 +25,9 @@ threshold fixed at 128 KiB so that a process's resident set follows its live ten
     class differs       the share of voxels whose argmax differs from the dense prediction's
     wall (s)            the prediction alone (reading included), the slowest rank's
     CPU us/voxel        CPU time of every process (``time.process_time``), summed, per voxel
-    peak MiB / rank     ``ru_maxrss`` after the prediction minus the resident set before it
-                        (after a warm-up prediction of a small volume): the largest rank's
+    peak MiB / rank     the peak resident set (VmHWM, reset before the prediction) minus the
+                        resident set before it (after a warm-up prediction of a small volume):
+                        the largest rank's
     vs ideal            that, over the dense run's peak divided by P (the ideal split)
 
 Results: ``benchmarks/results/inference.md``, ``.json`` and ``.png``.
@@ -36,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import sys
 import time
 from dataclasses import dataclass
@@ -74,9 +74,20 @@ class Config:
     timeout: float
 
 
-def rss_kib() -> int:
+def status_kib(key: str) -> int:
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
+
+
+def start_peak() -> int:
+    """The resident set now, with the peak (VmHWM) reset to it (``/proc/self/clear_refs``).
+
+    Why not ``ru_maxrss``: Linux keeps a process's maximum resident set across ``execve``, and
+    a spawned rank was, until its exec, a fork of this parent, whose resident set (the dense
+    logits it holds) would set a floor under every rank's ``ru_maxrss``."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return status_kib("VmRSS")
 
 
 def _model(cfg_path: str):
@@ -110,11 +121,11 @@ def whole(comm: pk.Communicator, cfg_path: str, image: str, out: str, how: dict)
                                             mode=how["mode"])
 
     run(small)  # warm-up: kernels and libraries, the same code path
-    before = rss_kib()
+    before = start_peak()
     cpu, wall = time.process_time(), time.perf_counter()
     y = run(sample)[0]
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = status_kib("VmHWM")
     np.save(out, y.numpy())
     return {"wall": wall, "cpu": cpu, "peak_mib": (peak - before) / 1024}
 
@@ -128,12 +139,12 @@ def blocks(comm: pk.Communicator, cfg_path: str, image: str, out: str, grid: dic
     predictor(SampleReader(str(Path(image).parents[2] / "warm.npy"), dims=3))  # warm-up
     predictor.padded(sample.size, sample.channels)
     comm.barrier()
-    before = rss_kib()
+    before = start_peak()
     cpu, wall = time.process_time(), time.perf_counter()
     result = predictor(sample)
     comm.barrier()
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = status_kib("VmHWM")
     np.save(f"{out}-{comm.rank}.npy", result.logits.numpy())
     return {"wall": wall, "cpu": cpu, "peak_mib": (peak - before) / 1024,
             "block": [(s.start, s.stop) for s in result.block]}
