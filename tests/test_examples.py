@@ -149,6 +149,7 @@ def picture(name: str, run_dir: Path, panel: int, *more: str) -> Image.Image:
         return sheet
 
 
+@pytest.mark.timeout(480)
 def test_segmentation_large_images(tmp_path):
     # 64x64 instead of 2048x2048, crops of 32: the store, one epoch of training on 2 data
     # ranks, then the README's parallelkit predict on 4 ranks (2 x 2 blocks of each whole test
@@ -222,7 +223,7 @@ def test_segmentation_budget_is_enforced(tmp_path):
     assert record["largest_side"] == {"2": 64}
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(480)
 def test_segmentation_volumes(tmp_path):
     # 32^3 volumes in 3 channels, crops of 16^3 (the README: 64^3 crops of 128^3): the store,
     # one epoch on 2 data ranks, the README's parallelkit predict on 8 ranks (2 x 2 x 2 blocks

@@ -68,12 +68,20 @@ def device_for(comm: pk.Communicator) -> torch.device:
 
 
 def peak_memory_mib(device: torch.device) -> float:
-    """This process's peak memory: device memory on GPUs, resident set size on CPUs."""
+    """This process's peak memory: device memory on GPUs, the peak resident set on CPUs.
+
+    Linux's VmHWM where there is one: ``ru_maxrss`` keeps the maximum across ``execve``, so a
+    rank that the launcher started (a fork of it until the exec) would report at least the
+    launcher's resident set."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    import resource
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def on_device(loader, device: torch.device):
