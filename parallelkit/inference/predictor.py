@@ -85,6 +85,7 @@ class Predictor:
         self.blocks = grid_of(self.comm, grid.spatial)
         spatial = Grid(self.comm, depth=grid.depth, rows=grid.rows, cols=grid.cols)
         dense = copy.deepcopy(model).to(dtype).eval()
+        self.device = next(dense.parameters(), torch.empty(0)).device  # blocks run there
         self.model = parallelize(dense, spatial, spatial, spatial_input="blocks",
                                  spatial_output="blocks", fallback=fallback).eval()
         self.mean = self.std = None
@@ -147,7 +148,7 @@ class Predictor:
             x_blk = torch.zeros(1, sample.channels, *(s.stop - s.start for s in block),
                                 dtype=self.dtype)
             x_blk[0][kept] = self.read(sample, inside)[0]
-        logits = self.logits(x_blk)[0][kept]  # (K, *inside): the padding cut off
+        logits = self.logits(x_blk.to(self.device))[0][kept].cpu()  # (K, *inside): unpadded
         if output is not None:
             probs = logits.float().softmax(0).numpy() if probabilities else None
             classes = logits.argmax(0).to(torch.uint8).numpy()
