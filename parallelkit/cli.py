@@ -93,18 +93,27 @@ def train(argv: list[str]) -> int:
             raise  # a rank: the exit hook ends the whole job
         print(f"parallelkit train: error: {e}", file=sys.stderr)
         return 2
+    return run_or_launch("train", trainer.run, cfg, command)
+
+
+def run_or_launch(name: str, run, cfg, command: list[str] | None) -> int:
+    """``parallelkit NAME``'s ranks after the launcher's checks: ``run(cfg)`` in this process
+    (``command`` None: one rank), or the local ranks started and supervised; the exit status."""
+    from parallelkit.train import launch, procs
+    from parallelkit.train.agree import Stop
+
     if command is None:  # one rank, in this process
         try:
-            trainer.run(cfg)
+            run(cfg)
         except (ValueError, Stop) as e:
-            print(f"parallelkit train: error: {e}", file=sys.stderr)
+            print(f"parallelkit {name}: error: {e}", file=sys.stderr)
             return e.status if isinstance(e, Stop) else 2
         return 0
     status = launch.launch(command, cfg.parallel.ranks)
     if status == procs.REFUSED_EXIT:
         return status  # the ranks stopped together, and one of them said why
     if status and status - 128 not in (signal.SIGINT, signal.SIGTERM):
-        print(f"parallelkit train: a rank failed (exit status {status}); see above",
+        print(f"parallelkit {name}: a rank failed (exit status {status}); see above",
               file=sys.stderr)  # fmt: skip
     return status
 
@@ -152,19 +161,7 @@ def predict(argv: list[str]) -> int:
             raise
         print(f"parallelkit predict: error: {e}", file=sys.stderr)
         return 2
-    if command is None:
-        try:
-            predicting.run(cfg)
-        except (ValueError, Stop) as e:
-            print(f"parallelkit predict: error: {e}", file=sys.stderr)
-            return e.status if isinstance(e, Stop) else 2
-        return 0
-    status = launch.launch(command, cfg.parallel.ranks)
-    if status and status != procs.REFUSED_EXIT and status - 128 not in (signal.SIGINT,
-                                                                         signal.SIGTERM):
-        print(f"parallelkit predict: a rank failed (exit status {status}); see above",
-              file=sys.stderr)  # fmt: skip
-    return status
+    return run_or_launch("predict", predicting.run, cfg, command)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,7 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 import pytest
+import test_train_blocks as train_blocks
 import zarr
 from test_train import train
 
@@ -25,16 +26,8 @@ from parallelkit.data.shapes3d import ShapesVolumeDataset
 
 pytest.importorskip("monai")
 
-COMMON = [
-    "train.task=segment", "data.num_classes=3", "data.channels=1", "train.batch_size=4",
-    "train.max_steps=4", "train.progress=false", "train.tensorboard=false", "train.plot=false",
-    "optim.lr=0.2", "parallel.ranks=1",
-]  # fmt: skip
-IMAGES = [*COMMON, "data.image_size=24", "model.width=4"]
-VOLUMES = [
-    *COMMON, "data.image_size=16", "data.dims=3", "model.name=monai:UNet",
-    "model.kwargs={channels: [4, 8], strides: [2], num_res_units: 1, norm: batch}",
-]  # fmt: skip
+IMAGES = [*train_blocks.IMAGES, "parallel.ranks=1"]  # train's tiny 2-D and 3-D runs
+VOLUMES = [*train_blocks.VOLUMES, "parallel.ranks=1"]
 TEST_SIZES = {2: [(44, 37), (61, 50)], 3: [(21, 18, 17), (26, 20, 19)]}
 """Whole test samples: other sizes than the 24^2 (16^3) crops of training, odd ones too."""
 AFFINE = np.array([[0.0, 0, 1.5, -10], [0, 0.8, 0, 4], [-0.8, 0, 0, 7], [0, 0, 0, 1]])

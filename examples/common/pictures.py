@@ -5,6 +5,8 @@ for slices through a test volume)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from PIL import Image, ImageDraw
 
@@ -52,3 +54,20 @@ def sheet(rows: list[list[tuple[Image.Image, str]]], side: int) -> Image.Image:
 def caption(picture: Image.Image, text: str) -> None:
     """``text`` on the sheet's last line (the measured numbers)."""
     ImageDraw.Draw(picture).text((4, picture.height - TITLE + 4), text, fill="black")
+
+
+def predicted(folder: Path, name: str) -> torch.Tensor:
+    """The class map that ``parallelkit predict`` wrote for sample ``name`` into ``folder``."""
+    import zarr
+
+    classes = zarr.open_group(str(folder / f"{name}.zarr"), mode="r")["0"]
+    return torch.from_numpy(classes[...]).long()
+
+
+def split_numbers(folder: Path, noun: str) -> str:
+    """The whole split's numbers from ``folder/predict.json``, for a caption."""
+    import json
+
+    split = json.loads((folder / "predict.json").read_text())
+    return (f"; all {split['samples']} test {noun}s: mIoU {split['mIoU']}, "
+            f"{'voxel' if noun == 'volume' else 'pixel'} accuracy {split['pixel accuracy']}")

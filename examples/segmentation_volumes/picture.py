@@ -15,12 +15,10 @@ set, background black), each scaled to ``--panel`` pixels.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
-import zarr
 
 from parallelkit.data.blockset import BlockDataset
 from parallelkit.data.config import block_root
@@ -30,7 +28,7 @@ from parallelkit.train.segment import Segment
 from parallelkit.train.segmetrics import pixel_counts, scores
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
-from pictures import caption, colours, display, panel, sheet
+from pictures import caption, colours, display, panel, predicted, sheet, split_numbers
 
 
 def main() -> None:
@@ -50,8 +48,7 @@ def main() -> None:
     volume, mask = data[args.index]  # the whole test volume
     if args.prediction:  # what parallelkit predict wrote, block by block
         name = stem_of(data.images[args.index].path)
-        pred = torch.from_numpy(zarr.open_group(str(args.prediction / f"{name}.zarr"),
-                                                mode="r")["0"][...]).long()
+        pred = predicted(args.prediction, name)
     else:
         model = Segment.dense_model(cfg, k, cfg.data.channels)
         model.load_state_dict(torch.load(args.run_dir / "model.pt", weights_only=True))
@@ -60,9 +57,7 @@ def main() -> None:
     score = scores(pixel_counts(pred, mask, k))
     summary = f"accuracy {score['pixel_accuracy']:.1%}, mIoU {score['miou']:.1%}"
     if args.prediction:
-        split = json.loads((args.prediction / "predict.json").read_text())
-        summary += (f"; all {split['samples']} test volumes: mIoU {split['mIoU']}, voxel "
-                    f"accuracy {split['pixel accuracy']}")
+        summary += split_numbers(args.prediction, "volume")
 
     side, rows = args.panel, []
     for axis, name in enumerate("DHW"):
