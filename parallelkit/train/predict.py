@@ -35,7 +35,7 @@ from torch import nn
 
 import parallelkit as pk
 from parallelkit.data.blockset import cached_stats, pairs
-from parallelkit.data.config import block_format, block_root
+from parallelkit.data.config import block_format, block_root, volumes
 from parallelkit.data.readers import SampleReader, stem_of
 from parallelkit.inference import Predictor, Result, outputs
 from parallelkit.inference.predictor import fitting_multiple, sample_paths
@@ -95,7 +95,7 @@ def normalization(cfg: Config) -> tuple[list[float], list[float]]:
 
 def dims_of(cfg: Config) -> int:
     """Spatial dimensions of the run's samples: 3 for volumes (NIfTI, or ``data.dims=3``)."""
-    return 3 if cfg.data.dims == 3 or block_format(cfg.data.name) == "nifti" else 2
+    return 3 if volumes(cfg.data) else 2
 
 
 # ------------------------------------------------------------------------------ the model
