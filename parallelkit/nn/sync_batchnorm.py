@@ -271,20 +271,19 @@ class _SyncBatchNorm(Function):
         comm, count, eps = ctx.comm, ctx.count, ctx.eps
         c = x.shape[1]
         stat_dtype = mean.dtype
-        # Local per-channel sums  sum(dy)  and  sum(dy * xhat), fused in one pass: eval-mode
-        # batch_norm_backward with the global statistics computes exactly these as the bias and
-        # weight gradients. They are this rank's parameter gradients, too.
+        # Local per-channel sums  sum(dy)  and  sum(dy * xhat), fused in one pass: training-mode
+        # batch_norm_backward given the global mean and invstd as its saved statistics computes
+        # exactly these as the bias and weight gradients. They are this rank's parameter
+        # gradients, too. (The eval-mode form, given running statistics, is not served
+        # everywhere: CUDA asserts that the saved statistics are defined, XLA lowers only this.)
         if x.numel() == 0:  # an empty rank still joins the all-reduce
             sum_dy_xhat, sum_dy = mean.new_zeros(c), mean.new_zeros(c)
         else:
             ones = torch.ones(c, dtype=stat_dtype, device=x.device)
-            if _on_xla(x):  # XLA lowers the training-mode form (given mean and invstd) only
-                stats = (None, None, mean, torch.rsqrt(var + eps), True)
-            else:
-                stats = (mean, var, None, None, False)
             _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-                grad, x, ones, *stats, eps, [False, True, True]
-            )
+                grad, x, ones, None, None, mean, torch.rsqrt(var + eps), True, eps,
+                [False, True, True],
+            )  # fmt: skip
         grad_weight = sum_dy_xhat.to(weight.dtype) if ctx.needs_input_grad[1] else None
         grad_bias = sum_dy.to(weight.dtype) if ctx.needs_input_grad[2] else None
         grad_x = None

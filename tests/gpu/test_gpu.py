@@ -28,7 +28,6 @@ from network_cases import NETWORKS, STRATEGY_GRIDS, network_parity
 from spatial_cases import layer_parity
 
 GPU = "cuda:0"
-BF16 = dict(rtol=5e-2, atol=5e-2)
 
 
 def test_nccl_world_size_one(cuda_ranks):
@@ -103,8 +102,10 @@ def test_networks_on_cuda(cuda_ranks, name, size, strategy, grid):
 
 @pytest.mark.parametrize("strategy", ["data", "spatial", "channel"])
 def test_bf16_autocast_channels_last(cuda_ranks, strategy):
-    for triples in cuda_ranks(2).run(autocast_channels_last, strategy):
-        assert_results([(label, got, want, BF16) for label, got, want in triples])
+    for (_, mine, exact), (_, dense, _) in cuda_ranks(2).run(autocast_channels_last, strategy):
+        # Within twice the dense model's own bf16 error (and 0.01) of the float32 output.
+        bound = 2 * (dense - exact).abs().max().item() + 1e-2
+        torch.testing.assert_close(mine, exact, rtol=0, atol=bound)
 
 
 MPIEXEC = shutil.which("mpiexec", path=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
