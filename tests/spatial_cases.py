@@ -240,16 +240,45 @@ def edges_left_out(comm: Communicator, size: tuple[int, int], grid=None) -> list
     return bad
 
 
-def saved_bytes(comm: Communicator, hw: tuple[int, int], grid=None, stride: int = 1):
-    """What a spatial 3x3 convolution keeps for backward beyond its parameters and its input
-    block (which the previous layer saves anyway), measured with saved_tensors_hooks: the
-    edge path keeps only thin slabs, where assembling the halo-extended block (the general
-    path, taken by a stride of 2) keeps a copy."""
-    from parallelkit.nn import SpatialParallelConv2d
+def transposed_halos_left_out(comm: Communicator, size: tuple[int, int], grid=None) -> list[str]:
+    """Negative control of the transposed edge path: with no halo rows fetched (every block
+    scattered alone), the output and the gradients must not match."""
+    import dataclasses
+
+    from parallelkit.nn import spatial_edges
+
+    real = spatial_edges.transposed_plan
+
+    def no_halos(*args):
+        plans = real(*args)
+        assert plans is not None, "the control needs the edge path"
+        return tuple(dataclasses.replace(e, lo=0, hi=0) for e in plans)
+
+    spatial_edges.transposed_plan = no_halos
+    try:
+        _, bad = failures(comm, "convT", [dict(kernel_size=4, stride=2, padding=1)], size, grid)
+    finally:
+        spatial_edges.transposed_plan = real
+    return bad
+
+
+def saved_bytes(
+    comm: Communicator, hw: tuple[int, int], grid=None, stride: int = 1, kind: str = "conv"
+):
+    """What a spatial 3x3 convolution (``kind="convT"``: a 4x4, stride 2 transposed one)
+    keeps for backward beyond its parameters and its input block (which the previous layer
+    saves anyway), measured with saved_tensors_hooks: the edge path keeps only thin slabs,
+    where assembling the halo-extended block (the general path, taken by a stride of 2) keeps
+    a copy."""
+    from parallelkit.nn import SpatialConvTranspose2d, SpatialParallelConv2d
 
     torch.manual_seed(0)
-    dense = nn.Conv2d(8, 8, 3, stride, padding=1).double()
-    layer = SpatialParallelConv2d.from_dense(dense, comm, grid)
+    if kind == "convT":
+        dense = nn.ConvTranspose2d(8, 8, 4, 2, padding=1).double()
+        layer = SpatialConvTranspose2d.from_dense(dense, comm, grid)
+    else:
+        dense = nn.Conv2d(8, 8, 3, stride, padding=1).double()
+        layer = SpatialParallelConv2d.from_dense(dense, comm, grid)
     x = torch.randn(2, 8, *hw, dtype=torch.float64)
     x_blk = pk.spatial.scatter(x, comm, grid).requires_grad_()
     known = {x_blk.data_ptr(), layer.weight.data_ptr()}

@@ -21,6 +21,7 @@ from spatial_cases import (
     overlapped,
     saved_bytes,
     scatter_gather,
+    transposed_halos_left_out,
 )
 
 CONVS = list(conv_configs())
@@ -128,6 +129,25 @@ def test_conv_with_the_halo_fetched_during_the_block(ranks, size, grid):
 def test_edge_path_without_the_halo_terms_does_not_match(ranks, size, hw, grid):
     for bad in ranks(size).run(edges_left_out, hw, grid):
         assert any("output" in b for b in bad) and any("input grad" in b for b in bad), bad
+
+
+@pytest.mark.parametrize(
+    ("size", "hw", "grid"), [(2, (8, 5), None), (3, (11, 6), None), (4, (7, 6), (2, 2))]
+)
+def test_transposed_edge_path_without_the_halo_rows_does_not_match(ranks, size, hw, grid):
+    bad = ranks(size).run(transposed_halos_left_out, hw, grid)
+    assert all(any("output" in b for b in mine) for mine in bad), bad
+    assert any("input grad" in b for mine in bad for b in mine), bad
+
+
+@pytest.mark.parametrize(("size", "grid"), [(2, None), (2, (1, 2)), (4, (2, 2))])
+def test_spatial_conv_transpose_saves_little_beyond_its_block(ranks, size, grid):
+    """A 4x4, stride 2 transposed convolution scatters its block as it is: it keeps one halo
+    row per side and split dimension (the 2-D grid's rows with their corner columns)."""
+    for saved in ranks(size).run(saved_bytes, (24, 20), grid, 1, "convT"):
+        rows = 2 * saved["row"] * (saved["w"] + 2) / saved["w"] if size == 4 else 0
+        line = saved["column"] if grid == (1, 2) else saved["row"]
+        assert 0 < saved["extra"] <= rows + 2 * line, saved
 
 
 @pytest.mark.parametrize(

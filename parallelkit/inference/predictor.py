@@ -27,7 +27,7 @@ import copy
 import itertools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -132,9 +132,12 @@ class Predictor:
         return out
 
     def __call__(self, sample: SampleReader, output: Output | None = None,
-                 probabilities: bool = False) -> Result:
+                 probabilities: bool = False,
+                 stage: Callable[[str], None] | None = None) -> Result:
         """Predict ``sample`` (collective over the spatial group): read this rank's block, run
-        it, and write it to ``output`` (None: write nothing)."""
+        it, and write it to ``output`` (None: write nothing). ``stage`` is told "reading",
+        "running" and "writing" as this rank's block enters each (a progress bar's note)."""
+        stage = stage or (lambda _: None)
         started = time.perf_counter()
         size = tuple(sample.size)
         run = self.padded(size, sample.channels)
@@ -142,14 +145,17 @@ class Predictor:
         inside = tuple(slice(min(s.start, n), min(s.stop, n)) for s, n in zip(block, size,
                                                                                strict=True))
         kept = (slice(None), *(slice(0, s.stop - s.start) for s in inside))
+        stage("reading")
         if run == size:
             x_blk = self.read(sample, block)
         else:  # zeros (the mean, once normalized) past the sample's far end
             x_blk = torch.zeros(1, sample.channels, *(s.stop - s.start for s in block),
                                 dtype=self.dtype)
             x_blk[0][kept] = self.read(sample, inside)[0]
+        stage("running")
         logits = self.logits(x_blk.to(self.device))[0][kept].cpu()  # (K, *inside): unpadded
         if output is not None:
+            stage("writing")
             probs = logits.float().softmax(0).numpy() if probabilities else None
             classes = logits.argmax(0).to(torch.uint8).numpy()
             write_in_turns(self.comm, self.blocks.axes(len(size)), size, inside, output,

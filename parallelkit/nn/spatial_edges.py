@@ -35,7 +35,7 @@ Legend: ``p`` halo rows per side, ``h`` this rank's rows along the split dimensi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -43,7 +43,8 @@ import torch
 import torch.nn.functional as F
 
 import parallelkit.functional as pkf
-from parallelkit.geometry import Window, tensor_split_sizes
+from parallelkit.geometry import Window, starts, tensor_split_sizes
+from parallelkit.nn.spatial_fetch import crop
 from parallelkit.spatial.grid import SpatialGrid
 
 _exchanges = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parallelkit-halo")
@@ -51,6 +52,7 @@ _exchanges = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parallelkit-h
 
 CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 """The torch convolution of a sample with 1, 2 or 3 spatial dimensions."""
+CONV_TRANSPOSE = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
 def convolve(
@@ -190,7 +192,7 @@ def conv(
         # edge rows of the block with the halos fetched so far beside it: edges and corners.
         halos: list[tuple[torch.Tensor, torch.Tensor]] = []
         for k, e in enumerate(edges):
-            edge = _extended_edges(x_blk, halos, edges[:k], e.dim, e.p)
+            edge = _extended_edges(x_blk, halos, edges[:k], e.dim, e.p, e.p)
             out = pkf.halo_exchange(edge, axes[e.dim - 2][0], e.dim, e.p, e.p)
             halos.append((out.narrow(e.dim, 0, e.p), out.narrow(e.dim, 3 * e.p, e.p)))
         return halos
@@ -208,21 +210,155 @@ def conv(
     return add_halo_terms(y, halos, weight, edges, padding, dilation, groups)
 
 
+@dataclass(frozen=True)
+class TransposedEdge:
+    """A split dimension of a transposed convolution's edge path: the tensor dimension, the
+    ``lo`` rows before this rank's block and ``hi`` after it that every rank's output block
+    may receive from (the largest over the ranks), this rank's first input row and its output
+    block ``(o0, rows)``."""
+
+    dim: int
+    lo: int
+    hi: int
+    rank: int
+    parts: int
+    first: int
+    block: tuple[int, int]
+
+
+def transposed_plan(
+    grid: SpatialGrid,
+    size: Sequence[int],
+    out_rows: Callable[[int, int], int],
+    needs: Callable[[int, int, int, int], tuple[int, int]],
+) -> tuple[TransposedEdge, ...] | None:
+    """The edge plan of a transposed convolution (``out_rows`` and ``needs`` as in
+    :func:`~parallelkit.nn.spatial_fetch.fetch_ranges`), last split dimension first; None
+    where a block is empty or thinner than the rows its neighbours want from it."""
+    axes = grid.axes(len(size))
+    split = [d for d in reversed(range(len(size))) if axes[d][1] > 1]
+    plans = []
+    for d in split:
+        _, parts, rank = axes[d]
+        sizes = tensor_split_sizes(size[d], parts)
+        outs = tensor_split_sizes(out_rows(d, size[d]), parts)
+        firsts, o_firsts = starts(sizes), starts(outs)
+        lo = hi = 0
+        for r in range(parts):
+            a, b = needs(d, o_firsts[r], o_firsts[r] + outs[r], size[d])
+            if b > a:
+                lo, hi = max(lo, firsts[r] - a), max(hi, b - firsts[r] - sizes[r])
+        if min(sizes) < max(lo, hi, 1) or min(outs) < 1:
+            return None
+        plans.append(
+            TransposedEdge(2 + d, lo, hi, rank, parts, firsts[rank], (o_firsts[rank], outs[rank]))
+        )
+    return tuple(plans) if plans else None
+
+
+def conv_transpose(
+    x_blk: torch.Tensor,
+    weight: torch.Tensor,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+    grid: SpatialGrid,
+    edges: tuple[TransposedEdge, ...],
+    size: Sequence[int],
+    out_size: Sequence[int],
+) -> torch.Tensor:
+    """This rank's output block (no bias) of a transposed convolution, its block never copied.
+
+    Transposed convolution is linear and each input row scatters into output rows at a fixed
+    place (``i * stride - padding``), so the output block is the block's own scatter plus the
+    halo rows' scatters, each added where it lands. The block's own is computed in place and
+    cut to the output block (a view); the halo rows come from one exchange per split
+    dimension, extended by the halos of the dimensions before it as in :func:`conv` (edges and
+    corners), and only those thin slabs are scattered again.
+    """
+    ndim = x_blk.dim() - 2
+    axes = grid.axes(ndim)
+    by_dim = {e.dim: e for e in edges}
+    halos: list[tuple[torch.Tensor, torch.Tensor]] = []
+    exchanged: list[torch.Tensor] = []
+    for k, e in enumerate(edges):
+        edge = _extended_edges(x_blk, halos, edges[:k], e.dim, e.hi, e.lo)
+        out = pkf.halo_exchange(edge, axes[e.dim - 2][0], e.dim, e.lo, e.hi)
+        halos.append((out.narrow(e.dim, 0, e.lo), out.narrow(e.dim, 2 * e.lo + e.hi, e.hi)))
+        exchanged.append(out)
+    # Output blocks and the global input row each tensor's local row 0 holds, per dimension.
+    blocks = [by_dim[2 + j].block if 2 + j in by_dim else (0, out_size[j]) for j in range(ndim)]
+    own = [by_dim[2 + j].first if 2 + j in by_dim else 0 for j in range(ndim)]
+
+    def scatter(t: torch.Tensor) -> torch.Tensor:
+        return CONV_TRANSPOSE[ndim](t, weight, None, stride, 0, 0, groups, dilation)
+
+    y = _place(scatter(x_blk), [own[j] * stride[j] - padding[j] for j in range(ndim)], blocks)
+    for k, e in enumerate(edges):
+        rows = [own[j] - by_dim[2 + j].lo if 2 + j in by_dim and by_dim[2 + j] in edges[:k]
+                else own[j] for j in range(ndim)]  # fmt: skip
+        j = e.dim - 2
+        before, after = halos[k]
+        used = False
+        for slab, first, real in (
+            (before, own[j] - e.lo, e.rank > 0),  # rank 0's rows before are zeros
+            (after, own[j] + x_blk.shape[e.dim], e.rank < e.parts - 1),
+        ):
+            if real and slab.shape[e.dim] > 0:
+                rows[j] = first
+                origin = [rows[i] * stride[i] - padding[i] for i in range(ndim)]
+                used |= _add_overlap(y, scatter(slab), origin, blocks)
+        if not used:  # the exchange's backward runs on every rank: it is a collective
+            y.add_(0 * exchanged[k].sum())
+    return y
+
+
+def _place(
+    t: torch.Tensor, origin: Sequence[int], blocks: Sequence[tuple[int, int]]
+) -> torch.Tensor:
+    """``t`` (local row 0 at global row ``origin``) as the output block ``blocks``: cut to it
+    (a view) where it covers the block, else a zero block with ``t``'s overlap added."""
+    spans = zip(blocks, origin, t.shape[2:], strict=True)
+    if all(t0 <= o0 and o0 + o <= t0 + n for (o0, o), t0, n in spans):
+        return crop(t, origin, blocks)
+    y = t.new_zeros(*t.shape[:2], *(o for _, o in blocks))
+    _add_overlap(y, t, origin, blocks)
+    return y
+
+
+def _add_overlap(
+    y: torch.Tensor, term: torch.Tensor, origin: Sequence[int], blocks: Sequence[tuple[int, int]]
+) -> bool:
+    """Add to ``y`` (the output block ``blocks``) the part of ``term`` (whose local row 0 is
+    global row ``origin``, per dimension) that lands inside it; whether any does."""
+    for j, ((o0, o), t0) in enumerate(zip(blocks, origin, strict=True)):
+        lo, hi = max(o0, t0), min(o0 + o, t0 + term.shape[2 + j])
+        if hi <= lo:
+            return False
+        y = y.narrow(2 + j, lo - o0, hi - lo)
+        term = term.narrow(2 + j, lo - t0, hi - lo)
+    y.add_(term)
+    return True
+
+
 def _extended_edges(
     x: torch.Tensor,
     halos: list[tuple[torch.Tensor, torch.Tensor]],
-    done: Sequence[EdgePlan],
+    done: Sequence[EdgePlan | TransposedEdge],
     dim: int,
-    p: int,
+    first: int,
+    last: int,
 ) -> torch.Tensor:
-    """The first and last ``p`` rows along ``dim`` of ``x`` extended by the halos fetched so
-    far (along the dimensions of ``done``), built from the pieces' edges: the block itself is
-    never copied."""
+    """The first ``first`` and last ``last`` rows along ``dim`` of ``x`` extended by the halos
+    fetched so far (along the dimensions of ``done``), built from the pieces' edges: the block
+    itself is never copied."""
     if not done:
-        return _edges(x, dim, p)
+        return _edges(x, dim, first, last)
     lo, hi = halos[len(done) - 1]
-    inner = _extended_edges(x, halos, done[:-1], dim, p)
-    return torch.cat([_edges(lo, dim, p), inner, _edges(hi, dim, p)], done[-1].dim)
+    inner = _extended_edges(x, halos, done[:-1], dim, first, last)
+    pieces = [_edges(lo, dim, first, last), inner, _edges(hi, dim, first, last)]
+    return torch.cat(pieces, done[-1].dim)
 
 
 def add_halo_terms(
@@ -255,10 +391,11 @@ def add_halo_terms(
     return y
 
 
-def _edges(t: torch.Tensor, dim: int, p: int) -> torch.Tensor:
-    """The first and the last ``p`` rows of ``t`` along ``dim``, one after the other."""
+def _edges(t: torch.Tensor, dim: int, first: int, last: int) -> torch.Tensor:
+    """The first ``first`` and the last ``last`` rows of ``t`` along ``dim``, one after the
+    other."""
     n = t.shape[dim]
-    return torch.cat([t.narrow(dim, 0, p), t.narrow(dim, n - p, p)], dim)
+    return torch.cat([t.narrow(dim, 0, first), t.narrow(dim, n - last, last)], dim)
 
 
 def _pad(ndim: int, dim: int, before: int, after: int) -> list[int]:

@@ -84,11 +84,19 @@ def fetch_ranges(
 
 def crop(y: torch.Tensor, origins: Sequence[int], blocks: Sequence[tuple[int, int]]):
     """Cut (or zero-extend) a local result whose first row along each dimension is global row
-    ``origins[dim]`` to this rank's output block ``(o0, rows)``: negative pads crop."""
+    ``origins[dim]`` to this rank's output block ``(o0, rows)``.
+
+    A cut is a view of ``y``, not a copy: the layer's result is the largest tensor it makes,
+    and a copy of it beside ``y`` would be the layer's peak (the few rows cut off stay
+    allocated instead). Only rows that no input reaches are zero-extended, by ``F.pad``."""
     pads: list[int] = []
     for dim, (origin, (o0, o)) in enumerate(zip(origins, blocks, strict=True)):
         pads = [origin - o0, o0 + o - origin - y.shape[2 + dim], *pads]  # F.pad: last dim first
-    return F.pad(y, pads)
+    if any(v > 0 for v in pads):
+        return F.pad(y, pads)
+    for dim, (origin, (o0, o)) in enumerate(zip(origins, blocks, strict=True)):
+        y = y.narrow(2 + dim, o0 - origin, o)
+    return y
 
 
 def empty_output(

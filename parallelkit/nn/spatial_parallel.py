@@ -205,10 +205,13 @@ class _SpatialConvTranspose:
     kernel 4, stride 2, padding 1 upsampling); the 1-D and 3-D classes alike.
 
     Output row o receives from input rows i with ``i * stride - padding + dilation * t = o``.
-    Each rank fetches the input rows its output block receives from (geometry:
-    :func:`~parallelkit.geometry.transposed_needs`), runs the transposed convolution on them
-    with no padding, and crops (or zero-extends, where no input row reaches) the result to its
-    block. The bias is added after cropping, so rows that no input reaches get it too.
+    Where every block holds the rows its neighbours want from it, the block is scattered as
+    it is and only the halo rows' scatters are added (:func:`spatial_edges.conv_transpose`: no
+    copy of the block). Otherwise each rank fetches the input rows its output block receives
+    from (geometry: :func:`~parallelkit.geometry.transposed_needs`), runs the transposed
+    convolution on them with no padding, and crops (a view; or zero-extends, where no input
+    row reaches) the result to its block. The bias is added after cropping, so rows that no
+    input reaches get it too.
     """
 
     dense: type[nn.Module]
@@ -248,17 +251,25 @@ class _SpatialConvTranspose:
         def needs(dim: int, o0: int, o1: int, n: int) -> tuple[int, int]:
             return transposed_needs(o0, o1, n, k[dim], s[dim], p[dim], d[dim])
 
-        x_blk, blocks, firsts = fetch_ranges(x_blk, self.grid, size, self._out_rows, needs)
-        out_size = tuple(rows for _, rows in blocks)
         weight = layout.replicated(self.weight, self.comm)
         bias = None if self.bias is None else layout.replicated(self.bias, self.comm)
+        edges = spatial_edges.transposed_plan(self.grid, size, self._out_rows, needs)
+        if edges is not None:
+            y = spatial_edges.conv_transpose(
+                x_blk, weight, s, p, d, self.groups, self.grid, edges, size, self.out_size(size)
+            )
+            return y if bias is None else y.add_(bias.view(-1, *(1,) * ndim))
+        x_blk, blocks, firsts = fetch_ranges(x_blk, self.grid, size, self._out_rows, needs)
+        out_size = tuple(rows for _, rows in blocks)
         if min(out_size) == 0 or min(x_blk.shape[2:]) == 0:
             y = empty_output(x_blk, self.out_channels, out_size, x_blk, weight)
         else:
             y = CONV_TRANSPOSE[ndim](x_blk, weight, None, s, 0, 0, self.groups, d)
             # Local row 0 is where the first fetched input row lands: a * stride - padding.
             y = crop(y, [firsts[i] * s[i] - p[i] for i in range(ndim)], blocks)
-        return y if bias is None else y + bias.view(-1, *(1,) * ndim)
+        # In place: y is this layer's own (the convolution's output, or a view of it, whose
+        # backward does not read it), and a copy would double the layer's largest tensor.
+        return y if bias is None else y.add_(bias.view(-1, *(1,) * ndim))
 
     def _out_rows(self, dim: int, n: int) -> int:
         span = self.dilation[dim] * (self.kernel_size[dim] - 1) + 1

@@ -24,8 +24,10 @@ The launcher's checks (:func:`check`) come first, each a one-line error and exit
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -250,17 +252,23 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
         print(f"parallelkit predict: {len(found)} samples ({sum(done)} already written) from "
               f"{found[0].image.parent} with {folder}, {comm.size} ranks ({comm.backend}), "
               f"{grid}", flush=True)
-    bar = _bar(lead, len(mine))
+    dims_n = dims_of(cfg)
+    per_sample = math.prod(predictor.blocks.counts(dims_n))  # blocks: the spatial group's ranks
+    bar = _bar(lead, len(mine), per_sample)
     started, voxels, k = time.perf_counter(), 0, cfg.data.num_classes
     counts = torch.zeros(3, k, dtype=torch.float64)
-    dims_n = dims_of(cfg)
-    for i in mine:
-        result, mask = predict_one(cfg, predictor, found[i], out, dims_n)
+    for j, i in enumerate(mine):
+        stage = None
+        if bar is not None:
+            bar.set_description(f"predict: sample {j + 1}/{len(mine)}", refresh=False)
+            stage = lambda what, name=found[i].name: bar.set_postfix_str(  # noqa: E731
+                f"{name}, {what} {per_sample} blocks")
+        result, mask = predict_one(cfg, predictor, found[i], out, dims_n, stage)
         voxels += result.voxels
         if mask is not None:
             counts += score_block(result.logits, mask, result.block)[0]
         if bar is not None:
-            bar.update(1)
+            bar.update(per_sample)  # the sample's blocks are written: its write is collective
     if bar is not None:
         bar.close()
     seconds = time.perf_counter() - started
@@ -276,9 +284,10 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
 
 
 def predict_one(cfg: Config, predictor: Predictor, sample: Sample, out: Path, dims: int,
+                stage: Callable[[str], None] | None = None,
                 ) -> tuple[Result, SampleReader | None]:
     """One sample over this rank's spatial group, made under temporary names and renamed
-    whole; its result and its mask (None without one)."""
+    whole; its result and its mask (None without one). ``stage`` as in ``Predictor``."""
     p, comm = cfg.predict, predictor.comm
     reader = SampleReader(sample.image, dims)
     mask = SampleReader(sample.mask, dims) if sample.mask else None
@@ -286,16 +295,18 @@ def predict_one(cfg: Config, predictor: Predictor, sample: Sample, out: Path, di
     probabilities = p.dtype if p.probabilities else None
     with outputs.writing(p.format, out / sample.name, reader, cfg.data.num_classes, comm, counts,
                          probabilities) as output:
-        result = predictor(reader, output, probabilities=p.probabilities)
+        result = predictor(reader, output, probabilities=p.probabilities, stage=stage)
     return result, mask
 
 
-def _bar(lead: bool, total: int):
+def _bar(lead: bool, samples: int, per_sample: int):
+    """Rank 0's bar over its data group's samples, counted in blocks (``per_sample`` each);
+    its note says which sample and what its blocks are doing."""
     if not lead:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="predict (rank 0's samples)", unit="sample", file=sys.stderr,
+    return tqdm(total=samples * per_sample, desc="predict", unit="block", file=sys.stderr,
                 dynamic_ncols=True)
 
 
