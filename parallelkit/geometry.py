@@ -138,6 +138,23 @@ def transposed_needs(
     return (lo, hi) if hi > lo else (0, 0)
 
 
+def transposed_halo(
+    n: int, m: int, parts: int, kernel: int, stride: int, padding: int, dilation: int
+) -> tuple[int, int] | None:
+    """``(lo, hi)``: the most input rows before and after its own block that any rank's output
+    block of a transposed convolution receives from (``n`` input rows and ``m`` output rows in
+    ``parts`` tensor_split blocks); None where a block is empty or thinner than the rows its
+    neighbours want from it, so that the edge path
+    (:func:`parallelkit.nn.spatial_edges.conv_transpose`) does not apply."""
+    sizes, outs = tensor_split_sizes(n, parts), tensor_split_sizes(m, parts)
+    lo = hi = 0
+    for a0, size, o0, o in zip(starts(sizes), sizes, starts(outs), outs, strict=True):
+        a, b = transposed_needs(o0, o0 + o, n, kernel, stride, padding, dilation)
+        if b > a:
+            lo, hi = max(lo, a0 - a), max(hi, b - a0 - size)
+    return (lo, hi) if min(sizes) >= max(lo, hi, 1) and min(outs) >= 1 else None
+
+
 def received_rows(sizes: Sequence[int], want: Sequence[Range]) -> list[int]:
     """How many rows each rank receives from other ranks when it fetches ``want`` (what
     :func:`parallelkit.functional.gather_rows` moves): the wanted rows inside the tensor that

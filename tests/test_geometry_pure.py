@@ -8,7 +8,14 @@ import torch
 import torch.nn.functional as F
 
 from parallelkit.comm import tensor_split_sizes
-from parallelkit.geometry import Window, blocks, conv_padding, received_rows, transposed_needs
+from parallelkit.geometry import (
+    Window,
+    blocks,
+    conv_padding,
+    received_rows,
+    transposed_halo,
+    transposed_needs,
+)
 
 
 def test_tensor_split_sizes_match_torch():
@@ -99,6 +106,33 @@ def test_transposed_needs_by_brute_force(k, s, p, d):
             assert set(used) <= set(range(lo, hi)), (o0, o1, used, lo, hi)
             if used:  # a range: with dilation it may hold a few rows that no tap reaches
                 assert min(used) - d <= lo and hi <= max(used) + 1 + d, (o0, o1, used, lo, hi)
+
+
+@pytest.mark.parametrize(
+    ("k", "s", "p", "op", "parts"),
+    [c for c in itertools.product((2, 3, 4), (1, 2), (0, 1), (0, 1), (2, 3)) if c[3] < c[1]],
+)
+def test_transposed_halo_covers_every_rank_by_brute_force(k, s, p, op, parts):
+    """The rows before and after its block that some rank's output block receives from (by
+    one-hot scatters) are within (lo, hi), and the widest rank needs all of them."""
+    n = 9
+    m = (n - 1) * s - 2 * p + k + op
+    w = torch.ones(1, 1, k, 1, dtype=torch.float64)
+    reach = []
+    for i in range(n):
+        x = torch.zeros(1, 1, n, 1, dtype=torch.float64)
+        x[0, 0, i] = 1
+        y = F.conv_transpose2d(x, w, None, (s, 1), (p, 0), output_padding=(op, 0))
+        reach.append(y[0, 0, :, 0])
+    halo = transposed_halo(n, m, parts, k, s, p, 1)
+    assert halo is not None
+    before = after = 0
+    for (a0, a1), (o0, o1) in zip(blocks(n, parts), blocks(m, parts), strict=True):
+        used = [i for i in range(n) if reach[i][o0:o1].any()]
+        if used:
+            before, after = max(before, a0 - min(used)), max(after, max(used) + 1 - a1)
+    assert halo == (max(before, 0), max(after, 0)), (halo, before, after)
+    assert transposed_halo(3, 6, 4, 2, 2, 0, 1) is None  # a rank without rows
 
 
 def test_received_rows():

@@ -1,4 +1,4 @@
-"""A spatial convolution that never copies its block: convolve in place, then fix the edges.
+"""Spatial convolutions that never copy their block: convolve in place, then fix the edges.
 
 The general path of :class:`~parallelkit.nn.SpatialParallelConv2d` assembles its block with the
 halo rows around it (one copy of the block) and convolves that; autograd then keeps the
@@ -30,12 +30,20 @@ Conditions (:func:`plan`): along every split dimension stride 1 and equal paddin
 (``span = 2p + 1``) with ``p >= 1`` and every block at least ``p`` rows; equal padding along
 a dimension that is not split (torch pads it natively).
 
+A transposed convolution (:func:`conv_transpose`, e.g. a U-Net's stride-2 upsampling) is
+linear too, and each input row scatters into output rows at a fixed place, so the same holds
+with the roles turned: the block is scattered as it is and cut to the output block (a view),
+and the ``lo`` rows before it and ``hi`` after it that the output block also receives from
+(:func:`transposed_plan`; often one row, on one side) are scattered from thin slabs and added
+where they land. Its condition: every block at least as thick as the rows its neighbours want
+from it.
+
 Legend: ``p`` halo rows per side, ``h`` this rank's rows along the split dimension.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -43,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 import parallelkit.functional as pkf
-from parallelkit.geometry import Window, starts, tensor_split_sizes
+from parallelkit.geometry import Window, starts, tensor_split_sizes, transposed_halo
 from parallelkit.nn.spatial_fetch import crop
 from parallelkit.spatial.grid import SpatialGrid
 
@@ -229,30 +237,29 @@ class TransposedEdge:
 def transposed_plan(
     grid: SpatialGrid,
     size: Sequence[int],
-    out_rows: Callable[[int, int], int],
-    needs: Callable[[int, int, int, int], tuple[int, int]],
+    out_size: Sequence[int],
+    kernel: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
 ) -> tuple[TransposedEdge, ...] | None:
-    """The edge plan of a transposed convolution (``out_rows`` and ``needs`` as in
-    :func:`~parallelkit.nn.spatial_fetch.fetch_ranges`), last split dimension first; None
-    where a block is empty or thinner than the rows its neighbours want from it."""
+    """The edge plan of a transposed convolution from ``size`` to ``out_size``, last split
+    dimension first; None where :func:`~parallelkit.geometry.transposed_halo` says a block is
+    too thin."""
     axes = grid.axes(len(size))
-    split = [d for d in reversed(range(len(size))) if axes[d][1] > 1]
     plans = []
-    for d in split:
+    for d in reversed(range(len(size))):
         _, parts, rank = axes[d]
-        sizes = tensor_split_sizes(size[d], parts)
-        outs = tensor_split_sizes(out_rows(d, size[d]), parts)
-        firsts, o_firsts = starts(sizes), starts(outs)
-        lo = hi = 0
-        for r in range(parts):
-            a, b = needs(d, o_firsts[r], o_firsts[r] + outs[r], size[d])
-            if b > a:
-                lo, hi = max(lo, firsts[r] - a), max(hi, b - firsts[r] - sizes[r])
-        if min(sizes) < max(lo, hi, 1) or min(outs) < 1:
+        if parts == 1:
+            continue
+        halo = transposed_halo(size[d], out_size[d], parts, kernel[d], stride[d], padding[d],
+                               dilation[d])  # fmt: skip
+        if halo is None:
             return None
-        plans.append(
-            TransposedEdge(2 + d, lo, hi, rank, parts, firsts[rank], (o_firsts[rank], outs[rank]))
-        )
+        first = starts(tensor_split_sizes(size[d], parts))[rank]
+        outs = tensor_split_sizes(out_size[d], parts)
+        block = (starts(outs)[rank], outs[rank])
+        plans.append(TransposedEdge(2 + d, *halo, rank, parts, first, block))
     return tuple(plans) if plans else None
 
 

@@ -253,10 +253,11 @@ class _SpatialConvTranspose:
 
         weight = layout.replicated(self.weight, self.comm)
         bias = None if self.bias is None else layout.replicated(self.bias, self.comm)
-        edges = spatial_edges.transposed_plan(self.grid, size, self._out_rows, needs)
+        out_size = self.out_size(size)
+        edges = spatial_edges.transposed_plan(self.grid, size, out_size, k, s, p, d)
         if edges is not None:
             y = spatial_edges.conv_transpose(
-                x_blk, weight, s, p, d, self.groups, self.grid, edges, size, self.out_size(size)
+                x_blk, weight, s, p, d, self.groups, self.grid, edges, size, out_size
             )
             return y if bias is None else y.add_(bias.view(-1, *(1,) * ndim))
         x_blk, blocks, firsts = fetch_ranges(x_blk, self.grid, size, self._out_rows, needs)

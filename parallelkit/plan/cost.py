@@ -48,7 +48,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from parallelkit.dims import GridDims
-from parallelkit.geometry import Window, blocks, received_rows, starts, transposed_needs
+from parallelkit.geometry import (
+    Window,
+    blocks,
+    received_rows,
+    starts,
+    transposed_halo,
+    transposed_needs,
+)
 from parallelkit.plan.measure import Profile
 from parallelkit.plan.network import Network
 from parallelkit.plan.walk import Layer, Net
@@ -367,10 +374,18 @@ def activation_bytes(net: Net, opt: Option, batch: int) -> float:
 def _edge_path(layer: Layer, opt: Option) -> bool:
     """A convolution that saves no fetched block (``parallelkit.nn.spatial_edges.plan``):
     stride 1 and equal padding along every dimension, "same" padding ``p >= 1`` along every
-    split one, whose blocks all hold at least ``p`` rows."""
+    split one, whose blocks all hold at least ``p`` rows; a transposed convolution whose
+    blocks all hold the rows their neighbours want (``transposed_plan``)."""
     parts = opt.parts(layer.dims) if layer.dims else ()
-    if layer.kind != "conv" or not any(p > 1 for p in parts):
+    if layer.kind not in ("conv", "convT") or not any(p > 1 for p in parts):
         return False
+    if layer.kind == "convT":
+        return all(
+            p == 1 or transposed_halo(n, m, p, k, s, pad, d) is not None
+            for (k, s, pad, _, d), p, n, m in zip(
+                layer.window, parts, layer.in_shape[1:], layer.out_shape[1:], strict=True
+            )
+        )
     return all(
         s == 1 and lo == hi and (p == 1 or (lo >= 1 and d * (k - 1) == 2 * lo and n // p >= lo))
         for (k, s, lo, hi, d), p, n in zip(layer.window, parts, layer.in_shape[1:], strict=True)
