@@ -136,6 +136,30 @@ def test_images_predicted_on_1_2_and_4_ranks_agree(runs, tmp_path):
 
 
 @pytest.mark.timeout(600)
+def test_tiff_input_predicts_as_the_zarr_input_does(runs, tmp_path):
+    """The 2-D test images as TIFF in a folder (``predict.input=``): one uncompressed
+    (memory-mapped), one tiled and compressed (read through tifffile's zarr store), on 2
+    ranks, against the OME-Zarr split on 1 rank."""
+    tifffile = pytest.importorskip("tifffile")
+    run, data = runs[2]
+    folder = tmp_path / "tiff"
+    folder.mkdir()
+    for t, options in enumerate(({}, {"tile": (16, 16), "compression": "zlib"})):
+        x = zarr.open_group(str(data / "test" / "images" / f"t{t}.ome.zarr"), mode="r")["0"][0]
+        tifffile.imwrite(folder / f"t{t}.tif", x, **options)
+    common = ["predict.format=npy", "predict.probabilities=true", "predict.dtype=float32"]
+    predict(f"train.run_dir={run}", f"predict.output={tmp_path / 'ref'}", *common)
+    predict(f"train.run_dir={run}", f"predict.input={folder}", f"predict.output={tmp_path / 'tif'}",
+            "parallel.ranks=2", "parallel.rows=2", *common)  # fmt: skip
+    for t, size in enumerate(TEST_SIZES[2]):
+        classes = np.load(tmp_path / "tif" / f"t{t}.npy")
+        assert classes.shape == size
+        _agree(classes, np.load(tmp_path / "tif" / f"t{t}_probabilities.npy"),
+               np.load(tmp_path / "ref" / f"t{t}.npy"),
+               np.load(tmp_path / "ref" / f"t{t}_probabilities.npy"))  # fmt: skip
+
+
+@pytest.mark.timeout(600)
 def test_volumes_predicted_as_nifti_keep_the_affine_and_agree_over_depth(runs, tmp_path):
     run, _ = runs[3]
     got = {}
