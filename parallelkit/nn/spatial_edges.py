@@ -272,7 +272,6 @@ def conv_transpose(
     groups: int,
     grid: SpatialGrid,
     edges: tuple[TransposedEdge, ...],
-    size: Sequence[int],
     out_size: Sequence[int],
 ) -> torch.Tensor:
     """This rank's output block (no bias) of a transposed convolution, its block never copied.
@@ -281,36 +280,39 @@ def conv_transpose(
     place (``i * stride - padding``), so the output block is the block's own scatter plus the
     halo rows' scatters, each added where it lands. The block's own is computed in place and
     cut to the output block (a view); the halo rows come from one exchange per split
-    dimension, extended by the halos of the dimensions before it as in :func:`conv` (edges and
-    corners), and only those thin slabs are scattered again.
+    dimension that has any (a 2x2, stride-2 one has none), extended by the halos of the
+    dimensions before it as in :func:`conv` (edges and corners), and only those thin slabs are
+    scattered again.
     """
     ndim = x_blk.dim() - 2
     axes = grid.axes(ndim)
     by_dim = {e.dim: e for e in edges}
-    halos: list[tuple[torch.Tensor, torch.Tensor]] = []
-    exchanged: list[torch.Tensor] = []
-    for k, e in enumerate(edges):
-        edge = _extended_edges(x_blk, halos, edges[:k], e.dim, e.hi, e.lo)
-        out = pkf.halo_exchange(edge, axes[e.dim - 2][0], e.dim, e.lo, e.hi)
-        halos.append((out.narrow(e.dim, 0, e.lo), out.narrow(e.dim, 2 * e.lo + e.hi, e.hi)))
-        exchanged.append(out)
     # Output blocks and the global input row each tensor's local row 0 holds, per dimension.
     blocks = [by_dim[2 + j].block if 2 + j in by_dim else (0, out_size[j]) for j in range(ndim)]
     own = [by_dim[2 + j].first if 2 + j in by_dim else 0 for j in range(ndim)]
+    moving = tuple(e for e in edges if e.lo or e.hi)
+    halos: list[tuple[torch.Tensor, torch.Tensor]] = []
+    exchanged: list[torch.Tensor] = []
+    for k, e in enumerate(moving):
+        edge = _extended_edges(x_blk, halos, moving[:k], e.dim, e.hi, e.lo)
+        out = pkf.halo_exchange(edge, axes[e.dim - 2][0], e.dim, e.lo, e.hi)
+        halos.append((out.narrow(e.dim, 0, e.lo), out.narrow(e.dim, 2 * e.lo + e.hi, e.hi)))
+        exchanged.append(out)
 
     def scatter(t: torch.Tensor) -> torch.Tensor:
         return CONV_TRANSPOSE[ndim](t, weight, None, stride, 0, 0, groups, dilation)
 
     y = _place(scatter(x_blk), [own[j] * stride[j] - padding[j] for j in range(ndim)], blocks)
-    for k, e in enumerate(edges):
-        rows = [own[j] - by_dim[2 + j].lo if 2 + j in by_dim and by_dim[2 + j] in edges[:k]
-                else own[j] for j in range(ndim)]  # fmt: skip
-        j = e.dim - 2
-        before, after = halos[k]
-        used = False
+    for k, e in enumerate(moving):
+        # A slab's first row per dimension: its own rows' first, less the halo rows carried
+        # along the dimensions exchanged before it; along this one, the halo's first.
+        rows = list(own)
+        for f in moving[:k]:
+            rows[f.dim - 2] -= f.lo
+        j, used = e.dim - 2, False
         for slab, first, real in (
-            (before, own[j] - e.lo, e.rank > 0),  # rank 0's rows before are zeros
-            (after, own[j] + x_blk.shape[e.dim], e.rank < e.parts - 1),
+            (halos[k][0], own[j] - e.lo, e.rank > 0),  # rank 0's rows before are zeros
+            (halos[k][1], own[j] + x_blk.shape[e.dim], e.rank < e.parts - 1),
         ):
             if real and slab.shape[e.dim] > 0:
                 rows[j] = first

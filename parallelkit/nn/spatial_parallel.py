@@ -257,7 +257,7 @@ class _SpatialConvTranspose:
         edges = spatial_edges.transposed_plan(self.grid, size, out_size, k, s, p, d)
         if edges is not None:
             y = spatial_edges.conv_transpose(
-                x_blk, weight, s, p, d, self.groups, self.grid, edges, size, out_size
+                x_blk, weight, s, p, d, self.groups, self.grid, edges, out_size
             )
             return y if bias is None else y.add_(bias.view(-1, *(1,) * ndim))
         x_blk, blocks, firsts = fetch_ranges(x_blk, self.grid, size, self._out_rows, needs)
