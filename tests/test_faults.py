@@ -28,7 +28,7 @@ import torch
 from jobs import CLI, TINY, Job, rank_pid, records, report, run
 
 from parallelkit.testing import free_port
-from parallelkit.train import files
+from parallelkit.train import files, rundir
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -154,17 +154,42 @@ def test_pruning_leaves_other_runs_alone_and_stale_files_go(first_run, tmp_path)
 
 
 def test_overwrite_removes_only_what_the_earlier_run_wrote(first_run, tmp_path):
-    # Issue 23, item 7: a classify run never wrote samples/; the user's files there stay.
+    # A classify run never wrote samples/: files there named like a GAN run's stay, as do a
+    # user's files in every output folder, named like the run's own or not.
     run_dir = tmp_path / "run"
     shutil.copytree(first_run, run_dir)
-    mine = [run_dir / "samples" / "mine.png", run_dir / "notes.txt"]
-    mine[0].parent.mkdir()
+    assert "model.pt" in (run_dir / rundir.RECORD).read_text().split()
+    mine = [run_dir / "samples" / "epoch-001.png", run_dir / "notes.txt",
+            run_dir / "checkpoints" / "step-notes.txt", run_dir / "model.pt.bak",
+            run_dir / "tensorboard" / "events.out.tfevents.1.host.1.0"]  # fmt: skip
     for p in mine:
+        p.parent.mkdir(exist_ok=True)
         p.write_bytes(b"the user's")
     status, out = run(run_dir, *TINY, "parallel.ranks=1", "train.max_steps=2",
                       "train.overwrite=true")  # fmt: skip
     assert status == 0, out
     assert all(p.read_bytes() == b"the user's" for p in mine)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "step-000000002", "step-notes.txt"]  # fmt: skip
+
+
+def test_overwrite_never_follows_a_link_out_of_the_run(first_run, tmp_path):
+    # samples/ links to the user's folder, and the record names a file there (as a GAN run
+    # writing into the linked folder would have): overwrite leaves it and the link alone.
+    run_dir = tmp_path / "run"
+    shutil.copytree(first_run, run_dir)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    theirs = elsewhere / "epoch-001.png"
+    theirs.write_bytes(b"the user's")
+    (run_dir / "samples").symlink_to(elsewhere, target_is_directory=True)
+    with (run_dir / rundir.RECORD).open("a") as f:
+        f.write("samples/epoch-001.png\n../elsewhere/epoch-001.png\n")
+    status, out = run(run_dir, *TINY, "parallel.ranks=1", "train.max_steps=2",
+                      "train.overwrite=true")  # fmt: skip
+    assert status == 0, out
+    assert theirs.read_bytes() == b"the user's"
+    assert (run_dir / "samples").is_symlink()
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step-000000002"]
 
 

@@ -21,6 +21,7 @@ from typing import Any
 from tqdm import tqdm
 
 from parallelkit.train.files import atomic_text
+from parallelkit.train.rundir import record
 
 
 class Monitor:
@@ -41,8 +42,10 @@ class Monitor:
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir = run_dir
         path = run_dir / "metrics.jsonl"
         atomic_text(path, kept_records(path, resume_step) if resume_step is not None else "")
+        record(run_dir, path)
         self.jsonl = path.open("a")
         if tensorboard:
             try:
@@ -104,7 +107,9 @@ class Monitor:
         if self.enabled:
             self.jsonl.close()
             if self.writer is not None:
-                self.writer.close()
+                self.writer.close()  # its event file names end in this process's pid
+                pattern = f"tensorboard/**/events.out.tfevents.*.{os.getpid()}.*"
+                record(self.run_dir, *self.run_dir.glob(pattern))
 
 
 def kept_records(path: Path, step: int) -> str:

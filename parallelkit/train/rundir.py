@@ -63,20 +63,23 @@ ALLOWED_TO_DIFFER = (
     "parallel.bucket_cap_mb",
     "data.workers",
 )
-# What train.overwrite=true deletes: the files an earlier run wrote, by their names, and a
-# directory only when that leaves it empty; anything else a user keeps there stays.
-OUTPUTS = (
-    "checkpoints/step-*",
-    "metrics.jsonl",
-    "tensorboard/**/events.out.tfevents.*",
-    "samples/epoch-*.png",
-    "model.pt",
-    "generator.pt",
-    "discriminator.pt",
-    "curves.png",
-    "normalization.json",
-)
+# What train.overwrite=true deletes: the files that parallelkit runs recorded writing (in
+# RECORD, by rank 0, as each is written) and the checkpoint folders, never through a symbolic
+# link and never outside run_dir; a directory only when that leaves it empty. Anything else a
+# user keeps there stays.
+RECORD = ".outputs"
 OUTPUT_DIRS = ("checkpoints", "tensorboard", "samples")
+
+
+def record(run_dir: Path, *paths: Path) -> None:
+    """Note that this run wrote ``paths`` (inside ``run_dir``), for a later overwrite."""
+    book = Path(run_dir) / RECORD
+    known = set(book.read_text().splitlines()) if book.is_file() else set()
+    new = [str(Path(p).relative_to(run_dir)) for p in paths]
+    new = [p for p in dict.fromkeys(new) if p not in known]
+    if new:
+        with book.open("a") as f:
+            f.write("".join(f"{p}\n" for p in new))
 
 
 def flat_config(cfg: Config) -> dict[str, Any]:
@@ -170,23 +173,44 @@ def check(cfg: Config, lock: bool = True) -> str | None:
 
 
 def clear_outputs(run_dir: Path) -> None:
-    """train.overwrite=true: remove the earlier run's outputs, and only those (rank 0, under
-    the lock): its files by their names, then its directories where they are left empty."""
-    for pattern in OUTPUTS:
-        for path in sorted(run_dir.glob(pattern)):
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            else:
-                path.unlink(missing_ok=True)
+    """train.overwrite=true: remove the earlier runs' outputs, and only those (rank 0, under
+    the lock): the files they recorded and their checkpoint folders, then their directories
+    where they are left empty. Nothing is reached through a symbolic link."""
+    book = run_dir / RECORD
+    recorded = book.read_text().splitlines() if book.is_file() else []
+    for name in recorded:
+        path = run_dir / name
+        if _own(run_dir, path) and path.is_file():
+            path.unlink()
+    for path in sorted((run_dir / "checkpoints").glob("step-*")):
+        if _own(run_dir, path) and path.is_dir():
+            shutil.rmtree(path)
     for name in OUTPUT_DIRS:
         folder = run_dir / name
-        if folder.is_dir() and not folder.is_symlink():
+        if _own(run_dir, folder) and folder.is_dir():
             for sub in sorted(folder.rglob("*"), reverse=True):  # deepest first
                 if sub.is_dir() and not sub.is_symlink():
                     with contextlib.suppress(OSError):
                         sub.rmdir()  # only when empty
             with contextlib.suppress(OSError):
                 folder.rmdir()
+    book.unlink(missing_ok=True)
+
+
+def _own(run_dir: Path, path: Path) -> bool:
+    """``path`` lies in ``run_dir`` without a symbolic link on the way (itself included)."""
+    try:
+        parts = path.relative_to(run_dir).parts
+    except ValueError:
+        return False
+    if ".." in parts:
+        return False
+    here = run_dir
+    for part in parts:
+        here = here / part
+        if here.is_symlink():
+            return False
+    return True
 
 
 class Lock:

@@ -29,6 +29,7 @@ from parallelkit import models
 from parallelkit.data import Loader
 from parallelkit.parallel import Grid
 from parallelkit.train.protocol import Losses, Metrics, Task, network, no_sync
+from parallelkit.train.rundir import record
 from parallelkit.train.schema import Config
 from parallelkit.train.segment import Segment
 
@@ -192,7 +193,10 @@ class Gan(Task):
         return {"loss_d": loss_d.detach(), "loss_g": loss_g.detach()}
 
     def end_epoch(self, epoch: int, run_dir: Path | None) -> None:
-        self.samples(run_dir / "samples" / f"epoch-{epoch + 1:03d}.png" if run_dir else None)
+        path = run_dir / "samples" / f"epoch-{epoch + 1:03d}.png" if run_dir else None
+        self.samples(path)
+        if run_dir is not None:
+            record(run_dir, path)
 
     @torch.no_grad()
     def samples(self, path: Path | None) -> None:

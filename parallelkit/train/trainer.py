@@ -113,6 +113,7 @@ def save_normalization(run_dir: Path, loader) -> None:
     if getattr(dataset, "mean", None) is not None:
         numbers = {"mean": dataset.mean.tolist(), "std": dataset.std.tolist()}
         atomic_text(run_dir / NORMALIZATION, json.dumps(numbers))
+        rundir.record(run_dir, run_dir / NORMALIZATION)
 
 
 def open_run_dir(cfg: Config, comm: pk.Communicator) -> tuple[rundir.Lock | None, str | None]:
@@ -149,6 +150,7 @@ def open_run_dir(cfg: Config, comm: pk.Communicator) -> tuple[rundir.Lock | None
         if t.overwrite and not t.resume:
             rundir.clear_outputs(run_dir)
         atomic_text(run_dir / "config.yaml", to_yaml(cfg))
+        rundir.record(run_dir, run_dir / "config.yaml")
     comm.barrier()
     return lock, note
 
@@ -333,6 +335,7 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
     if lead:
         for name, state in dense.items():
             atomic_torch_save(run_dir / f"{name}.pt", state)
+            rundir.record(run_dir, run_dir / f"{name}.pt")
     result = {
         **last,
         **{f"test_{k}": v for k, v in evals.items() if not isinstance(v, list)},
@@ -346,6 +349,8 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
     monitor.close()
     if lead and t.plot:
         monitor.print(plot_run(run_dir))
+        if (run_dir / "curves.png").is_file():
+            rundir.record(run_dir, run_dir / "curves.png")
     stop.uninstall()
     if lock is not None:
         lock.release()
