@@ -46,6 +46,21 @@ def test_config_mistakes_are_found_before_the_ranks_start(tmp_path, overrides, m
     assert not run_dir.exists()  # no rank started: rank 0 makes it first
 
 
+def test_an_image_whose_values_would_be_lost_is_refused_before_the_ranks_start(tmp_path):
+    """A complex64 training image (issue 31): its imaginary part was dropped without a word."""
+    import numpy as np
+
+    train_blocks = pytest.importorskip("test_train_blocks")
+    data, run_dir = tmp_path / "data", tmp_path / "run"
+    train_blocks._write(data, "npy")
+    bad = data / "train" / "images" / "s3.npy"
+    np.save(bad, np.load(bad).astype(np.complex64))
+    status, out = run(run_dir, *train_blocks.IMAGES, f"data.name=npy:{data}", timeout=90)
+    line = one_line_error(out)
+    assert status == 2 and str(bad) in line and "complex64" in line, out
+    assert not run_dir.exists()
+
+
 # 5. Run directories -------------------------------------------------------------------------
 
 

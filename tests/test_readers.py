@@ -250,6 +250,55 @@ def test_bad_blocks_and_files(tmp_path):
         open_array(tmp_path / "g.zarr")
 
 
+WRITERS = {"npy": (write_npy, "x.npy"), "zarr": (write_zarr, "x.zarr"),
+           "tiff": (write_tiff, "x.tif"), "nifti": (write_nifti, "x.nii.gz")}
+
+
+@pytest.mark.parametrize("fmt", list(WRITERS))
+def test_dtypes_that_would_lose_data_are_refused_naming_the_file(fmt, tmp_path):
+    """Complex (its imaginary part), booleans as an image, strings: one ValueError naming the
+    file. Integers of any width and floats are read; booleans as masks."""
+    write, name = WRITERS[fmt]
+    shape = (12, 10, 4) if fmt == "nifti" else (12, 10)  # NIfTI: a volume
+    refused = {"complex64": "imaginary"}
+    if fmt != "nifti":  # NIfTI stores neither booleans nor strings
+        refused["bool"] = "booleans only as masks"
+    if fmt == "npy":
+        refused["<U2"] = "store integers or floats"
+    for dtype, message in refused.items():
+        path = tmp_path / dtype.strip("<") / name
+        path.parent.mkdir()
+        write(path, np.ones(shape, dtype))
+        with pytest.raises(ValueError, match=message) as e:
+            SampleReader(path)
+        assert str(e.value).startswith(str(path)), e.value
+    ok = ["uint8", "int16", "uint32", "float32", "float64"] + (["float16"] if fmt != "nifti"
+                                                                else [])  # fmt: skip
+    for dtype in ok:
+        path = tmp_path / dtype / name
+        path.parent.mkdir()
+        write(path, np.ones(shape, dtype))
+        assert SampleReader(path).read().dtype == np.dtype(dtype)
+    path = tmp_path / "mask" / name
+    path.parent.mkdir()
+    write(path, np.ones(shape, bool if fmt != "nifti" else np.uint8))
+    assert SampleReader(path, mask=True).size == shape
+
+
+@pytest.mark.parametrize("fmt", list(WRITERS))
+def test_files_no_library_can_read_are_named_with_the_librarys_message(fmt, tmp_path):
+    write, name = WRITERS[fmt]
+    path = tmp_path / name
+    if fmt == "zarr":
+        write(path, rng_array((12, 10)))
+        (path / "zarr.json").write_text("{not json")
+    else:
+        path.write_bytes(b"not what the name says " * 4)
+    with pytest.raises(ValueError, match=f"cannot read its header as {fmt}") as e:
+        SampleReader(path)
+    assert str(e.value).startswith(str(path)) and "\n" not in str(e.value), e.value
+
+
 # ---------------------------------------------------- only the chunks a block touches are read
 def chunk_reads(monkeypatch, store_cls):
     """The chunk keys that ``store_cls.get`` serves from now on (metadata keys left out)."""

@@ -211,7 +211,7 @@ class BlockDataset(Dataset):
         found = pairs(root, split)
         dims = dims or (3 if format_of(found[0][0]) == "nifti" else 2)  # the same for masks
         self.images = [SampleReader(p, dims, layout) for p, _ in found]
-        self.masks = [SampleReader(m, dims, mask_layout) for _, m in found]
+        self.masks = [SampleReader(m, dims, mask_layout, mask=True) for _, m in found]
         for image, mask in zip(self.images, self.masks, strict=True):
             if mask.size != image.size or mask.channels != 1:
                 raise ValueError(

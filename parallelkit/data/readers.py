@@ -40,8 +40,9 @@ A mask is read the same way and must have one channel (or none).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -247,11 +248,12 @@ class SampleReader:
     """
 
     def __init__(self, path: str | Path, dims: int | None = None,
-                 layout: str | None = None) -> None:
+                 layout: str | None = None, mask: bool = False) -> None:
         self.path = path
         dims = dims or (3 if format_of(path) == "nifti" else 2)
-        with open_array(path) as array:
+        with _naming(path, "header"), open_array(path) as array:
             self.shape, self.dtype, self.mode = array.shape, array.dtype, array.mode
+            _check_dtype(self.dtype, mask, path)
             self.layout = Layout.resolve(array.shape, dims, array.axes, layout, str(path))
         self.size = self.layout.size(self.shape)
         self.channels = self.layout.channels(self.shape)
@@ -268,9 +270,43 @@ class SampleReader:
             for s, n in zip(block, self.size, strict=True)
         ):
             raise ValueError(f"{self.path}: block {block} is not inside its size {self.size}")
-        with open_array(self.path) as array:
+        with _naming(self.path, "data"), open_array(self.path) as array:
             data = array.read(self.layout.index(block))
         return self.layout.to_channels_first(np.asarray(data))
+
+
+@contextlib.contextmanager
+def _naming(path: str | Path, what: str) -> Iterator[None]:
+    """Any failure of a reading library (a truncated file, a corrupt chunk, a file of another
+    format) as one ``ValueError`` naming the file, its format and the library's message."""
+    try:
+        yield
+    except MemoryError:
+        raise
+    except ValueError as e:
+        if str(e).startswith(str(path)):
+            raise  # ours, naming the file already
+        raise ValueError(f"{path}: cannot read its {what} as {format_of(path)}: {e}") from None
+    except Exception as e:  # every library has its own exceptions
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(
+            f"{path}: cannot read its {what} as {format_of(path)}: {type(e).__name__}: {message}"
+        ) from None
+
+
+def _check_dtype(dtype: np.dtype, mask: bool, path: str | Path) -> None:
+    """Integers of any width and floats are read; booleans as masks only. Anything else
+    (complex, object, strings, records, dates) is refused, not converted: a complex image cast
+    to float would lose its imaginary part without a word."""
+    if dtype.kind in "iuf" or (mask and dtype.kind == "b"):
+        return
+    what = "a mask" if mask else "an image"
+    hint = " (store its magnitude, or its real and imaginary parts as channels)" if (
+        dtype.kind == "c") else ""  # fmt: skip
+    raise ValueError(
+        f"{path}: {dtype} data cannot be read as {what}{hint}; store integers or floats"
+        + ("" if mask else " (booleans only as masks)")
+    )
 
 
 def _guess(shape: Sequence[int], dims: int, where: str) -> str:

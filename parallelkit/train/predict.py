@@ -195,7 +195,7 @@ def check_sample(cfg: Config, sample: Sample, dense: nn.Module, counts: dict[str
     dims = dims_of(cfg)
     try:
         reader = SampleReader(sample.image, dims)
-        mask = SampleReader(sample.mask, dims) if sample.mask else None
+        mask = SampleReader(sample.mask, dims, mask=True) if sample.mask else None
     except (ValueError, OSError, EOFError, RuntimeError) as e:
         raise ValueError(f"{sample.image}: cannot be read: {' '.join(str(e).split())[:300]}"
                          ) from None
@@ -290,7 +290,7 @@ def predict_one(cfg: Config, predictor: Predictor, sample: Sample, out: Path, di
     whole; its result and its mask (None without one). ``stage`` as in ``Predictor``."""
     p, comm = cfg.predict, predictor.comm
     reader = SampleReader(sample.image, dims)
-    mask = SampleReader(sample.mask, dims) if sample.mask else None
+    mask = SampleReader(sample.mask, dims, mask=True) if sample.mask else None
     counts = predictor.blocks.counts(len(reader.size))
     probabilities = p.dtype if p.probabilities else None
     with outputs.writing(p.format, out / sample.name, reader, cfg.data.num_classes, comm, counts,
