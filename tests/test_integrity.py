@@ -116,6 +116,26 @@ def test_an_unreadable_checkpoint_folder_is_reported_and_an_older_one_used(copy)
     assert "Permission denied" in out and "resumed at step 2" in out
 
 
+def test_a_passed_over_checkpoint_is_set_aside_not_reused_when_the_run_gets_there(copy):
+    """The newest checkpoint is damaged, so resuming starts from step 2; its save at step 4
+    moves the damaged folder aside (named, never deleted), and later resumes go on."""
+    shard = newest(copy) / "shard-0.pt"
+    damage(shard)
+    damaged = shard.read_bytes()
+    status, out = resume(copy, "parallel.ranks=1")
+    assert status == 0, out
+    aside = copy / "checkpoints" / "set-aside-step-000000004"
+    assert f"checkpoint {newest(copy)} was passed over on resume; it is kept as {aside}" in out
+    assert (aside / "shard-0.pt").read_bytes() == damaged
+    assert "resumed at step 2" in out
+    for steps in (8, 10):
+        status, out = run(copy, *COMMON, f"train.max_steps={steps}", "parallel.ranks=1",
+                          "--resume")  # fmt: skip
+        assert status == 0 and f"resumed at step {steps - 2}" in out, out
+    names = sorted(p.name for p in (copy / "checkpoints").iterdir())
+    assert names == ["set-aside-step-000000004", "step-000000008", "step-000000010"], names
+
+
 def test_a_file_that_is_no_checkpoint_is_reported_and_an_older_one_used(copy):
     state = torch.load(newest(copy) / "shard-0.pt", weights_only=True)["task"]["model"]
     replace_shard(newest(copy), state)  # a bare state dict: no step, no optimizer

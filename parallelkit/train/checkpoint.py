@@ -23,8 +23,9 @@ missing, damaged or unverifiable shard, a file that is no training checkpoint, a
 does not fit the model) is reported once, and the next older one is tried
 (``train.resume_fallback``); when none is left the ranks stop together with one line
 (:mod:`parallelkit.train.agree`). A save that cannot be written (a full disk) stops the ranks
-the same way, naming the file; the previous checkpoint stays. Pruning removes only older
-checkpoints of the same run.
+the same way, naming the file; the previous checkpoint stays. A save never writes into a
+folder that is there already (one that resuming passed over): that one is moved aside to
+``set-aside-step-N`` and named. Pruning removes only older checkpoints of the same run.
 
 The dense model (channel shards gathered, the original module tree) is exported separately
 as ``<run_dir>/model.pt`` at the end of training, for use without parallelkit.
@@ -75,7 +76,7 @@ def save(
     shards = [f"shard-{i}.pt" for i in range(grid.dims.model)]
     problem = ""
     if grid.comm.rank == 0:
-        problem = _written(folder, lambda: folder.mkdir(parents=True, exist_ok=True))
+        problem = _written(folder, lambda: _fresh(folder))
     _agree_on_write(grid, problem, folder)
     if grid.coords[0] == 0:
         name = shards[model_rank(grid)]
@@ -105,6 +106,21 @@ def save(
             shutil.rmtree(old, ignore_errors=True)
     grid.comm.barrier()
     return folder
+
+
+def _fresh(folder: Path) -> None:
+    """Make ``folder`` for a new checkpoint. One that is there already is one that resuming
+    passed over (it could not be read or verified): it is never written into nor deleted, but
+    moved aside to ``set-aside-step-N`` (outside what resuming and pruning look at) and named."""
+    if folder.exists() or folder.is_symlink():
+        aside, n = folder.with_name(f"set-aside-{folder.name}"), 1
+        while aside.exists() or aside.is_symlink():
+            n += 1
+            aside = folder.with_name(f"set-aside-{folder.name}-{n}")
+        folder.rename(aside)
+        print(f"parallelkit train: checkpoint {folder} was passed over on resume; it is kept as "
+              f"{aside}, and this step's checkpoint is written anew", file=sys.stderr, flush=True)
+    folder.mkdir(parents=True)
 
 
 def _written(path: Path, write: Callable[[], None]) -> str:
