@@ -224,6 +224,26 @@ def test_cli_unknown_model_exits_2(capsys):
     assert "parallelkit plan: error: unknown model 'nosuch'" in err and "resnet18" in err
 
 
+@pytest.mark.parametrize(
+    ("more", "message"),
+    [
+        (["--model-kwargs", "{widths: ["], "is not YAML at column"),
+        (["--model-kwargs", "{bogus: 1}"], "unexpected keyword arguments ['bogus']"),
+        (["--bandwidth", "-1", "--latency", "5"], "--bandwidth must be positive, got -1"),
+    ],
+)
+def test_cli_bad_arguments_exit_2_with_one_line_before_profiling(capsys, monkeypatch, more,
+                                                                message):  # fmt: skip
+    monkeypatch.setattr(command, "make_plan", lambda *a: pytest.fail("profiled first"))
+    argv = ["plan", "--model", "resnet18", "--image-size", "64", "--batch", "4", "--ranks", "2"]
+    try:
+        status = cli.main([*argv, *more])
+    except SystemExit as e:  # argparse's own refusals
+        status = e.code
+    err = capsys.readouterr().err
+    assert status == 2 and message in err and "Traceback" not in err, err
+
+
 def test_cli_zoo_model_without_its_library_exits_2(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "timm", None)  # import timm raises ImportError
     assert cli.main(["plan", "--model", "timm:resnet18", *ARGS]) == 2

@@ -136,6 +136,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if (args.bandwidth is None) != (args.latency is None):
         p.error("--bandwidth and --latency go together")
+
     if args.preset and args.bandwidth is not None:
         p.error("--preset or --bandwidth/--latency, not both")
     if len(args.image_size) > 3 or (
@@ -145,9 +146,33 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def check(args: argparse.Namespace) -> None:
+    """What can be refused before any profiling (``ValueError``): rates and sizes that are not
+    positive, and a model or ``--model-kwargs`` that does not build (on the meta device)."""
+    for name in ("bandwidth", "latency", "flop_rate", "byte_rate", "memory_gib", "cores"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value:g}")
+    if args.batch < 1 or args.ranks < 1 or min(args.image_size) < 1:
+        raise ValueError("--batch, --ranks and --image-size must be at least 1")
+    size = sample_size(args)
+    try:
+        walk.build(args.model, size, args.classes, args.stem, args.channels, dims=len(size),
+                   kwargs=args.model_kwargs)  # fmt: skip
+    except TypeError as e:  # the model's own constructor refusing a keyword
+        raise ValueError(str(e).splitlines()[0]) from None
+
+
 def model_kwargs(text: str) -> dict[str, Any]:
     """``--model-kwargs``: a YAML mapping, spelt as ``parallelkit train``'s ``model.kwargs``."""
-    value = yaml.safe_load(text)
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" at column {where.column + 1}" if where is not None else ""
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not YAML{at}: {getattr(e, 'problem', None) or e}"
+        ) from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"{text!r} is not a mapping such as '{{width: 32}}'")
     return value
@@ -311,6 +336,7 @@ def make_plan(args: argparse.Namespace, progress: Callable[[str], None] = quiet)
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     try:
+        check(args)
         p = make_plan(args, progress_lines())
     except ValueError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
