@@ -46,6 +46,18 @@ def test_config_mistakes_are_found_before_the_ranks_start(tmp_path, overrides, m
     assert not run_dir.exists()  # no rank started: rank 0 makes it first
 
 
+@pytest.mark.parametrize("key", ["parallel.backend=nccl", "parallel.device=cuda"])
+def test_a_gpu_asked_for_where_there_is_none_is_refused_before_the_ranks_start(tmp_path, key):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    run_dir = tmp_path / "run"
+    status, out = run(run_dir, *TINY, key, timeout=90)
+    assert status == 2 and f"{key} needs a GPU" in one_line_error(out)
+    assert not run_dir.exists()
+
+
 def test_an_image_whose_values_would_be_lost_is_refused_before_the_ranks_start(tmp_path):
     """A complex64 training image (issue 31): its imaginary part was dropped without a word."""
     import numpy as np

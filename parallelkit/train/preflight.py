@@ -5,6 +5,7 @@ from every rank.
 the data or the model is checked here, where ``parallelkit train`` starts its ranks
 (:mod:`parallelkit.cli`), in this order:
 
+    device      NCCL and ``parallel.device=cuda`` find a GPU here
     grid        the model-parallel grid divides the ranks; the global batch splits over the
                 data ranks and the micro-batches (``train.accumulate``)
     data        the training split gives every data rank at least one full batch (the data
@@ -41,10 +42,23 @@ OPTIMIZER_SLOTS = {"sgd": 1, "lars": 1, "adam": 2}
 def check(cfg: Config, world: int | None) -> None:
     """Everything that can be checked before ``world`` ranks start (None: not known here, as
     under torch_xla.launch); a one-line ``ValueError`` for the first mistake."""
+    check_device(cfg)
     dims = check_grid(cfg, world) if world is not None else None
     loader = check_data(cfg, dims)
     nets = build_on_meta(cfg, loader)
     check_run_dir(Path(cfg.train.run_dir), space_needed(cfg, nets) if nets else 0)
+
+
+def check_device(cfg: Config) -> None:
+    """NCCL and ``parallel.device=cuda`` need a GPU that torch sees here, where the local
+    ranks will run."""
+    p = cfg.parallel
+    if (p.backend == "nccl" or p.device == "cuda") and not torch.cuda.is_available():
+        key = "parallel.backend=nccl" if p.backend == "nccl" else "parallel.device=cuda"
+        raise ValueError(
+            f"config: {key} needs a GPU, and torch sees none on this machine (torch "
+            f"{torch.__version__}); use parallel.backend=gloo or mpi and parallel.device=cpu"
+        )
 
 
 def check_grid(cfg: Config, world: int) -> dict[str, int]:
