@@ -58,8 +58,9 @@ def test_a_gpu_asked_for_where_there_is_none_is_refused_before_the_ranks_start(t
     assert not run_dir.exists()
 
 
-def test_an_image_whose_values_would_be_lost_is_refused_before_the_ranks_start(tmp_path):
-    """A complex64 training image (issue 31): its imaginary part was dropped without a word."""
+def test_data_whose_values_would_be_lost_or_crops_too_large_are_refused_first(tmp_path):
+    """A complex64 training image (its imaginary part was dropped without a word), then a crop
+    larger than the samples: both from the headers, before any rank starts."""
     import numpy as np
 
     train_blocks = pytest.importorskip("test_train_blocks")
@@ -70,6 +71,12 @@ def test_an_image_whose_values_would_be_lost_is_refused_before_the_ranks_start(t
     status, out = run(run_dir, *train_blocks.IMAGES, f"data.name=npy:{data}", timeout=90)
     line = one_line_error(out)
     assert status == 2 and str(bad) in line and "complex64" in line, out
+    assert not run_dir.exists()
+    np.save(bad, np.load(bad).real.astype(np.float32))
+    status, out = run(run_dir, *train_blocks.IMAGES, f"data.name=npy:{data}",
+                      "data.image_size=32", timeout=90)  # fmt: skip
+    line = one_line_error(out)
+    assert status == 2 and "crop (32, 32) does not fit in" in line and "(28, 28)" in line, out
     assert not run_dir.exists()
 
 

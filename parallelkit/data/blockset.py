@@ -219,6 +219,15 @@ class BlockDataset(Dataset):
                     f"{image.path} is {image.channels} x {image.size}: a mask has one channel "
                     "and its image's spatial size"
                 )
+        if crop is not None:  # from the headers: before any sample is read
+            small = [r for r in self.images if len(crop) != len(r.size)
+                     or any(c > n for c, n in zip(crop, r.size, strict=True))]  # fmt: skip
+            if small:
+                raise ValueError(
+                    f"crop {tuple(crop)} does not fit in {small[0].path}, of size "
+                    f"{small[0].size} ({len(small)} of the {len(self.images)} {split} samples "
+                    "are smaller): choose a crop within every sample (data.image_size)"
+                )
         self.block, self.crop, self.flip = block, crop, tuple(flip)
         self.augment = split == "train" if augment is None else augment
         self.num_classes, self.seed, self.epoch = num_classes, seed, 0
