@@ -53,8 +53,9 @@ def train(argv: list[str]) -> int:
     A mistake found before any rank starts (a config value, a run directory that belongs to
     another run) is one line on stderr and exit status 2.
     """
+    from parallelkit.data.errors import DataError, one_line
     from parallelkit.train import config, launch, preflight, procs, rundir, trainer
-    from parallelkit.train.agree import Stop
+    from parallelkit.train.agree import REFUSED, Stop
     from parallelkit.train.stopping import exit_now
 
     parser = argparse.ArgumentParser(
@@ -80,6 +81,8 @@ def train(argv: list[str]) -> int:
                 trainer.run(cfg)
             except Stop as stop:  # every rank stops alike; one of them says why
                 exit_now(stop.status, f"parallelkit train: error: {stop}" if stop.report else "")
+            except DataError as e:  # this rank's file: one line, and the launcher stops the rest
+                exit_now(REFUSED, f"parallelkit train: error: {one_line(e)}")
             return 0
         # Before any rank starts: the grid, the data, the model, run_dir; the ranks check again.
         preflight.check(cfg, None if cfg.parallel.backend == "xla" else cfg.parallel.ranks)
@@ -99,6 +102,7 @@ def train(argv: list[str]) -> int:
 def run_or_launch(name: str, run, cfg, command: list[str] | None) -> int:
     """``parallelkit NAME``'s ranks after the launcher's checks: ``run(cfg)`` in this process
     (``command`` None: one rank), or the local ranks started and supervised; the exit status."""
+    from parallelkit.data.errors import one_line
     from parallelkit.train import launch, procs
     from parallelkit.train.agree import Stop
 
@@ -106,7 +110,7 @@ def run_or_launch(name: str, run, cfg, command: list[str] | None) -> int:
         try:
             run(cfg)
         except (ValueError, Stop) as e:
-            print(f"parallelkit {name}: error: {e}", file=sys.stderr)
+            print(f"parallelkit {name}: error: {one_line(e)}", file=sys.stderr)
             return e.status if isinstance(e, Stop) else 2
         return 0
     status = launch.launch(command, cfg.parallel.ranks)
@@ -124,9 +128,10 @@ def predict(argv: list[str]) -> int:
     line on stderr and exit status 2."""
     from pathlib import Path
 
+    from parallelkit.data.errors import DataError, one_line
     from parallelkit.train import config, launch, procs
     from parallelkit.train import predict as predicting
-    from parallelkit.train.agree import Stop
+    from parallelkit.train.agree import REFUSED, Stop
     from parallelkit.train.stopping import exit_now
 
     parser = argparse.ArgumentParser(
@@ -153,6 +158,8 @@ def predict(argv: list[str]) -> int:
                 predicting.run(cfg)
             except Stop as stop:
                 exit_now(stop.status, f"parallelkit predict: error: {stop}" if stop.report else "")
+            except DataError as e:
+                exit_now(REFUSED, f"parallelkit predict: error: {one_line(e)}")
             return 0
         predicting.check(cfg, cfg.parallel.ranks)
         command = launch.local_command(cfg, argv, "predict")

@@ -80,6 +80,37 @@ def test_data_whose_values_would_be_lost_or_crops_too_large_are_refused_first(tm
     assert not run_dir.exists()
 
 
+@pytest.mark.parametrize(
+    ("split", "masks"), [("train", "every"), ("test", "every"), ("train", "one")]
+)
+def test_a_bad_mask_stops_every_rank_with_one_line(tmp_path, split, masks):
+    """A label past data.num_classes in training masks, non-integer float masks in the test
+    split. Every rank checks the first batch of both splits before the first step, so where
+    every mask is bad nothing trains; one bad mask met later stops the run alike: one line
+    from the rank that read it, exit status 2, no traceback on any rank."""
+    import numpy as np
+
+    train_blocks = pytest.importorskip("test_train_blocks")
+    data, run_dir = tmp_path / "data", tmp_path / "run"
+    train_blocks._write(data, "npy")
+    paths = sorted((data / split / "masks").glob("*.npy"))
+    for bad in paths if masks == "every" else paths[:1]:
+        mask = np.load(bad)
+        if split == "train":
+            mask[3, 4], message = 7, "has labels [7] outside 0..2"
+        else:
+            mask, message = mask.astype(np.float32) + 0.5, "holds non-integer values"
+        np.save(bad, mask)
+    status, out = run(run_dir, *train_blocks.IMAGES, f"data.name=npy:{data}",
+                      "train.max_steps=12", timeout=120)  # fmt: skip
+    line = one_line_error(out)
+    assert status == 2 and str(data / split / "masks") in line and message in line, out
+    assert "parallelkit train: done" not in out
+    if masks == "every":
+        metrics = run_dir / "metrics.jsonl"
+        assert '"kind": "train"' not in (metrics.read_text() if metrics.exists() else "")
+
+
 # 5. Run directories -------------------------------------------------------------------------
 
 

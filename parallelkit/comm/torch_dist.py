@@ -22,6 +22,7 @@ import datetime
 import inspect
 import os
 import sys
+import traceback
 from collections.abc import Iterator
 
 import torch
@@ -284,6 +285,18 @@ def _exit_on_exception(previous):  # type: ignore[no-untyped-def]
     def hook(exc_type, value, tb):  # type: ignore[no-untyped-def]
         try:
             rank, size = dist.get_rank(), dist.get_world_size()
+            if issubclass(exc_type, CommError):
+                # Nearly always the echo of a peer that failed first (and said why): one line,
+                # with where this rank was, rather than a traceback that hides the cause.
+                frames = [f for f in traceback.extract_tb(tb) if "contextlib" not in f.filename
+                          and f"parallelkit{os.sep}comm" not in f.filename]  # fmt: skip
+                where = frames[-1] if frames else None
+                at = f" (in {where.name}, {where.filename}:{where.lineno})" if where else ""
+                sys.stderr.write(
+                    f"parallelkit: rank {rank} of {size} leaves: "
+                    f"{str(value).splitlines()[0]}{at}\n"
+                )
+                return
             previous(exc_type, value, tb)
             sys.stderr.write(
                 f"parallelkit: uncaught exception on rank {rank} of {size}; leaving at once "

@@ -34,6 +34,7 @@ from parallelkit.data.datasets import (
     SyntheticDataset,
     load_dataset,
 )
+from parallelkit.data.errors import DataError
 from parallelkit.data.loader import Loader, build_loader
 from parallelkit.data.pixels import denormalize, normalize
 from parallelkit.data.sampler import RankSampler
@@ -46,6 +47,7 @@ __all__ = [
     "DATASETS",
     "Cifar10Dataset",
     "DataConfig",
+    "DataError",
     "DigitsDataset",
     "ImageFolderDataset",
     "Loader",

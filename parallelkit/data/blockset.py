@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from parallelkit.data.errors import DataError
 from parallelkit.data.readers import Block, SampleReader, format_of, slab_blocks, stem_of
 from parallelkit.data.segfolder import check_labels
 from parallelkit.geometry import blocks
@@ -214,7 +215,7 @@ class BlockDataset(Dataset):
         self.masks = [SampleReader(m, dims, mask_layout, mask=True) for _, m in found]
         for image, mask in zip(self.images, self.masks, strict=True):
             if mask.size != image.size or mask.channels != 1:
-                raise ValueError(
+                raise DataError(
                     f"mask {mask.path} is {mask.channels} x {mask.size} but its image "
                     f"{image.path} is {image.channels} x {image.size}: a mask has one channel "
                     "and its image's spatial size"
@@ -260,7 +261,7 @@ class BlockDataset(Dataset):
             image /= np.where(self.std > 0, self.std, 1).reshape(shape)  # constant channels
         mask = view.read(self.masks[index], block)[0]
         if mask.dtype.kind == "f" and not np.array_equal(mask, np.round(mask)):
-            raise ValueError(f"mask {self.masks[index].path} holds non-integer values")
+            raise DataError(f"mask {self.masks[index].path} holds non-integer values")
         labels = torch.from_numpy(np.ascontiguousarray(mask, dtype=np.int64))
         if self.num_classes is not None:
             check_labels(labels, self.num_classes, str(self.masks[index].path))

@@ -49,6 +49,8 @@ from typing import Any
 
 import numpy as np
 
+from parallelkit.data.errors import DataError
+
 Block = tuple[slice, ...]
 SMALL = 4
 """At most this many entries along an axis make it a channel axis when guessing the layout."""
@@ -285,11 +287,11 @@ def _naming(path: str | Path, what: str) -> Iterator[None]:
         raise
     except ValueError as e:
         if str(e).startswith(str(path)):
-            raise  # ours, naming the file already
-        raise ValueError(f"{path}: cannot read its {what} as {format_of(path)}: {e}") from None
+            raise DataError(str(e)) from None  # ours, naming the file already
+        raise DataError(f"{path}: cannot read its {what} as {format_of(path)}: {e}") from None
     except Exception as e:  # every library has its own exceptions
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ValueError(
+        raise DataError(
             f"{path}: cannot read its {what} as {format_of(path)}: {type(e).__name__}: {message}"
         ) from None
 
@@ -303,7 +305,7 @@ def _check_dtype(dtype: np.dtype, mask: bool, path: str | Path) -> None:
     what = "a mask" if mask else "an image"
     hint = " (store its magnitude, or its real and imaginary parts as channels)" if (
         dtype.kind == "c") else ""  # fmt: skip
-    raise ValueError(
+    raise DataError(
         f"{path}: {dtype} data cannot be read as {what}{hint}; store integers or floats"
         + ("" if mask else " (booleans only as masks)")
     )

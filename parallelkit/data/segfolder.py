@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from parallelkit.data.errors import DataError
 from parallelkit.data.pixels import IMAGE_EXTENSIONS, fit, normalize, read_image
 
 IGNORE = 255
@@ -115,7 +116,7 @@ def check_labels(mask: torch.Tensor, num_classes: int, where: str) -> torch.Tens
     bad = (mask < 0) | ((mask >= num_classes) & (mask != IGNORE))
     if bad.any():
         values = sorted(set(mask[bad].unique().tolist()))[:5]
-        raise ValueError(
+        raise DataError(
             f"mask {where} has labels {values} outside 0..{num_classes - 1} (and {IGNORE}, "
             f"ignored): set data.num_classes to the data set's class count"
         )

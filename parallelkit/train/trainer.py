@@ -22,6 +22,7 @@ exception ends the whole job at once (the communicator's exit hook).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -32,7 +33,8 @@ from typing import Any
 import torch
 
 import parallelkit as pk
-from parallelkit.data import build_loader
+from parallelkit.data import Loader, RankSampler, build_loader
+from parallelkit.data.errors import DataError, one_line
 from parallelkit.parallel import Grid
 from parallelkit.train import checkpoint, preflight, rundir, tasks
 from parallelkit.train.agree import agree, same_everywhere
@@ -214,6 +216,23 @@ def summary_table(
     return table(rows, "parallelkit train: done")
 
 
+def check_first_batches(loaders: dict[str, Loader], comm: pk.Communicator) -> None:
+    """Every rank reads the first batch of each split before training (collective): a fault
+    in the data (a label out of range, a corrupt file) stops every rank with one line now,
+    not a traceback after the training split's epochs."""
+    problem = ""
+    for loader in loaders.values():
+        data = loader.dataloader
+        if not isinstance(data.sampler, RankSampler):
+            continue  # a stream of shards, whose labels were checked when they were written
+        try:  # in this process: no DataLoader workers to start for one batch
+            for i in itertools.islice(iter(data.sampler), loader.batch_size):
+                data.dataset[i]
+        except DataError as e:
+            problem = problem or one_line(e)
+    agree(comm, problem)
+
+
 def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
     """Train as configured; returns the final metrics (the same on every rank)."""
     comm = comm or pk.init(
@@ -246,6 +265,7 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
         )
         for split in ("train", "test")
     }
+    check_first_batches(loaders, comm)
     train = loaders["train"]
     if lead:  # what parallelkit predict normalizes whole samples with
         save_normalization(run_dir, train)
