@@ -78,6 +78,12 @@ def test_data_whose_values_would_be_lost_or_crops_too_large_are_refused_first(tm
     line = one_line_error(out)
     assert status == 2 and "crop (32, 32) does not fit in" in line and "(28, 28)" in line, out
     assert not run_dir.exists()
+    truncated = data / "test" / "images" / "s1.npy"  # the test split's headers are read too
+    truncated.write_bytes(truncated.read_bytes()[:100])
+    status, out = run(run_dir, *train_blocks.IMAGES, f"data.name=npy:{data}", timeout=90)
+    line = one_line_error(out)
+    assert status == 2 and f"{truncated}: cannot read its header as npy" in line, out
+    assert not run_dir.exists()
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,9 @@ the data or the model is checked here, where ``parallelkit train`` starts its ra
     device      NCCL and ``parallel.device=cuda`` find a GPU here
     grid        the model-parallel grid divides the ranks; the global batch splits over the
                 data ranks and the micro-batches (``train.accumulate``)
-    data        the training split gives every data rank at least one full batch (the data
-                set is opened, not read: digits and generated sets are small, folders listed)
+    data        the training split gives every data rank at least one full batch, and both
+                splits open (not read: digits and generated sets are small, folders listed,
+                a block folder's headers read: sizes, types, the crop against every sample)
     model       the task's dense networks built on the meta device (no memory, no time): a
                 ``model.kwargs`` the constructor does not take is named
     run_dir     ``train.run_dir`` is a directory, or can be made one (no file on the way), this
@@ -75,18 +76,23 @@ def check_grid(cfg: Config, world: int) -> dict[str, int]:
 
 
 def check_data(cfg: Config, dims: dict[str, int] | None) -> Loader:
-    """Data rank 0's training loader (not iterated: no worker starts, no image is read)."""
+    """Data rank 0's training loader, after its test loader (neither iterated: no worker
+    starts, no image is read; a folder's files are opened for their headers)."""
     data = dims["data"] if dims else 1
     block = (dims["depth"], dims["rows"], dims["cols"], 0, 0, 0) if dims else None
-    return build_loader(
-        cfg.data,
-        "train",
-        rank=0,
-        size=data,
-        batch_size=cfg.train.batch_size // data,
-        seed=cfg.train.seed,
-        block=block,
-    )
+    loaders = [
+        build_loader(
+            cfg.data,
+            split,
+            rank=0,
+            size=data,
+            batch_size=cfg.train.batch_size // data,
+            seed=cfg.train.seed,
+            block=block,
+        )
+        for split in ("train", "test")
+    ]
+    return loaders[0]
 
 
 def build_on_meta(cfg: Config, loader: Loader) -> dict[str, nn.Module] | None:
