@@ -37,6 +37,7 @@ def one_line_error(output: str) -> str:
         (["parallel.rows=3"], "2 ranks do not split into groups of depth x rows x cols"),
         (["model.kwargs={bogus_arg: 1}"], "unexpected keyword arguments ['bogus_arg']"),
         (["data.name=synthetic", "data.train_samples=8"], "has 8 samples, too few"),
+        (["parallel.rows=2", "data.image_size=1"], "has fewer planes than the parallel.rows=2"),
     ],
 )
 def test_config_mistakes_are_found_before_the_ranks_start(tmp_path, overrides, message):

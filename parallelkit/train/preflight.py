@@ -72,6 +72,14 @@ def check_grid(cfg: Config, world: int) -> dict[str, int]:
             f"data-parallel ranks x {t.accumulate} micro-batches (train.accumulate); "
             f"choose a multiple of {dims['data'] * t.accumulate}"
         )
+    side = cfg.data.image_size
+    for key in ("depth", "rows", "cols"):
+        if dims[key] > side:
+            raise ValueError(
+                f"config: data.image_size={side} has fewer planes than the parallel.{key}="
+                f"{dims[key]} blocks it is split into, so some rank would hold none; use fewer "
+                f"ranks along it or a larger data.image_size"
+            )
     return dims
 
 
