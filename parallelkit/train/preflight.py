@@ -166,9 +166,9 @@ def check_run_dir(run_dir: Path, need: int) -> None:
         raise ValueError(f"{key} {where}, not a directory; choose another train.run_dir")
     if not os.access(existing, os.W_OK | os.X_OK):
         what = "it" if existing == run_dir else f"{existing}, where it would be made,"
-        raise ValueError(
-            f"{key}: {what} is not writable by this user; choose another train.run_dir"
-        )
+        why = "is on a read-only file system" if os.statvfs(existing).f_flag & os.ST_RDONLY else (
+            "is not writable by this user")  # fmt: skip
+        raise ValueError(f"{key}: {what} {why}; choose another train.run_dir")
     free = shutil.disk_usage(existing).free
     if free < need:
         raise ValueError(

@@ -118,8 +118,12 @@ def _wait(children: list[Child], procs: list[subprocess.Popen], state: _State, g
                     _say(f"{_stalled(running)} stopped answering: {name} gave up waiting "
                          f"(exit status {code}, after parallel.timeout); {what}")  # fmt: skip
                 else:
-                    _say(f"{name} failed first (exit status {_status(code)}); {what}")
+                    _say(f"{name} failed first ({_status(code)}); {what}")
                 _kill(procs, signal.SIGTERM)
+                for _, proc in running:  # a stopped process cannot act on SIGTERM: no grace
+                    if _proc_state(proc.pid) in ("T", "t"):
+                        with contextlib.suppress(ProcessLookupError, PermissionError):
+                            os.killpg(proc.pid, signal.SIGKILL)
         if all(c is not None for c in codes):
             break
         if state.deadline is not None and time.monotonic() > state.deadline:
@@ -168,7 +172,7 @@ def _proc_state(pid: int) -> str:
 
 
 def _status(code: int) -> str:
-    return f"{code}" if code > 0 else f"killed by {signal.Signals(-code).name}"
+    return f"exit status {code}" if code > 0 else f"killed by {signal.Signals(-code).name}"
 
 
 def _say(message: str) -> None:
