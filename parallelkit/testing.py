@@ -26,6 +26,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import random
 import socket
 import time
 import traceback
@@ -48,7 +49,19 @@ class RankError(AssertionError):
 
 
 def free_port() -> int:
-    """A TCP port on the loopback interface that is free right now."""
+    """A TCP port on the loopback interface that is free right now, drawn below Linux's
+    ephemeral range (32768-60999): a port the kernel hands out for outgoing connections (each
+    gloo pair opens some) could be taken between this check and the store's bind, which
+    pools started side by side (pytest-xdist) were seen to hit."""
+    rng = random.Random()
+    for _ in range(64):
+        port = rng.randrange(20000, 32768)
+        with contextlib.closing(socket.socket()) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with contextlib.closing(socket.socket()) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
