@@ -155,6 +155,8 @@ class ForwardCodeNet(nn.Module):
             self.dw = nn.Conv2d(6, 6, 3, padding=1, groups=6)
         if kind == "cat":
             self.side = nn.Conv2d(6, 2, 1)
+        if kind == "eca and repeat":  # ECA's 1-D convolution over the pooled channels
+            self.eca = nn.Conv1d(1, 1, 3, padding=1, bias=False)
         if kind == "pooled batchnorm":  # BatchNorm on the pooled (whole) vector
             self.fc1, self.bn = nn.Conv2d(6, 3, 1), nn.BatchNorm2d(3)
             self.fc2 = nn.Conv2d(3, 6, 1)
@@ -198,6 +200,10 @@ class ForwardCodeNet(nn.Module):
         if k == "channel shuffle":  # ShuffleNet's: reshapes that keep H and W
             n, c, h, w = x.shape
             return x.view(n, 2, c // 2, h, w).transpose(1, 2).contiguous().view(n, c, h, w)
+        if k == "eca and repeat":  # timm's ECA gate (expand_as), MONAI VNet's channel repeat
+            y = x.mean((2, 3), keepdim=True)  # (N, C, 1, 1): whole
+            y = self.eca(y.squeeze(-1).transpose(-1, -2)).transpose(-1, -2).unsqueeze(-1)
+            return x * torch.sigmoid(y).expand_as(x) + x[:, :3].repeat(1, 2, 1, 1)
         if k == "cat":  # DenseNet's concatenation along channels
             return torch.cat([x, self.side(x)], dim=1)
         if k == "convnext block":  # channels-last LayerNorm and Linear, layer scale
@@ -278,6 +284,7 @@ FORWARD_CODE = {
     for kind in (
         "se pool",
         "se mean",
+        "eca and repeat",
         "pooled batchnorm",
         "layer scale",
         "channel shuffle",

@@ -94,6 +94,14 @@ BLOCKS = {
     "argmax over channels": lambda x: x + x.argmax(1, keepdim=True),
     "F.normalize over channels": lambda x: F.normalize(x, dim=1),
     "norm over channels": lambda x: x / x.norm(dim=1, keepdim=True),
+    "repeat along channels only (MONAI's VNet)": lambda x: x.repeat(1, 2, 1, 1),
+    "repeat into a new leading dimension": lambda x: x.repeat((3, 1, 1, 1, 1)).sum(0),
+    "a whole (N, C, 1, 1) gate expanded to the block (timm's ECA)": lambda x: (
+        x * x.mean((2, 3), keepdim=True).sigmoid().expand_as(x)
+    ),
+    "a block expanded along a size-1 channel dimension": lambda x: (
+        x[:, :1].expand_as(x) + x
+    ),
 }
 WHOLE = {
     "mean over H and W": (lambda x: x.mean((2, 3)), lambda x: x.mean((2, 3))),
@@ -141,6 +149,10 @@ WHOLE = {
     "logsumexp over C, H and W, kept": (lambda x: x.logsumexp((1, 2, 3), keepdim=True), None),
 }
 REFUSED = {
+    "repeat along W": (lambda x: x.repeat(1, 1, 1, 2), "it repeats a spatial dimension"),
+    "a whole tensor varying over H expanded to the block": (
+        lambda x: torch.ones(1, 1, 5, 1).expand_as(x), "varies over a spatial dimension"
+    ),
     "flatten(1)": (lambda x: x.flatten(1), "merges or splits a spatial dimension"),
     "view(N, -1)": (lambda x: x.view(2, -1), "merges or splits a spatial dimension"),
     "index along W": (lambda x: x[..., 0], "reaches a spatial dimension"),

@@ -67,6 +67,36 @@ def permute(g: Guard, call: Call) -> Any:
     raise g.refuse(call.name, "it loses track of a spatial dimension")
 
 
+@rule(*ops("repeat", Tensor), params="input, *sizes")
+def repeat(g: Guard, call: Call) -> Any:
+    """Local where every spatial dimension is repeated once (MONAI's VNet repeats channels
+    only); new leading dimensions may be added."""
+    x, sizes = call["input"], call["sizes"]
+    if len(sizes) == 1 and not isinstance(sizes[0], int):
+        sizes = tuple(sizes[0])
+    dims = g.dims(x)
+    if any(int(sizes[len(sizes) + d]) != 1 for d in dims):
+        raise g.refuse(call.name, f"it repeats a spatial dimension (sizes {tuple(sizes)})")
+    return g.marked(call.run(), dims)
+
+
+@rule(*ops("expand_as", Tensor), params="input, other")
+def expand_as(g: Guard, call: Call) -> Any:
+    """Local: a block expanded along non-spatial dimensions of size 1, or a whole tensor of
+    size 1 in the spatial dimensions (timm's ECA gate, (N, C, 1, 1)) expanded to a block,
+    whose gradient is then each rank's share of the dense one (summed, as in pointwise)."""
+    x, other = call["input"], call["other"]
+    dims = g.dims(other) if g.is_split(other) else g.dims(x)
+    if g.is_split(x):
+        if not g.is_split(other) or g.dims(other) != dims:
+            raise g.refuse(call.name, "it expands a block to a tensor of another layout")
+        return g.marked(x.expand_as(other), dims)
+    if any(x.dim() >= -d and x.shape[d] != 1 for d in dims):
+        raise g.refuse(call.name, f"a whole tensor of shape {tuple(x.shape)} varies over a "
+                       "spatial dimension")  # fmt: skip
+    return g.marked(g.summed(x).expand_as(other), dims)
+
+
 def _along(g: Guard, call: Call, dim: int) -> int:
     """``dim`` from the front, refused if it is H or W."""
     x = call.blocks[0]
