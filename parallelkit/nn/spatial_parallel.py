@@ -24,10 +24,9 @@ Legend: ``_blk`` this rank's block, ``H W`` global sizes, ``[o0, o1)`` output bl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from parallelkit.comm import Communicator
@@ -197,7 +196,6 @@ class SpatialParallelConv3d(_SpatialConv, nn.Conv3d):
     dense = nn.Conv3d
 
 
-CONV_TRANSPOSE = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
 class _SpatialConvTranspose:
@@ -259,18 +257,26 @@ class _SpatialConvTranspose:
             y = spatial_edges.conv_transpose(
                 x_blk, weight, s, p, d, self.groups, self.grid, edges, out_size
             )
-            return y if bias is None else y.add_(bias.view(-1, *(1,) * ndim))
-        x_blk, blocks, firsts = fetch_ranges(x_blk, self.grid, size, self._out_rows, needs)
-        out_size = tuple(rows for _, rows in blocks)
-        if min(out_size) == 0 or min(x_blk.shape[2:]) == 0:
-            y = empty_output(x_blk, self.out_channels, out_size, x_blk, weight)
         else:
-            y = CONV_TRANSPOSE[ndim](x_blk, weight, None, s, 0, 0, self.groups, d)
-            # Local row 0 is where the first fetched input row lands: a * stride - padding.
-            y = crop(y, [firsts[i] * s[i] - p[i] for i in range(ndim)], blocks)
+            y = self._fetched(x_blk, weight, size, needs)
         # In place: y is this layer's own (the convolution's output, or a view of it, whose
         # backward does not read it), and a copy would double the layer's largest tensor.
         return y if bias is None else y.add_(bias.view(-1, *(1,) * ndim))
+
+    def _fetched(self, x_blk: torch.Tensor, weight: torch.Tensor, size: Sequence[int],
+                 needs: Callable[[int, int, int, int], tuple[int, int]]) -> torch.Tensor:
+        """The output block (no bias) from the input rows it receives from, fetched whole."""
+        s, p, d = self.stride, self.padding, self.dilation
+        ndim = len(s)
+        x_blk, blocks, firsts = fetch_ranges(x_blk, self.grid, size, self._out_rows, needs)
+        rows = tuple(o for _, o in blocks)
+        if min(rows) == 0 or min(x_blk.shape[2:]) == 0:
+            y = empty_output(x_blk, self.out_channels, rows, x_blk, weight)
+        else:
+            y = spatial_edges.CONV_TRANSPOSE[ndim](x_blk, weight, None, s, 0, 0, self.groups, d)
+            # Local row 0 is where the first fetched input row lands: a * stride - padding.
+            y = crop(y, [firsts[i] * s[i] - p[i] for i in range(ndim)], blocks)
+        return y
 
     def _out_rows(self, dim: int, n: int) -> int:
         span = self.dilation[dim] * (self.kernel_size[dim] - 1) + 1
