@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import platform
 import signal
 import sys
@@ -50,52 +51,74 @@ def info() -> str:
 def train(argv: list[str]) -> int:
     """Parse the config; start the local ranks, or be one rank of a launched job.
 
-    A mistake found before any rank starts (a config value, a run directory that belongs to
-    another run) is one line on stderr and exit status 2.
+    A mistake found before any rank starts (a config value, the data, the model, a run
+    directory that belongs to another run) is one line on stderr and exit status 2. Under
+    torchrun, mpiexec or srun every rank makes the same checks before its first collective;
+    rank 0 says what is wrong, and every rank exits 2.
     """
+    from parallelkit.comm import launcher
     from parallelkit.data.errors import DataError, one_line
-    from parallelkit.train import config, launch, preflight, procs, rundir, trainer
+    from parallelkit.train import config, keys, launch, preflight, procs, rundir, trainer
     from parallelkit.train.agree import REFUSED, Stop
     from parallelkit.train.stopping import exit_now
 
     parser = argparse.ArgumentParser(
         prog="parallelkit train",
-        description="Train a network; overrides are OmegaConf dot-lists, e.g. "
-        "parallel.strategy=spatial parallel.ranks=4 train.epochs=3",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Train a network. The config is the defaults, then --config FILE, then "
+        "key=value overrides (OmegaConf dot-lists), e.g.\n  parallelkit train "
+        "parallel.strategy=spatial parallel.ranks=4 train.epochs=3\n\n"
+        "Run from a shell it starts parallel.ranks local ranks; started by torchrun, mpiexec "
+        "or srun (an srun step of several tasks) each process is one rank.",
+        epilog=keys.key_table(),
     )
     parser.add_argument("--config", help="a YAML file with any part of the config")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest checkpoint in train.run_dir")  # fmt: skip
     parser.add_argument("--print-config", action="store_true", help="print it and exit")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="make every check made before the ranks start (config, grid, data headers, the "
+        "model built on the meta device, run_dir) and exit: a dry run for a login node",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_intermixed_args(argv)  # --resume may come after overrides
     overrides = [*args.overrides, *(["train.resume=true"] if args.resume else [])]
+    job, ranked = launcher.detect(), launch.under_launcher()
     try:
         cfg = config.load(args.config, overrides)
         if args.print_config:
             print(config.to_yaml(cfg), end="")
             return 0
-        if launch.under_launcher():
-            procs.die_with_launcher()
-            try:
-                trainer.run(cfg)
-            except Stop as stop:  # every rank stops alike; one of them says why
-                exit_now(stop.status, f"parallelkit train: error: {stop}" if stop.report else "")
-            except DataError as e:  # this rank's file: one line, and the launcher stops the rest
-                exit_now(REFUSED, f"parallelkit train: error: {one_line(e)}")
-            return 0
-        # Before any rank starts: the grid, the data, the model, run_dir; the ranks check again.
-        preflight.check(cfg, None if cfg.parallel.backend == "xla" else cfg.parallel.ranks)
-        rundir.check(cfg)
-        if cfg.parallel.backend == "xla":
-            launch.launch_xla(cfg)
-            return 0
-        command = launch.local_command(cfg, argv)
+        launch.check_world(cfg, job, launch.explicit("parallel.ranks", args.config, overrides))
+        world = job.world if job.name != "none" else cfg.parallel.ranks
+        preflight.check(cfg, None if cfg.parallel.backend == "xla" else world)
+        if not ranked:
+            rundir.check(cfg)  # the ranks check it again, holding the run's lock
+        command = None if ranked else launch.local_command(cfg, argv)
     except ValueError as e:
-        if launch.under_launcher():
-            raise  # a rank: the exit hook ends the whole job
-        print(f"parallelkit train: error: {e}", file=sys.stderr)
+        if not ranked or job.rank == 0:
+            print(f"parallelkit train: error: {one_line(e)}", file=sys.stderr)
         return 2
+    if args.check:
+        if not ranked or job.rank == 0:
+            who = launch.started_by(job) if ranked else "parallelkit would start them here"
+            print(f"parallelkit train: check passed for {world} ranks; {who}")
+        return 0
+    if ranked:
+        procs.die_with_launcher()
+        os.environ[launch.STARTED] = launch.started_by(job)  # read before init adds to it
+        try:
+            trainer.run(cfg)
+        except Stop as stop:  # every rank stops alike; one of them says why
+            exit_now(stop.status, f"parallelkit train: error: {stop}" if stop.report else "")
+        except DataError as e:  # this rank's file: one line, and the launcher stops the rest
+            exit_now(REFUSED, f"parallelkit train: error: {one_line(e)}")
+        return 0
+    if cfg.parallel.backend == "xla":
+        launch.launch_xla(cfg)
+        return 0
     return run_or_launch("train", trainer.run, cfg, command)
 
 
@@ -192,8 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     plot = sub.add_parser("plot", help="draw RUN_DIR/curves.png from RUN_DIR/metrics.jsonl")
     plot.add_argument("run_dir", metavar="RUN_DIR")
     sub.add_parser("train", help="train a network (parallelkit train --help)")
-    sub.add_parser("predict", help="apply a trained run to whole samples (parallelkit predict "
-                   "--help)")
+    sub.add_parser(
+        "predict", help="apply a trained run to whole samples (parallelkit predict --help)"
+    )
     sub.add_parser("plan", help="rank the grids for a model (parallelkit plan --help)")
     data = sub.add_parser("data", help="data tools (parallelkit data shard --help)")
     data.add_subparsers(dest="data_command", required=True).add_parser(

@@ -251,3 +251,39 @@ def test_segmentation_volumes(tmp_path):
     ratio = max(r["saved_mib"] for r in two) / (one[0]["saved_mib"] / 2)
     assert 1.0 <= ratio < 1.25, ratio  # at 32^3 the 4^3 bottom carries one halo slice a side
     assert record["rows"][1]["ratio"] == pytest.approx(ratio)
+
+
+def slurm_commands(script: Path) -> list[tuple[list[str], int]]:
+    """Each ``parallelkit train`` line of an sbatch script (continuations joined): its
+    arguments, and the ranks it runs on (its ``parallel.ranks``, else the tasks the script asks
+    for, times torchrun's processes per node)."""
+    text = script.read_text().replace("\\\n", " ")
+    sbatch = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", text, re.MULTILINE))
+    found = []
+    for line in text.splitlines():
+        words = line.split()
+        if "train" not in words or line.lstrip().startswith("#"):
+            continue
+        args = words[words.index("train") + 1 :]
+        ranks = [int(a.split("=")[1]) for a in args if a.startswith("parallel.ranks=")]
+        per_node = int(sbatch.get("ntasks-per-node", 1))
+        if "--nproc-per-node" in words:
+            per_node = int(words[words.index("--nproc-per-node") + 1])
+        found.append((args, ranks[0] if ranks else int(sbatch["nodes"]) * per_node))
+    return found
+
+
+@pytest.mark.parametrize("script", sorted((EXAMPLES / "slurm").glob("*.sbatch")), ids=str)
+def test_slurm_scripts_pass_the_check(tmp_path, script):
+    """Every ``parallelkit train`` of ``examples/slurm/`` passes ``--check`` for the ranks it
+    would run on (``bash -n`` first: the script parses)."""
+    assert subprocess.run(["bash", "-n", str(script)], timeout=30).returncode == 0
+    commands = slurm_commands(script)
+    assert commands, f"{script.name} runs no parallelkit train"
+    for args, ranks in commands:
+        args = [a for a in args if a != "--check" and not a.startswith("parallel.ranks=")]
+        cmd = [sys.executable, "-m", "parallelkit.cli", "train", "--check", *args,
+               f"parallel.ranks={ranks}", f"train.run_dir={tmp_path / 'run'}"]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=ENV)
+        assert proc.returncode == 0, (script.name, args, proc.stderr)
+        assert f"check passed for {ranks} ranks" in proc.stdout

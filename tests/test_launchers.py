@@ -42,7 +42,8 @@ def test_torchrun_auto_picks_gloo():
         ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_PORT": "1234"}, "gloo"),
         ({"PMI_RANK": "0", "PMI_SIZE": "2"}, "mpi"),
         ({"OMPI_COMM_WORLD_SIZE": "2"}, "mpi"),
-        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}, "mpi"),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}, "local"),  # sbatch's batch script
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"}, "mpi"),  # srun
         ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, "local"),
     ],
 )
@@ -58,6 +59,9 @@ def test_detect_backend(monkeypatch, env, expected):
         "MPI_LOCALNRANKS",
         "SLURM_PROCID",
         "SLURM_NTASKS",
+        "SLURM_STEP_ID",
+        "SLURM_STEP_NUM_TASKS",
+        "TORCHELASTIC_RUN_ID",
     ):
         monkeypatch.delenv(var, raising=False)
     for var, value in env.items():

@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from parallelkit.comm import launcher
 from parallelkit.comm.base import (
     DEFAULT_TIMEOUT_S,
     CommError,
@@ -22,30 +23,24 @@ from parallelkit.geometry import tensor_split_sizes  # pure arithmetic; imported
 
 BACKENDS = ("auto", "gloo", "nccl", "mpi", "xla", "local")
 
-# Variables that mpiexec / srun launchers set for each rank (MPICH/Hydra, Open MPI, Slurm).
 _WORLD: Communicator | None = None
-
-_MPI_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
 
 
 def detect_backend() -> str:
-    """What ``init("auto")`` picks, from the launcher's environment variables.
+    """What ``init("auto")`` picks, from the launcher's environment variables
+    (:mod:`parallelkit.comm.launcher`).
 
     A PJRT device configured (``PJRT_DEVICE`` set, as on a Cloud TPU VM or under
-    ``torch_xla.launch``) with torch_xla installed -> xla; torchrun (``WORLD_SIZE`` set) -> nccl
-    when CUDA is available, else gloo; mpiexec/srun -> mpi; otherwise one local process.
+    ``torch_xla.launch``) with torch_xla installed -> xla; torchrun -> nccl when CUDA is
+    available, else gloo; an ``srun`` step -> nccl on GPU nodes, else mpi; mpiexec -> mpi;
+    otherwise (a plain process, the batch script of ``sbatch`` included) one local process.
     """
     if os.environ.get("PJRT_DEVICE") and importlib.util.find_spec("torch_xla") is not None:
         return "xla"
-    if "WORLD_SIZE" in os.environ and "MASTER_PORT" in os.environ:
-        import torch
-
+    name = launcher.detect().name
+    if name == "torchrun" or (name == "srun" and torch.cuda.is_available()):
         return "nccl" if torch.cuda.is_available() else "gloo"
-    if any(v in os.environ for v in _MPI_VARS) or (
-        "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1
-    ):
-        return "mpi"
-    return "local"
+    return "mpi" if name in ("srun", "mpiexec") else "local"
 
 
 def init(

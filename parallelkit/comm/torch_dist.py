@@ -28,6 +28,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from parallelkit.comm import launcher
 from parallelkit.comm.base import (
     PEER_FAILED_EXIT,
     CommError,
@@ -89,8 +90,12 @@ class TorchCommunicator(Communicator):
         debug: bool | None = None,
         device: torch.device | str | None = None,
     ) -> TorchCommunicator:
-        """Join (or create) the default process group from the torchrun environment."""
+        """Join (or create) the default process group from the torchrun environment (under
+        ``srun``, from Slurm's: :func:`parallelkit.comm.launcher.torch_variables`)."""
         if not dist.is_initialized():
+            job = launcher.detect()
+            if job.name == "srun" and "RANK" not in os.environ:  # srun: Slurm's variables
+                os.environ.update(launcher.torch_variables(job))
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_PORT") if v not in os.environ]
             if missing:

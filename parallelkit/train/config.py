@@ -17,6 +17,7 @@ it alone.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,22 @@ def _task_default(key: str, task: str) -> Any:
 # OmegaConf 2.4 renamed register_new_resolver (2.3, which the XLA environment may hold).
 _register = getattr(OmegaConf, "register_resolver", None) or OmegaConf.register_new_resolver
 _register("pk.default", _task_default, replace=True)
+
+
+def _run_name(*parts: Any) -> str:
+    """``${pk.run_name:...}``: the default run directory's name from the model, data and
+    strategy, one path component of letters, digits, ``.``, ``_`` and ``-``: a data name
+    ``nifti:/data/ct`` becomes ``nifti-ct``, a model ``monai:UNet`` ``monai-UNet``."""
+    words = []
+    for part in map(str, parts):
+        kind, sep, path = part.partition(":")
+        if sep and "/" in path:
+            part = f"{kind}-{Path(path.rstrip('/')).name}"
+        words.append(re.sub(r"[^A-Za-z0-9._]+", "-", part).strip("-.") or "x")
+    return "-".join(words)
+
+
+_register("pk.run_name", _run_name, replace=True)
 
 
 def load(path: str | None = None, overrides: list[str] = ()) -> Config:

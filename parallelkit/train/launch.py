@@ -30,7 +30,9 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from parallelkit.comm import detect_backend
+import yaml
+
+from parallelkit.comm import detect_backend, launcher
 from parallelkit.train.config import Config
 from parallelkit.train.procs import LAUNCHER_PID, Child, supervise
 
@@ -39,9 +41,47 @@ PACKAGE_CLI = WORKER[:3]  # the worker of any command: python -m parallelkit.cli
 LOOPBACK = "127.0.0.1"
 
 
+STARTED = "PARALLELKIT_STARTED"
+"""Set in the ranks that ``parallelkit train`` starts: why it started them, for the header."""
+
+
 def under_launcher() -> bool:
-    """True when a launcher started this process as one rank of a job."""
-    return detect_backend() != "local" or "TORCHELASTIC_RUN_ID" in os.environ
+    """True when a launcher started this process as one rank of a job
+    (:func:`parallelkit.comm.launcher.detect`), or it is an XLA replica."""
+    return detect_backend() != "local"
+
+
+def explicit(key: str, path: str | None, overrides: list[str]) -> bool:
+    """Whether the user set ``key`` (a dotted name) on the command line or in the YAML file."""
+    if any(o.partition("=")[0].strip() == key for o in overrides):
+        return True
+    if path is None:
+        return False
+    node = yaml.safe_load(Path(path).read_text()) or {}
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def check_world(cfg: Config, job: launcher.Launcher, ranks_set: bool) -> None:
+    """Under a launcher the job's size is the launcher's: a ``parallel.ranks`` the user set
+    that disagrees is refused, never silently replaced."""
+    if job.name != "none" and ranks_set and cfg.parallel.ranks != job.world:
+        raise ValueError(
+            f"parallel.ranks={cfg.parallel.ranks}, but {job.name} started {job.world} ranks "
+            f"({job.why}); drop parallel.ranks, or start {cfg.parallel.ranks} with {job.name}"
+        )
+
+
+def started_by(job: launcher.Launcher) -> str:
+    """Who started the ranks, and why it was read so: a line of the run's header."""
+    if STARTED in os.environ:
+        return os.environ[STARTED]
+    if job.name == "none":
+        return f"one rank, in this process ({job.why})"
+    return f"ranks started by {job.name} ({job.why})"
 
 
 def local_command(cfg: Config, argv: list[str], command: str = "train") -> list[str] | None:
@@ -71,6 +111,8 @@ def launch(command: list[str], ranks: int = 1) -> int:
     supervision and wait; the exit status is the job's."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores
+    how = "mpiexec" if command[: len(PACKAGE_CLI)] != PACKAGE_CLI else "processes"
+    env[STARTED] = f"{ranks} local ranks started by parallelkit ({how}): {launcher.detect().why}"
     if command[: len(PACKAGE_CLI)] != PACKAGE_CLI:  # mpiexec, which cleans up its ranks
         return supervise([Child(command, env, "mpiexec")])
     env[LAUNCHER_PID] = str(os.getpid())

@@ -118,7 +118,7 @@ class TrainConfig:
     # batches for the final weights ("precise BN"; classify and segment); 0: off
     precise_bn: int = 0
     keep_checkpoints: int = 2
-    run_dir: str = "runs/${model.name}-${data.name}-${parallel.strategy}"
+    run_dir: str = "runs/${pk.run_name:${model.name},${data.name},${parallel.strategy}}"
     resume: bool = False  # continue from the newest complete checkpoint in run_dir
     resume_fallback: bool = True  # newest checkpoint unreadable: resume from the next older
     overwrite: bool = False  # a new run replaces another run's outputs in run_dir

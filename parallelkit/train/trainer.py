@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -33,10 +32,11 @@ from typing import Any
 import torch
 
 import parallelkit as pk
+from parallelkit.comm import launcher
 from parallelkit.data import Loader, RankSampler, build_loader
 from parallelkit.data.errors import DataError, one_line
 from parallelkit.parallel import Grid
-from parallelkit.train import checkpoint, preflight, rundir, tasks
+from parallelkit.train import checkpoint, launch, preflight, rundir, tasks
 from parallelkit.train.agree import agree, same_everywhere
 from parallelkit.train.config import Config, to_yaml
 from parallelkit.train.faults import maybe_fail
@@ -51,14 +51,15 @@ from parallelkit.train.window import LossWindow
 def requested_device(name: str) -> torch.device | None:
     """``parallel.device`` as the device this rank trains on; None leaves it to the backend.
 
-    cuda: GPU ``LOCAL_RANK`` (modulo the GPUs there are, so several ranks may share one).
+    cuda: the GPU of this rank's local rank under any launcher (torchrun's LOCAL_RANK,
+    srun's SLURM_LOCALID, mpiexec's), modulo the GPUs there are, so several ranks may share one.
     """
     if name == "cpu":
         return torch.device("cpu")
     if name == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("parallel.device=cuda: torch sees no CUDA device on this machine")
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_rank = launcher.detect().local_rank
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return None
 
@@ -282,6 +283,7 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
     )
     if note:
         monitor.print(f"parallelkit train: {note}")
+    monitor.print(f"parallelkit train: {launch.started_by(launcher.detect())}")
     monitor.print(
         f"parallelkit train: {t.task} {cfg.model.name} on {cfg.data.name}, {comm.size} ranks "
         f"({comm.backend}), {grid}, global batch {t.batch_size}"
