@@ -1,8 +1,10 @@
-"""The ``parallelkit`` command.
+"""parallelkit: train convolutional networks over many devices (data, spatial and channel
+parallelism, exact against one device), and predict whole samples of any size with them.
 
-parallelkit train [--config FILE] [--resume] [key=value ...]
-                        train (see parallelkit.train.config for every key); starts
-                        parallel.ranks local ranks, or joins torchrun / mpiexec / srun
+parallelkit train [--config FILE] [--resume] [--check] [key=value ...]
+                        train (parallelkit train --help lists every key); starts
+                        parallel.ranks local ranks, or joins torchrun / mpiexec / srun;
+                        --check: the checks made before any rank starts, then exit
 parallelkit predict train.run_dir=RUN predict.output=OUT [key=value ...]
                         a trained segmentation run applied to whole samples of any size,
                         block by block over the ranks (docs/inference.md)
@@ -12,7 +14,9 @@ parallelkit plot RUN_DIR
                         draw RUN_DIR/curves.png (losses and test metrics) from its metrics
 parallelkit info        versions, available backends and what ``pk.init("auto")`` would pick
 parallelkit plan --model M --image-size S [S S] [--dims 3] --batch B --ranks N [--blocks-in]
-                        predicted step time and memory of every grid, ranked (parallelkit.plan)
+parallelkit plan --config RUN.yaml [key=value ...]
+                        predicted step time and memory of every grid, ranked (parallelkit.plan),
+                        and the parallel.* overrides of the best
 """
 
 from __future__ import annotations
@@ -209,7 +213,12 @@ def main(argv: list[str] | None = None) -> int:
         from parallelkit.data import shard_main
 
         return shard_main(argv[2:])
-    parser = argparse.ArgumentParser(prog="parallelkit", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="parallelkit",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__.split("\n\n")[0] + "\n\ncommands:\n" + __doc__.split("\n\n")[1],
+        epilog="docs/training.md (training, launching, Slurm), docs/inference.md (predict)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, backends, and what pk.init('auto') picks")
     plot = sub.add_parser("plot", help="draw RUN_DIR/curves.png from RUN_DIR/metrics.jsonl")

@@ -682,3 +682,20 @@ def test_the_edge_path_needs_stride_1_everywhere_and_blocks_of_p_rows():
     assert activation_bytes(walk_free([stem]), opt, 1) == stem.out_numel * 4 / 2 + saved
     wide = conv3d(2, 8, 6, 6, 7, 1, 3)  # blocks of 2 planes, halo 3
     assert activation_bytes(walk_free([wide]), Option(depth=4), 1) > wide.out_numel * 4 / 4
+
+
+def test_plan_reads_a_training_config(tmp_path, capsys):
+    """``plan --config run.yaml key=value``: the config's model, crop, batch and ranks are
+    planned, and the overrides printed train on the recommended grid (``train --check``)."""
+    run = tmp_path / "run.yaml"
+    run.write_text("train: {task: segment, batch_size: 4}\nparallel: {ranks: 2}\n")
+    argv = ["plan", "--config", str(run), "parallel.ranks=4", "--device", "h100-sxm"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    line = out.strip().splitlines()[-1]
+    assert line.startswith("train on it with: parallel.ranks=4 parallel.strategy="), out
+    check = ["train", "--check", "--config", str(run), f"train.run_dir={tmp_path / 'r'}"]
+    assert cli.main([*check, *line.split(": ", 1)[1].split()]) == 0
+    assert "check passed for 4 ranks" in capsys.readouterr().out
+    bad = ["plan", "--config", str(run), "train.batch_sise=4", "--device", "h100-sxm"]
+    assert cli.main(bad) == 2 and "batch_sise" in capsys.readouterr().err

@@ -9,6 +9,11 @@
         --model-kwargs "{channels: [16, 32, 64], strides: [2, 2]}" \\
         --batch 2 --ranks 8 --device h100-sxm --blocks-in
 
+``parallelkit plan --config RUN.yaml [key=value ...] [--device ...]`` plans a training config:
+its model, crop (``data.image_size``), channels, classes, global batch and ``parallel.ranks``
+(``--blocks-in`` for a ``FORMAT:DIR`` reader), and ends with the ``parallel.*`` overrides that
+train on the recommended grid.
+
 Samples are images unless told: ``--image-size S`` is a square; with ``--dims 3`` (the default
 for ``monai:NAME``) a cube of side S; ``--image-size D H W`` (or ``H W``) gives every side.
 Volumes are planned on grids with a ``depth`` dimension too (data x depth x rows x cols).
@@ -333,15 +338,51 @@ def make_plan(args: argparse.Namespace, progress: Callable[[str], None] = quiet)
                 blocks_in=args.blocks_in)  # fmt: skip
 
 
+def from_config(argv: list[str]) -> list[str]:
+    """``--config RUN.yaml [key=value ...]``: the plan's arguments for that training config (its
+    model, crop, channels, classes, global batch and ``parallel.ranks``; ``--blocks-in`` for a
+    block reader), followed by the rest of ``argv`` (``--device h100-sxm``, ...)."""
+    from parallelkit.data.config import block_format, crop_shape
+    from parallelkit.train import config
+
+    i = argv.index("--config")
+    path, rest = argv[i + 1], argv[:i] + argv[i + 2 :]
+    overrides = [a for a in rest if "=" in a and not a.startswith("-")]
+    cfg = config.load(path, overrides)
+    model, data = cfg.model, cfg.data
+    out = [
+        "--model", model.name, "--image-size", *map(str, crop_shape(data)),
+        "--channels", str(data.channels), "--classes", str(data.num_classes),
+        "--batch", str(cfg.train.batch_size), "--ranks", str(cfg.parallel.ranks),
+        "--model-kwargs", yaml.safe_dump(dict(model.kwargs), default_flow_style=True).strip(),
+    ]  # fmt: skip
+    if model.name.startswith("resnet"):
+        out += ["--stem", model.stem]
+    if block_format(data.name):
+        out.append("--blocks-in")
+    return out + [a for a in rest if a not in overrides]
+
+
+def overrides_of(p: Plan) -> str:
+    """The ``parallel.*`` overrides that train on the plan's recommended grid."""
+    o = p.recommended.option
+    strategy = o.strategy if o.strategy != "dense" else "data"
+    grid = (f"parallel.{k}={v}" for k, v in o.as_dict().items() if k != "data")
+    return f"parallel.ranks={o.ranks} parallel.strategy={strategy} {' '.join(grid)}"
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
     try:
+        args = parse(from_config(argv) if "--config" in argv else argv)
         check(args)
         p = make_plan(args, progress_lines())
     except ValueError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     print(table(p))
+    if p.recommended.feasible:
+        print(f"train on it with: {overrides_of(p)}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(p.to_dict(), indent=1) + "\n")
