@@ -177,8 +177,15 @@ def predict_example(name: str, run_dir: Path, out: Path) -> dict:
     line = next(ln for ln in readme.splitlines() if "parallelkit predict train.run_dir" in ln)
     keys = [k for k in line.split() if k.startswith("parallel.")]
     assert keys, line
-    cmd = [sys.executable, "-m", "parallelkit.cli", "predict", f"train.run_dir={run_dir}",
-           f"predict.output={out}", *keys]
+    cmd = [
+        sys.executable,
+        "-m",
+        "parallelkit.cli",
+        "predict",
+        f"train.run_dir={run_dir}",
+        f"predict.output={out}",
+        *keys,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=ENV, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads((out / "predict.json").read_text())
@@ -229,8 +236,19 @@ def test_segmentation_volumes(tmp_path):
     # one epoch on 2 data ranks, the README's parallelkit predict on 8 ranks (2 x 2 x 2 blocks
     # of the whole test volume), the picture, and one step's memory on 1 and 2 ranks.
     pytest.importorskip("monai")
-    write_store(tmp_path / "data", "--dims", "3", "--side", "32", "--train", "4", "--test", "1",
-                "--channels", "3")
+    write_store(
+        tmp_path / "data",
+        "--dims",
+        "3",
+        "--side",
+        "32",
+        "--train",
+        "4",
+        "--test",
+        "1",
+        "--channels",
+        "3",
+    )
     run = tmp_path / "run"
     table = train_example(
         "segmentation_volumes", run, f"data.name=zarr:{tmp_path / 'data'}",

@@ -61,19 +61,47 @@ def cli(*args: str, env: dict[str, str], cwd: Path, timeout: float = 240):
         (BATCH, ("none", 0, 1)),  # the batch script: one process, not four
         ({**BATCH, "SLURM_STEP_ID": "4294967291"}, ("none", 0, 1)),  # the batch step's id
         ({**BATCH, "SLURM_STEP_ID": "extern"}, ("none", 0, 1)),
-        ({**BATCH, "SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_LOCALID": "1"},
-         ("srun", 3, 4, 1)),  # fmt: skip
+        (
+            {**BATCH, "SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_LOCALID": "1"},
+            ("srun", 3, 4, 1),
+        ),
         ({**BATCH, "SLURM_STEP_ID": "2", "SLURM_STEP_NUM_TASKS": "1"}, ("none", 0, 1)),
         # mpiexec in an allocation: its proxies are an srun step of one task per node
-        ({**BATCH, "SLURM_STEP_ID": "1", "SLURM_NTASKS": "2", "PMI_RANK": "5", "PMI_SIZE": "8",
-          "MPI_LOCALRANKID": "1"}, ("mpiexec", 5, 8, 1)),  # fmt: skip
+        (
+            {
+                **BATCH,
+                "SLURM_STEP_ID": "1",
+                "SLURM_NTASKS": "2",
+                "PMI_RANK": "5",
+                "PMI_SIZE": "8",
+                "MPI_LOCALRANKID": "1",
+            },
+            ("mpiexec", 5, 8, 1),
+        ),
         # srun --mpi=pmi2: the PMI variables and the step agree, one rank per task
-        ({**BATCH, "SLURM_STEP_ID": "0", "SLURM_PROCID": "2", "SLURM_LOCALID": "0",
-          "PMI_RANK": "2", "PMI_SIZE": "4"}, ("srun", 2, 4, 0)),  # fmt: skip
-        ({"OMPI_COMM_WORLD_SIZE": "3", "OMPI_COMM_WORLD_RANK": "1",
-          "OMPI_COMM_WORLD_LOCAL_RANK": "1"}, ("mpiexec", 1, 3, 1)),  # fmt: skip
-        ({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_PORT": "29500", **BATCH},
-         ("torchrun", 1, 2, 1)),  # fmt: skip
+        (
+            {
+                **BATCH,
+                "SLURM_STEP_ID": "0",
+                "SLURM_PROCID": "2",
+                "SLURM_LOCALID": "0",
+                "PMI_RANK": "2",
+                "PMI_SIZE": "4",
+            },
+            ("srun", 2, 4, 0),
+        ),
+        (
+            {
+                "OMPI_COMM_WORLD_SIZE": "3",
+                "OMPI_COMM_WORLD_RANK": "1",
+                "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+            },
+            ("mpiexec", 1, 3, 1),
+        ),
+        (
+            {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_PORT": "29500", **BATCH},
+            ("torchrun", 1, 2, 1),
+        ),
     ],
 )
 def test_detect(env, want):
@@ -137,12 +165,30 @@ def test_srun_step_ranks_join_by_slurm_variables(tmp_path):
     port = str(free_port())
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "parallelkit.cli", "train", f"train.run_dir={tmp_path}/run",
-             "parallel.backend=gloo", *TINY],
-            env=clean_env(**{**BATCH, "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0",
-                             "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)}, MASTER_PORT=port),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "parallelkit.cli",
+                "train",
+                f"train.run_dir={tmp_path}/run",
+                "parallel.backend=gloo",
+                *TINY,
+            ],
+            env=clean_env(
+                **{
+                    **BATCH,
+                    "SLURM_NTASKS": "2",
+                    "SLURM_STEP_ID": "0",
+                    "SLURM_PROCID": str(r),
+                    "SLURM_LOCALID": str(r),
+                },
+                MASTER_PORT=port,
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+        )
         for r in range(2)
     ]
     outs = [p.communicate(timeout=240) for p in procs]
@@ -170,8 +216,11 @@ def test_ranks_of_a_launcher_report_a_config_mistake_once(tmp_path):
         subprocess.Popen(
             [sys.executable, "-m", "parallelkit.cli", "train", *TINY, "train.batch_size=15"],
             env=clean_env(WORLD_SIZE="2", RANK=str(r), LOCAL_RANK=str(r), MASTER_PORT=port),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-        )  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+        )
         for r in range(2)
     ]
     outs = [p.communicate(timeout=120) for p in procs]
