@@ -3,6 +3,7 @@
     model = parallelkit.models.create("resnet50", num_classes=10, stem="cifar")
     parallelkit.models.list_models()   # ['dcgan_discriminator', 'dcgan_generator', 'resnet18', ...]
     model = parallelkit.models.create("timm:resnet18", num_classes=10)   # another library's
+    model = parallelkit.models.create("mypackage.nets:MyNet", num_classes=10)   # the user's own
 
 A constructor is any callable returning an ``nn.Module``, registered under a name with
 ``@register("name")``. ``create`` checks the keyword arguments against the constructor before
@@ -20,7 +21,7 @@ from typing import Any, TypeVar
 
 from torch import nn
 
-from parallelkit.models import zoo
+from parallelkit.models import imported, zoo
 
 Constructor = Callable[..., nn.Module]
 C = TypeVar("C", bound=Constructor)
@@ -55,6 +56,8 @@ def create(name: str, **kwargs: Any) -> nn.Module:
     """
     if zoo.is_zoo_name(name):
         return zoo.create(name, **kwargs)
+    if imported.is_import_path(name):
+        return imported.create(name, **kwargs)
     if name not in _REGISTRY:
         raise ValueError(f"create: unknown model {name!r}; known models: {list_models()}")
     fn = _REGISTRY[name]

@@ -28,7 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 from parallelkit import models
 from parallelkit.data.config import check_config, has_masks
 from parallelkit.dims import GridDims
-from parallelkit.models import zoo
+from parallelkit.models import imported, zoo
 from parallelkit.train.protocol import Task
 from parallelkit.train.schema import (  # the config's dataclasses, read from here too
     Config,
@@ -207,10 +207,13 @@ def _check_task(cfg: Config) -> None:
     task.check(cfg)
     if zoo.is_zoo_name(name):
         zoo.check(name, dict(cfg.model.kwargs))
+    elif imported.is_import_path(name):
+        imported.load(name)
     elif owner is None and name not in models.list_models():
         raise ValueError(
             f"config: model.name={name!r} is not a model here: {models.list_models()}, dcgan, "
-            "or another library's torchvision:NAME, timm:NAME, smp:ARCH, monai:NAME"
+            "another library's torchvision:NAME, timm:NAME, smp:ARCH, monai:NAME, or your own "
+            "as package.module:Class"
         )
 
 

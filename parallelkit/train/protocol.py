@@ -30,7 +30,7 @@ from torch import nn
 import parallelkit as pk
 from parallelkit import models
 from parallelkit.data import Loader
-from parallelkit.models import zoo
+from parallelkit.models import imported, zoo
 from parallelkit.parallel import DataParallel, Grid
 from parallelkit.parallel.sharding import sharded_parameters
 from parallelkit.train.optim import build_optimizer, build_schedule
@@ -56,9 +56,10 @@ def no_sync(model: nn.Module, skip: bool):
 def network(cfg: Config, classes: int, channels: int, **builtin: Any) -> nn.Module:
     """``model.name`` as a dense network: a built-in one gets ``builtin`` (widths, stem) unless
     ``model.kwargs`` gives them (``model.kwargs={widths: [8, 16, 32, 64, 128]}``: a U-Net of 5
-    stages); another library's (``timm:NAME``, ...) only ``model.kwargs``."""
+    stages); another library's (``timm:NAME``, ...) or the user's own (``package.module:Class``)
+    only ``model.kwargs``."""
     m = cfg.model
-    extra = {} if zoo.is_zoo_name(m.name) else builtin
+    extra = {} if zoo.is_zoo_name(m.name) or imported.is_import_path(m.name) else builtin
     return models.create(m.name, num_classes=classes, in_channels=channels,
                          **{**extra, **m.kwargs})
 

@@ -1,0 +1,96 @@
+"""A user's own network by import path (``model.name=package.module:Class``), the way a user
+with a module beside their data would train it: from that directory, no registration."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+from parallelkit.models import create, imported
+
+NETS = """
+from torch import nn
+
+
+class TinyNet(nn.Module):
+    def __init__(self, in_channels, num_classes, width=4):
+        super().__init__()
+        self.width = width
+        self.body = nn.Sequential(
+            nn.Conv2d(in_channels, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
+            nn.Conv2d(width, width, 3, stride=2, padding=1), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, num_classes))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def tiny(in_chans, classes, width=4):
+    return TinyNet(in_chans, classes, width)
+
+
+NOT_A_MODEL = 3
+"""
+QUIET = ["data.image_size=16", "data.channels=1", "train.batch_size=16", "train.max_steps=3",
+         "train.log_every=1", "train.progress=false", "train.tensorboard=false",
+         "train.plot=false", "parallel.timeout=120"]  # fmt: skip
+
+
+@pytest.fixture
+def user_dir(tmp_path, monkeypatch):
+    (tmp_path / "mynets.py").write_text(NETS)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    sys.modules.pop("mynets", None)
+
+
+def test_channels_and_classes_go_where_the_constructor_takes_them(user_dir):
+    net = create("mynets:TinyNet", num_classes=7, in_channels=2, width=8)
+    assert net.body[0].in_channels == 2 and net.body[-1].out_features == 7 and net.width == 8
+    net = create("mynets:tiny", num_classes=5, in_channels=1)  # in_chans, classes
+    assert net.body[0].in_channels == 1 and net.body[-1].out_features == 5
+    assert imported.is_import_path("mynets:TinyNet") and not imported.is_import_path("timm:x")
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [("nosuchmodule:Net", "does not import here"), ("mynets:Nope", "mynets has no 'Nope'"),
+     ("mynets:NOT_A_MODEL", "not a class or a function")],
+)  # fmt: skip
+def test_bad_import_paths_are_config_errors(user_dir, name, message):
+    proc = subprocess.run(
+        [sys.executable, "-m", "parallelkit.cli", "train", "--check", f"model.name={name}"],
+        capture_output=True, text=True, timeout=120, cwd=user_dir,
+    )  # fmt: skip
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def losses(run: Path) -> list[float]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"]
+
+
+def test_trains_split_over_two_ranks_as_on_one(user_dir):
+    """The user's network under spatial parallelism on 2 ranks gives the 1-rank loss curve."""
+    curves = []
+    for ranks in (1, 2):
+        run = user_dir / f"run{ranks}"
+        cmd = [sys.executable, "-m", "parallelkit.cli", "train", "model.name=mynets:TinyNet",
+               "model.kwargs={width: 8}", f"parallel.ranks={ranks}", "parallel.strategy=spatial",
+               f"train.run_dir={run}", *QUIET]  # fmt: skip
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=user_dir,
+                              env=env)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        curves.append(losses(run))
+    assert len(curves[0]) == 3 and curves[0][0] != curves[0][-1]  # it trains
+    assert curves[0] == pytest.approx(curves[1], rel=1e-4, abs=1e-5)
+    assert isinstance(create("mynets:TinyNet", num_classes=2), nn.Module)
