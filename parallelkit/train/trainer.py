@@ -284,6 +284,11 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
     if note:
         monitor.print(f"parallelkit train: {note}")
     monitor.print(f"parallelkit train: {launch.started_by(launcher.detect())}")
+    if device.type == "cpu" and cfg.parallel.device == "auto" and torch.cuda.is_available():
+        monitor.print(
+            f"parallelkit train: training on the CPU ({comm.backend} with parallel.device=auto), "
+            "although torch sees a GPU here; parallel.device=cuda puts each rank on its GPU"
+        )
     monitor.print(
         f"parallelkit train: {t.task} {cfg.model.name} on {cfg.data.name}, {comm.size} ranks "
         f"({comm.backend}), {grid}, global batch {t.batch_size}"
