@@ -1,5 +1,5 @@
-"""Segmentation metrics: mIoU and pixel accuracy from counts summed over blocks equal those of
-the gathered output, including classes absent from a block or from everything.
+"""Segmentation metrics: mIoU, mDice and pixel accuracy from counts summed over blocks equal
+those of the gathered output, including classes absent from a block or from everything.
 
 The ranks' blocks are cut as ``pk.spatial.scatter`` cuts them (``torch.tensor_split`` over rows,
 then columns); summing per-block counts is what the all-reduce over the spatial and data groups
@@ -20,17 +20,18 @@ def blocks(t: torch.Tensor, rows: int, cols: int) -> list[torch.Tensor]:
     return [c for r in t.tensor_split(rows, -2) for c in r.tensor_split(cols, -1)]
 
 
-def reference_miou(pred: torch.Tensor, target: torch.Tensor, k: int) -> tuple[float, float]:
-    """Written out the slow way, on the whole output."""
+def reference_miou(pred: torch.Tensor, target: torch.Tensor, k: int) -> tuple[float, float, float]:
+    """(mIoU, pixel accuracy, mDice), written out the slow way on the whole output."""
     valid = target != 255
-    ious = []
+    ious, dices = [], []
     for c in range(k):
         p, t = (pred == c) & valid, (target == c) & valid
         union = (p | t).sum().item()
         if union:
             ious.append((p & t).sum().item() / union)
+            dices.append(2 * (p & t).sum().item() / (p.sum().item() + t.sum().item()))
     accuracy = ((pred == target) & valid).sum().item() / valid.sum().item()
-    return sum(ious) / len(ious), accuracy
+    return sum(ious) / len(ious), accuracy, sum(dices) / len(dices)
 
 
 @pytest.mark.parametrize("grid", [(2, 1), (1, 2), (2, 2), (3, 2)])
@@ -52,7 +53,11 @@ def test_split_equals_gathered_with_absent_classes(grid):
     got, want = scores(summed), reference_miou(pred, target, k)
     assert got["miou"] == pytest.approx(want[0], abs=1e-12)
     assert got["pixel_accuracy"] == pytest.approx(want[1], abs=1e-12)
+    assert got["mdice"] == pytest.approx(want[2], abs=1e-12)
     assert got["iou"][5] is None and got["iou"][4] == 0.0 and got["classes_present"] == 5
+    assert got["dice"][5] is None and got["dice"][4] == 0.0
+    for iou, dice in zip(got["iou"][:5], got["dice"][:5], strict=True):
+        assert dice == pytest.approx(2 * iou / (1 + iou), abs=1e-12)  # Dice = 2 IoU / (1 + IoU)
 
 
 def test_negative_control_mean_of_block_mious_differs():
@@ -71,4 +76,5 @@ def test_negative_control_mean_of_block_mious_differs():
 def test_every_pixel_ignored():
     target = torch.full((1, 2, 2), 255)
     got = scores(pixel_counts(torch.zeros_like(target), target, 3))
-    assert got == {"miou": 0.0, "pixel_accuracy": 0.0, "iou": [None] * 3, "classes_present": 0}
+    assert got == {"miou": 0.0, "mdice": 0.0, "pixel_accuracy": 0.0, "iou": [None] * 3,
+                   "dice": [None] * 3, "classes_present": 0}  # fmt: skip

@@ -70,7 +70,9 @@ def test_zoo_names():
     assert models.zoo.is_zoo_name("timm:resnet18") and not models.zoo.is_zoo_name("resnet18")
     assert not models.zoo.is_zoo_name("foo:bar")  # not a library this knows: a plain name
     with pytest.raises(ValueError, match="is not a model here"):
-        config.load(None, ["model.name=foo:bar"])
+        config.load(None, ["model.name=foo:bar"])  # nor a module that imports
+    with pytest.raises(ValueError, match="did you mean timm:resnet18"):
+        config.load(None, ["model.name=timn:resnet18"])
 
 
 # ----------------------------------------------------------------------------- monai:NAME

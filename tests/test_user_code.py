@@ -61,8 +61,8 @@ def test_channels_and_classes_go_where_the_constructor_takes_them(user_dir):
 
 @pytest.mark.parametrize(
     ("name", "message"),
-    [("nosuchmodule:Net", "does not import here"), ("mynets:Nope", "mynets has no 'Nope'"),
-     ("mynets:NOT_A_MODEL", "not a class or a function")],
+    [("nosuchmodule:Net", "module 'nosuchmodule' does not import"),
+     ("mynets:Nope", "mynets has no 'Nope'"), ("mynets:NOT_A_MODEL", "not a class or a function")],
 )  # fmt: skip
 def test_bad_import_paths_are_config_errors(user_dir, name, message):
     proc = subprocess.run(

@@ -18,6 +18,7 @@ A module that does not import, a name it does not hold, or something that is not
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import os
@@ -47,10 +48,14 @@ def load(name: str) -> Callable[..., nn.Module]:
     try:
         target: Any = importlib.import_module(module_name)
     except Exception as e:  # ModuleNotFoundError, or the user's module failing on import
+        close = difflib.get_close_matches(module_name, LIBRARIES, n=1)
+        hint = f"; did you mean {close[0]}:{attr}?" if close else ""
+        why = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        zoo = ", ".join(f"{p}:NAME" for p in LIBRARIES)
         raise ValueError(
-            f"config: model.name={name!r}: module {module_name!r} does not import here "
-            f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}); "
-            "it must be importable from the working directory, PYTHONPATH or an installed package"
+            f"config: model.name={name!r} is not a model here: module {module_name!r} does not "
+            f"import ({why}); your own network must be importable from the working directory, "
+            f"PYTHONPATH or an installed package, another library's is {zoo}{hint}"
         ) from None
     for part in attr.split("."):
         if not hasattr(target, part):

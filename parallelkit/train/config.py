@@ -152,6 +152,9 @@ def validate(cfg: Config) -> None:
     _one_of(p.device, DEVICES, "parallel.device")
     _one_of(p.fallback, ("refuse", "gather"), "parallel.fallback")
     _one_of(t.fail_how, FAULTS, "train.fail_how")
+    _one_of(t.loss, ("ce", "dice", "dice_ce"), "train.loss")  # parallelkit.train.losses
+    if t.loss != "ce" and t.task != "segment":
+        raise ValueError(f"config: train.loss={t.loss} is for train.task=segment, not {t.task}")
     if cfg.model.name.startswith("resnet"):
         _one_of(cfg.model.stem, STEMS, "model.stem")
     positive = {

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-PERCENT = ("accuracy", "miou", "pixel_accuracy")
+PERCENT = ("accuracy", "miou", "mdice", "pixel_accuracy")
 LABELS = {"accuracy": "accuracy", "miou": "mIoU", "pixel_accuracy": "pixel accuracy"}
 FILE = "curves.png"
 

@@ -1,4 +1,4 @@
-"""Semantic segmentation: per-pixel cross-entropy, mIoU and pixel accuracy, on blocks.
+"""Semantic segmentation: cross-entropy or Dice loss, mIoU, mDice, pixel accuracy, on blocks.
 
 Images (N, C, H, W) with masks (N, H, W), or volumes (N, C, D, H, W) with masks (N, D, H, W)
 (``data.name=shapes3d`` or ``segfolder3d``, a 3-D network such as ``model.name=monai:UNet``):
@@ -21,8 +21,10 @@ The loss of a step, exactly the 1-process mean over every labelled pixel of the 
 
 ``reduce_from_group`` sums over the spatial group (its backward is the identity: each block's
 logits get their own gradient), and DataParallel's mean over the D data ranks turns ``D / n``
-into ``1 / n``. Evaluation sums pixel counts (:mod:`parallelkit.train.segmetrics`) over the
-same group once, after the loop.
+into ``1 / n``. ``train.loss=dice`` replaces it by the soft Dice loss of the global batch, and
+``dice_ce`` adds the two (MONAI's ``DiceCELoss``): Dice is a ratio of sums, so its counts are
+summed over the batch group before the ratio (:mod:`parallelkit.train.losses`). Evaluation sums
+pixel counts (:mod:`parallelkit.train.segmetrics`) over the same group once, after the loop.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from parallelkit.data.blockset import BlockDataset
 from parallelkit.data.segfolder import IGNORE
 from parallelkit.inference import Predictor
 from parallelkit.parallel import Grid
+from parallelkit.train.losses import dice_loss
 from parallelkit.train.protocol import Losses, Metrics, Task, network, no_sync
 from parallelkit.train.schema import Config
 from parallelkit.train.segmetrics import pixel_counts, score_block, scores
@@ -103,7 +106,7 @@ class Segment(Task):
         return out
 
     def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> Losses:
-        acc, d = self.cfg.train.accumulate, self.grid.data
+        acc = self.cfg.train.accumulate
         xs, ys = x.chunk(acc), y.chunk(acc)
         labelled = torch.stack([(m != IGNORE).sum() for m in ys]).float()
         labelled = self.grid.batch_comm.all_reduce(labelled).clamp(min=1)
@@ -112,20 +115,39 @@ class Segment(Task):
         for j, (xm, ym) in enumerate(zip(xs, ys, strict=True)):
             with no_sync(self.model, j < acc - 1), self.autocast:
                 logits = self.logits(xm, ym)
-            part = F.cross_entropy(logits.float(), ym, ignore_index=IGNORE, reduction="sum")
-            loss = pkf.reduce_from_group(part, self.grid.spatial_comm) * d / labelled[j] / acc
-            loss.backward()
-            total += loss.detach()
+            loss, shown = self.loss(logits.float(), ym, labelled[j])
+            (loss / acc).backward()
+            total += shown.detach() / acc
         self.update("model")
         return {"loss": total}
 
+    def loss(
+        self, logits: torch.Tensor, mask: torch.Tensor, labelled: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(what this rank backpropagates, what it reports)`` for one micro-batch, as
+        ``train.loss`` says; ``labelled``: the micro-batch's labelled pixels, all ranks'.
+
+        Both terms are scaled for DataParallel's mean over the D data ranks (module
+        docstring): cross-entropy reports and backpropagates its share ``* D / n``; Dice is the
+        whole batch's on every rank, so it reports ``dice`` and backpropagates ``D * dice``.
+        """
+        d, kind = self.grid.data, self.cfg.train.loss
+        loss = shown = logits.new_zeros(())
+        if kind in ("ce", "dice_ce"):
+            part = F.cross_entropy(logits, mask, ignore_index=IGNORE, reduction="sum")
+            loss = shown = pkf.reduce_from_group(part, self.grid.spatial_comm) * d / labelled
+        if kind in ("dice", "dice_ce"):
+            dice = dice_loss(logits, mask, self.grid.batch_comm)
+            loss, shown = loss + d * dice, shown + dice
+        return loss, shown
+
     @torch.no_grad()
     def evaluate(self, loader: Loader) -> Metrics:
-        """Loss, mIoU and pixel accuracy over the whole test split: each rank sums the loss
-        and the pixel counts of its blocks, and one all-reduce over the batch group (data x
-        spatial; channel ranks hold the same whole output) adds them. Data read by blocks
-        (``FORMAT:DIR``) are scored on whole samples, each at its own size
-        (:meth:`evaluate_whole`)."""
+        """Loss (cross-entropy, whatever ``train.loss`` is), mIoU, mDice and pixel accuracy
+        over the whole test split: each rank sums the loss and the pixel counts of its blocks,
+        and one all-reduce over the batch group (data x spatial; channel ranks hold the same
+        whole output) adds them. Data read by blocks (``FORMAT:DIR``) are scored on whole
+        samples, each at its own size (:meth:`evaluate_whole`)."""
         if isinstance(loader.dataloader.dataset, BlockDataset):
             return self.evaluate_whole(loader.dataloader.dataset)
         self.model.eval()
@@ -179,8 +201,9 @@ class Segment(Task):
 
     def report(self, evals: Metrics) -> str:
         return (
-            f"test loss {evals['loss']:.4f}, mIoU {100 * evals['miou']:.2f}%, pixel accuracy "
-            f"{100 * evals['pixel_accuracy']:.2f}% ({evals['count']} images)"
+            f"test loss {evals['loss']:.4f}, mIoU {100 * evals['miou']:.2f}%, mDice "
+            f"{100 * evals['mdice']:.2f}%, pixel accuracy {100 * evals['pixel_accuracy']:.2f}% "
+            f"({evals['count']} images)"
         )
 
     def headline(self, evals: Metrics) -> dict[str, float]:
@@ -193,5 +216,6 @@ class Segment(Task):
         return [
             ("test loss", f"{evals['loss']:.4f}"),
             ("test mIoU", f"{100 * evals['miou']:.2f}%" + present),
+            ("test mDice", f"{100 * evals['mdice']:.2f}%"),
             ("test pixel accuracy", f"{100 * evals['pixel_accuracy']:.2f}%"),
         ]
