@@ -1,6 +1,6 @@
 """Parallel layers: drop-in replacements for torch.nn layers that communicate inside.
 
-Each layer gives the dense layer's result on the whole batch or image (see DESIGN.md).
+Each layer gives the dense layer's result on the whole batch or image (see docs/design.md).
 """
 
 from parallelkit.nn.batchnorm_subclass import convert_sync_batchnorm
