@@ -15,6 +15,9 @@ Modules, one idea each:
     segfolder3d  a folder of .npy volumes and masks
     readers      block readers: a block of a zarr, TIFF, NIfTI or npy array, read alone
     blockset     BlockDataset: each spatial rank's block of images and masks on disk
+    intensity    data.normalize: z-score, intensity window, per-sample percentiles, none
+    foreground   data.foreground: training crops centred on labelled voxels
+    samplecache  per-file numbers computed once from the whole file (statistics, positions)
     sampler      RankSampler: torch's DistributedSampler + exact evaluation cover + resume
     shardio      tar shards on disk: write_shards, manifest.json, reading and decoding samples
     shardstream  which shard pieces each data rank and DataLoader worker streams

@@ -16,16 +16,21 @@ What every rank of a spatial group agrees on, so that their blocks tile the same
 
 - **Crops** are drawn from a generator seeded by ``(seed, epoch, index)``, never by rank: the
   same position on every rank. Outside training (``augment=False``) the crop is centred.
+  With ``foreground`` > 0, that share of the crops is centred on a labelled voxel of the
+  mask, also drawn from that generator (:mod:`parallelkit.data.foreground`).
 - **Flips** are drawn the same way. A rank's block of a flipped sample is the mirrored block of
   the sample, reversed: it reads only those rows (:meth:`View.source`).
-- **Normalization**: ``(x - mean[c]) / std[c]`` with per-channel statistics of the training
-  images, computed once by streaming slabs of each file (:func:`channel_stats`) and kept in
-  ``root/channel_stats.json`` (or in memory where root is read-only), keyed by the files'
-  names, shapes and modification times.
+- **Normalization** (:mod:`parallelkit.data.intensity`): by default ``(x - mean[c]) / std[c]``
+  with per-channel statistics of the training images, computed once by streaming slabs of
+  each file (:func:`channel_stats`) and kept in ``root/channel_stats.json`` (or in memory where
+  root is read-only), keyed by the files' names, shapes and modification times; or an
+  intensity window, or each sample's own percentiles (computed from the whole file, the same
+  on every rank), or none.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -38,11 +43,17 @@ import torch
 from torch.utils.data import Dataset
 
 from parallelkit.data.errors import DataError
+from parallelkit.data.foreground import MOST, centred_start, foreground_positions
+from parallelkit.data.intensity import SAMPLE_STATS_FILE, Intensity, Normalizer
 from parallelkit.data.readers import Block, SampleReader, format_of, slab_blocks, stem_of
+from parallelkit.data.samplecache import per_sample
 from parallelkit.data.segfolder import check_labels
 from parallelkit.geometry import blocks
 
+Normalize = str | tuple[Sequence[float], Sequence[float]] | Normalizer | None
+"""What ``BlockDataset(normalize=)`` takes: ``"stats"``, ``(mean, std)``, a Normalizer, None."""
 STATS_FILE = "channel_stats.json"
+FOREGROUND_FILE = "foreground.json"
 _STATS: dict[str, tuple[list[float], list[float]]] = {}  # in memory, by the files' key
 
 
@@ -57,10 +68,13 @@ class RankBlock:
 
     def __call__(self, *size: int) -> Block:
         if len(size) != len(self.counts):
-            raise ValueError(f"a grid of {self.counts} splits samples of {len(self.counts)} "
-                             f"spatial dimensions, not {size}")
-        return tuple(slice(*blocks(n, p)[i])
-                     for n, p, i in zip(size, self.counts, self.coords, strict=True))
+            raise ValueError(
+                f"a grid of {self.counts} splits samples of {len(self.counts)} "
+                f"spatial dimensions, not {size}"
+            )
+        return tuple(
+            slice(*blocks(n, p)[i]) for n, p, i in zip(size, self.counts, self.coords, strict=True)
+        )
 
 
 @dataclass(frozen=True)
@@ -97,23 +111,30 @@ def draw_view(
     crop: Sequence[int] | None,
     flip: Sequence[int],
     rng: np.random.Generator | None,
+    start: Sequence[int] | None = None,
 ) -> View:
     """A crop of ``crop`` (the whole sample if None) and flips along the axes in ``flip``, each
-    with probability 1/2: drawn from ``rng``, or centred and unflipped if ``rng`` is None."""
+    with probability 1/2: drawn from ``rng``, or centred and unflipped if ``rng`` is None.
+    ``start``: the crop's place, where the caller chose it (flips are still drawn)."""
     size = tuple(size)
     crop = size if crop is None else tuple(int(c) for c in crop)
     if len(crop) != len(size) or any(not 0 < c <= n for c, n in zip(crop, size, strict=True)):
         raise ValueError(f"crop {crop} does not fit in samples of size {size}")
     if rng is None:
-        return View(tuple((n - c) // 2 for n, c in zip(size, crop, strict=True)), crop,
-                    (False,) * len(size))
-    start = tuple(int(rng.integers(0, n - c + 1)) for n, c in zip(size, crop, strict=True))
+        return View(
+            tuple((n - c) // 2 for n, c in zip(size, crop, strict=True)), crop, (False,) * len(size)
+        )
+    if start is None:
+        start = tuple(int(rng.integers(0, n - c + 1)) for n, c in zip(size, crop, strict=True))
+    start = tuple(start)
     flips = tuple(bool(rng.integers(0, 2)) if d in flip else False for d in range(len(size)))
     return View(start, crop, flips)
 
 
-def channel_stats(readers: Sequence[SampleReader], max_elements: int = 1 << 22,
-                  ) -> tuple[np.ndarray, np.ndarray]:
+def channel_stats(
+    readers: Sequence[SampleReader],
+    max_elements: int = 1 << 22,
+) -> tuple[np.ndarray, np.ndarray]:
     """Per-channel mean and (population) standard deviation over every value of every
     sample, streaming: slabs of at most ``max_elements`` values, merged by count (Chan)."""
     count, mean, m2 = 0, 0.0, 0.0
@@ -133,12 +154,18 @@ def channel_stats(readers: Sequence[SampleReader], max_elements: int = 1 << 22,
     return np.asarray(mean), np.sqrt(np.asarray(m2) / count)
 
 
-def cached_stats(readers: Sequence[SampleReader], cache: Path | None,
-                 max_elements: int = 1 << 22) -> tuple[list[float], list[float]]:
+def cached_stats(
+    readers: Sequence[SampleReader], cache: Path | None, max_elements: int = 1 << 22
+) -> tuple[list[float], list[float]]:
     """:func:`channel_stats`, computed once: kept in memory and in the JSON file ``cache``."""
-    key = hashlib.sha1(json.dumps([
-        [str(r.path), list(r.shape), str(r.dtype), os.stat(r.path).st_mtime_ns] for r in readers
-    ]).encode()).hexdigest()
+    key = hashlib.sha1(
+        json.dumps(
+            [
+                [str(r.path), list(r.shape), str(r.dtype), os.stat(r.path).st_mtime_ns]
+                for r in readers
+            ]
+        ).encode()
+    ).hexdigest()
     if key in _STATS:
         return _STATS[key]
     try:
@@ -153,8 +180,16 @@ def cached_stats(readers: Sequence[SampleReader], cache: Path | None,
     if cache is not None:
         try:  # written whole or not at all: other ranks may be writing the same numbers
             tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"key": key, "mean": _STATS[key][0],
-                                       "std": _STATS[key][1], "files": len(readers)}))
+            tmp.write_text(
+                json.dumps(
+                    {
+                        "key": key,
+                        "mean": _STATS[key][0],
+                        "std": _STATS[key][1],
+                        "files": len(readers),
+                    }
+                )
+            )
             os.replace(tmp, cache)
         except OSError:
             pass  # a read-only data set: the statistics stay in memory
@@ -191,7 +226,15 @@ class BlockDataset(Dataset):
     samples, which must then all have the same size to be batched). ``flip``: the spatial axes
     flipped at random. ``augment``: random crops and flips (default: on the train split only).
     ``layout`` / ``mask_layout``: see :mod:`parallelkit.data.readers`. ``normalize``:
-    ``"stats"`` (the training images' per-channel mean and std), ``(mean, std)``, or None.
+    ``"stats"`` (the training images' per-channel mean and std), ``(mean, std)``, a
+    :class:`~parallelkit.data.intensity.Normalizer` (one of mode ``zscore`` without ``mean`` gets
+    the training images' statistics), or None. ``level``: the pyramid level of OME-Zarr and TIFF
+    files, masks read at the same level (a mask without it is refused). ``foreground``: the
+    share of augmented crops centred on a labelled voxel. ``channels``: the images' channel
+    count expected, where a file's shape alone cannot tell its channel axis (readers).
+
+    ``normalizer`` is the normalization used (None: none), ``intensity[i]`` sample ``i``'s;
+    ``mean`` and ``std`` the per-channel statistics where it is ``zscore``, else None.
     """
 
     def __init__(
@@ -205,14 +248,27 @@ class BlockDataset(Dataset):
         augment: bool | None = None,
         layout: str | None = None,
         mask_layout: str | None = None,
-        normalize: str | tuple[Sequence[float], Sequence[float]] | None = "stats",
+        normalize: Normalize = "stats",
         num_classes: int | None = None,
         seed: int = 0,
+        level: int = 0,
+        foreground: float = 0.0,
+        channels: int | None = None,
     ) -> None:
         found = pairs(root, split)
         dims = dims or (3 if format_of(found[0][0]) == "nifti" else 2)  # the same for masks
-        self.images = [SampleReader(p, dims, layout) for p, _ in found]
-        self.masks = [SampleReader(m, dims, mask_layout, mask=True) for _, m in found]
+        self.images = [SampleReader(p, dims, layout, level=level, channels=channels)
+                       for p, _ in found]  # fmt: skip
+        self.masks = [SampleReader(m, dims, mask_layout, mask=True, level=level)
+                      for _, m in found]  # fmt: skip
+        expected = channels or self.images[0].channels  # from the headers: nothing decoded
+        if wrong := [r for r in self.images if r.channels != expected]:
+            first, more = wrong[0], (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else "")
+            if channels:
+                raise DataError(f"data.channels={channels}, but {first.path} has "
+                                f"{first.channels} channels{more}")  # fmt: skip
+            raise DataError(f"{first.path} has {first.channels} channels and {found[0][0]} "
+                            f"{expected}{more}: every sample needs the same channels")  # fmt: skip
         for image, mask in zip(self.images, self.masks, strict=True):
             if mask.size != image.size or mask.channels != 1:
                 raise DataError(
@@ -232,12 +288,42 @@ class BlockDataset(Dataset):
         self.block, self.crop, self.flip = block, crop, tuple(flip)
         self.augment = split == "train" if augment is None else augment
         self.num_classes, self.seed, self.epoch = num_classes, seed, 0
-        if normalize == "stats":
-            train = self.images if split == "train" else [
-                SampleReader(p, dims, layout) for p, _ in pairs(root, "train")]
-            normalize = cached_stats(train, Path(root) / STATS_FILE)
-        self.mean, self.std = (None, None) if normalize is None else (
-            np.asarray(normalize[0], np.float32), np.asarray(normalize[1], np.float32))
+        self.normalizer = self._normalizer(normalize, root, split, dims, layout, level)
+        self.intensity: list[Intensity | None] = (
+            self.normalizer.for_samples(self.images) if self.normalizer else [None] * len(self)
+        )
+        self.mean, self.std = (None, None)
+        if self.normalizer is not None and self.normalizer.mode == "zscore":
+            self.mean = np.asarray(self.normalizer.mean, np.float32)
+            self.std = np.asarray(self.normalizer.std, np.float32)
+        self.foreground, self.positions = foreground, [[] for _ in self.masks]
+        if foreground > 0 and self.augment:
+            self.positions = per_sample(
+                self.masks, ["foreground", MOST], foreground_positions, Path(root) / FOREGROUND_FILE
+            )
+
+    def _normalizer(
+        self, normalize: Normalize, root: str | Path, split: str, dims: int, layout: str | None,
+        level: int,
+    ) -> Normalizer | None:  # fmt: skip
+        """``normalize`` as a :class:`Normalizer`, the training statistics filled in."""
+        if normalize is None:
+            return None
+        if isinstance(normalize, tuple):
+            return Normalizer("zscore", tuple(normalize[0]), tuple(normalize[1]))
+        given = Normalizer() if normalize == "stats" else normalize
+        assert isinstance(given, Normalizer), normalize
+        if given.mode == "zscore" and given.mean is None:
+            train = self.images
+            if split != "train":
+                c = self.images[0].channels
+                train = [SampleReader(p, dims, layout, level=level, channels=c)
+                         for p, _ in pairs(root, "train")]  # fmt: skip
+            mean, std = cached_stats(train, Path(root) / STATS_FILE)
+            given = dataclasses.replace(given, mean=tuple(mean), std=tuple(std))
+        if given.mode == "percentile" and given.cache is None:
+            given = dataclasses.replace(given, cache=str(Path(root) / SAMPLE_STATS_FILE))
+        return given
 
     def __len__(self) -> int:
         return len(self.images)
@@ -249,16 +335,19 @@ class BlockDataset(Dataset):
     def view(self, index: int) -> View:
         """Sample ``index``'s crop and flips this epoch: a function of (seed, epoch, index)."""
         rng = np.random.default_rng((self.seed, self.epoch, index)) if self.augment else None
-        return draw_view(self.images[index].size, self.crop, self.flip, rng)
+        size, start = self.images[index].size, None
+        # Drawn only with foreground > 0: without it the crops are those drawn before it was.
+        centred = rng is not None and self.foreground > 0 and rng.random() < self.foreground
+        if centred and (found := self.positions[index]) and self.crop is not None:
+            start = centred_start(found[int(rng.integers(len(found)))], size, self.crop)
+        return draw_view(size, self.crop, self.flip, rng, start)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         view = self.view(index)
         block = self.block(*view.size) if self.block else tuple(slice(0, n) for n in view.size)
         image = view.read(self.images[index], block).astype(np.float32)  # a copy: ours
-        if self.mean is not None:  # in place: no block-sized temporaries
-            shape = (-1,) + (1,) * len(block)
-            image -= self.mean.reshape(shape)
-            image /= np.where(self.std > 0, self.std, 1).reshape(shape)  # constant channels
+        if (intensity := self.intensity[index]) is not None:  # in place
+            intensity(image)
         mask = view.read(self.masks[index], block)[0]
         if mask.dtype.kind == "f" and not np.array_equal(mask, np.round(mask)):
             raise DataError(f"mask {self.masks[index].path} holds non-integer values")

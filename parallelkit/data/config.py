@@ -8,7 +8,10 @@ A plain dataclass of plain types, so that it can sit inside an OmegaConf structu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from numbers import Integral, Real
+from typing import Any
 
 DATASETS: tuple[str, ...] = (
     "digits", "synthetic", "imagefolder", "cifar10", "webdataset", "shapes", "segfolder",
@@ -34,6 +37,10 @@ def block_format(name: str) -> str | None:
 def block_root(name: str) -> str:
     """The directory of a ``FORMAT:DIR`` data name."""
     return name.partition(":")[2]
+
+
+NORMALIZATIONS: tuple[str, ...] = ("zscore", "window", "percentile", "none")
+"""``data.normalize`` of ``FORMAT:DIR`` sources (:mod:`parallelkit.data.intensity`)."""
 
 
 def has_masks(name: str) -> bool:
@@ -73,21 +80,65 @@ class DataConfig:
       ``image_size`` cube; 255 marks ignored voxels.
     - ``zarr:DIR``, ``tiff:DIR``, ``nifti:DIR``, ``npy:DIR``: ``DIR/{train,test|val}/images``
       and ``masks`` in that format, read by blocks (:mod:`parallelkit.data.blockset`): a crop
-      of ``image_size`` on every side (random in training, the same on every rank of a
-      sample), normalized by the training images' per-channel statistics. ``dims``: 2 for
-      images, 3 for volumes (NIfTI files are volumes whatever it says).
+      of ``image_size`` (random in training, the same on every rank of a sample), normalized
+      as ``normalize`` says. ``dims``: 2 for images, 3 for volumes (NIfTI files are volumes
+      whatever it says). Their own keys (see :func:`check_blocks`): ``normalize``,
+      ``window``, ``percentiles``, ``flips``, ``level``, ``foreground``.
+
+    ``image_size`` is one integer (a square, or a cube for volumes), or for ``FORMAT:DIR``
+    sources a list of per-dimension sizes, ``[H, W]`` or ``[D, H, W]``: read it through
+    :func:`crop_shape`. It is typed ``Any`` because OmegaConf has no ``int | list[int]``.
     """
 
     name: str = "digits"
     root: str | None = None
-    image_size: int = 32
-    channels: int = 3
+    image_size: Any = 32  # int, or [H, W] / [D, H, W] for FORMAT:DIR: see crop_shape()
+    channels: int = 3  # FORMAT:DIR: any count; other sources: 1 (grayscale) or 3 (RGB)
     num_classes: int = 10  # synthetic and those with masks; the other sources know their own
     train_samples: int = 1024  # synthetic, shapes, shapes3d
     test_samples: int = 256  # synthetic, shapes, shapes3d
     workers: int = 0  # DataLoader worker processes per rank
     shuffle: bool = True
     dims: int = 2  # FORMAT:DIR sources: spatial dimensions of a sample (3: volumes)
+    # FORMAT:DIR sources only (the others keep these defaults):
+    normalize: str = "zscore"  # zscore | window | percentile | none
+    window: list[float] = field(default_factory=list)  # normalize=window: [low, high]
+    percentiles: list[float] = field(default_factory=lambda: [0.5, 99.5])  # of each sample
+    flips: list[int] = field(default_factory=list)  # spatial axes flipped at random (train)
+    level: int = 0  # pyramid level of OME-Zarr and TIFF samples (0: full resolution)
+    foreground: float = 0.0  # fraction of training crops centred on a labelled voxel
+
+
+def crop_shape(cfg: DataConfig) -> tuple[int, ...]:
+    """``data.image_size`` as one size per spatial dimension: ``(H, W)``, or ``(D, H, W)`` for
+    volumes. An integer is a square (a cube); a list gives each dimension (``FORMAT:DIR``
+    sources only). A ``ValueError`` naming ``data.image_size`` for anything else."""
+    dims, size = 3 if volumes(cfg) else 2, cfg.image_size
+    if isinstance(size, Sequence) and not isinstance(size, str):
+        if block_format(cfg.name) is None:
+            raise ValueError(
+                f"data.image_size={list(size)}: a list of sizes is for data.name=FORMAT:DIR "
+                f"sources; data.name={cfg.name} takes one integer (a square, or a cube)"
+            )
+        shape = tuple(size)
+    else:
+        shape = (size,) * dims
+    if len(shape) != dims or not all(_positive_int(n) for n in shape):
+        order = "[D, H, W]" if dims == 3 else "[H, W]"
+        raise ValueError(
+            f"data.image_size={_show(size)} must be a positive integer or a list of {dims} "
+            f"positive integers, {order} ({dims}-D samples)"
+        )
+    return tuple(int(n) for n in shape)
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool) and value >= 1
+
+
+def _show(value: object) -> str:
+    return str(list(value)) if isinstance(value, Sequence) and not isinstance(value, str) else (
+        repr(value) if isinstance(value, str) else str(value))  # fmt: skip
 
 
 def check_config(cfg: DataConfig, split: str) -> None:
@@ -108,9 +159,15 @@ def check_config(cfg: DataConfig, split: str) -> None:
         )
     if split not in SPLITS:
         raise ValueError(f"split={split!r} must be one of {', '.join(SPLITS)}")
-    if cfg.channels not in (1, 3):
-        raise ValueError(f"data.channels={cfg.channels} must be 1 (grayscale) or 3 (RGB)")
-    positive = {"data.image_size": cfg.image_size}
+    if block_format(cfg.name) is None and cfg.channels not in (1, 3):
+        raise ValueError(
+            f"data.channels={cfg.channels} must be 1 (grayscale) or 3 (RGB) for "
+            f"data.name={cfg.name}; any count is for FORMAT:DIR sources (zarr, tiff, nifti, npy)"
+        )
+    if cfg.channels < 1:
+        raise ValueError(f"data.channels={cfg.channels} must be a positive integer")
+    crop_shape(cfg)
+    positive = {}
     if cfg.name in ("synthetic", "shapes", "shapes3d"):
         positive |= {
             "data.num_classes": cfg.num_classes,
@@ -125,8 +182,79 @@ def check_config(cfg: DataConfig, split: str) -> None:
             f"data.num_classes={cfg.num_classes} must lie in 2..255 for {cfg.name} (the "
             "background counts; mask value 255 marks ignored pixels)"
         )
+    check_blocks(cfg)
     if cfg.workers < 0:
         raise ValueError(f"data.workers={cfg.workers} must be >= 0")
     roots = ("imagefolder", "cifar10", "webdataset", "segfolder", "segfolder3d")
     if cfg.name in roots and not cfg.root:
         raise ValueError(f"data.name={cfg.name!r} needs data.root, the directory to read")
+
+
+BLOCK_KEYS: dict[str, object] = {
+    "normalize": "zscore", "window": [], "percentiles": [0.5, 99.5], "flips": [], "level": 0,
+    "foreground": 0.0,
+}  # fmt: skip
+"""Keys of ``FORMAT:DIR`` sources alone, and the defaults that the other sources keep."""
+
+
+def check_blocks(cfg: DataConfig) -> None:
+    """The keys of ``FORMAT:DIR`` sources (``normalize``, ``window``, ``percentiles``,
+    ``flips``, ``level``, ``foreground``): one-line ``ValueError`` naming the key."""
+    if block_format(cfg.name) is None:
+        for key, default in BLOCK_KEYS.items():
+            value = getattr(cfg, key)
+            if (list(value) if isinstance(value, Sequence) and not isinstance(value, str)
+                    else value) != default:  # fmt: skip
+                raise ValueError(
+                    f"data.{key}={_show(value)} is for data.name=FORMAT:DIR sources (zarr, "
+                    f"tiff, nifti, npy); data.name={cfg.name} takes data.{key}={_show(default)}"
+                )
+        return
+    if cfg.normalize not in NORMALIZATIONS:
+        raise ValueError(
+            f"data.normalize={cfg.normalize!r} must be one of {', '.join(NORMALIZATIONS)}"
+        )
+    window = _numbers(cfg.window)
+    if cfg.normalize == "window" and (window is None or len(window) != 2
+                                      or not window[0] < window[1]):  # fmt: skip
+        raise ValueError(
+            f"data.normalize=window needs data.window=[low, high] with low < high (CT in "
+            f"Hounsfield units: [-1000, 400]), not data.window={_show(cfg.window)}"
+        )
+    if cfg.normalize != "window" and window != []:
+        raise ValueError(
+            f"data.window={_show(cfg.window)} is used by data.normalize=window alone, and "
+            f"data.normalize={cfg.normalize}; set one, or drop data.window"
+        )
+    p = _numbers(cfg.percentiles)
+    if p is None or len(p) != 2 or not 0 <= p[0] < p[1] <= 100:
+        raise ValueError(
+            f"data.percentiles={_show(cfg.percentiles)} must be [low, high] with "
+            "0 <= low < high <= 100 (default [0.5, 99.5])"
+        )
+    dims = 3 if volumes(cfg) else 2
+    flips = list(cfg.flips) if isinstance(cfg.flips, Sequence) else None
+    if (
+        flips is None
+        or len(set(flips)) != len(flips)
+        or not all(isinstance(a, Integral) and 0 <= a < dims for a in flips)
+    ):
+        raise ValueError(
+            f"data.flips={_show(cfg.flips)} must list distinct spatial axes of the {dims}-D "
+            f"samples, each in 0..{dims - 1} ({'D, H, W' if dims == 3 else 'H, W'}), or be []"
+        )
+    if not isinstance(cfg.level, Integral) or cfg.level < 0:
+        raise ValueError(f"data.level={cfg.level} must be a pyramid level, 0 or more")
+    if not 0 <= cfg.foreground <= 1:
+        raise ValueError(
+            f"data.foreground={cfg.foreground} must be a fraction of the crops, in [0, 1]"
+        )
+
+
+def _numbers(value: object) -> list[float] | None:
+    """``value`` as a list of real numbers, or None where it is not one."""
+    if not isinstance(value, Sequence) or isinstance(value, str):
+        return None
+    if not all(isinstance(v, Real) and not isinstance(v, bool) for v in value):
+        return None
+    return [float(v) for v in value]

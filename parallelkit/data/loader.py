@@ -25,7 +25,7 @@ Two rules, one per value of ``drop_last`` (default: True for "train", False for 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch.utils.data import DataLoader
@@ -37,10 +37,12 @@ from parallelkit.data.config import (
     block_format,
     block_root,
     check_config,
+    crop_shape,
     has_masks,
     volumes,
 )
 from parallelkit.data.datasets import load_dataset
+from parallelkit.data.intensity import Normalizer
 from parallelkit.data.readers import format_of
 from parallelkit.data.sampler import RankSampler
 from parallelkit.data.shardio import check_shards, load_split
@@ -51,10 +53,13 @@ Block = tuple[int, ...]
 this rank's place in it."""
 
 
-def window(image_size: int, block: Block | None, volume: bool = False) -> tuple[slice, ...] | None:
-    """This rank's slices of an ``image_size`` square image (rows, columns) or cube volume
-    (depth, rows, columns), split as ``pk.spatial.scatter`` splits it (``torch.tensor_split``
-    along each); None where nothing is split. A depth split of images is a ``ValueError``."""
+def window(
+    image_size: int | Sequence[int], block: Block | None, volume: bool = False
+) -> tuple[slice, ...] | None:
+    """This rank's slices of an ``image_size`` image (rows, columns) or volume (depth, rows,
+    columns): a side (a square, a cube) or one size per dimension, split as
+    ``pk.spatial.scatter`` splits it (``torch.tensor_split`` along each); None where nothing is
+    split. A depth split of images is a ``ValueError``."""
     if block is None:
         return None
     if len(block) == 4:
@@ -69,9 +74,10 @@ def window(image_size: int, block: Block | None, volume: bool = False) -> tuple[
         counts, coords = counts[1:], coords[1:]
     if all(parts == 1 for parts in counts):
         return None
+    shape = (image_size,) * len(counts) if isinstance(image_size, int) else tuple(image_size)
     out = []
-    for parts, index in zip(counts, coords, strict=True):
-        sizes = tensor_split_sizes(image_size, parts)
+    for n, parts, index in zip(shape, counts, coords, strict=True):
+        sizes = tensor_split_sizes(n, parts)
         first = sum(sizes[:index])
         out.append(slice(first, first + sizes[index]))
     return tuple(out)
@@ -82,7 +88,9 @@ class Loader:
     int64``, or with ``masks`` true, ``(N, h, w)`` int64 masks (this rank's block of them when
     the loader was built with a ``block``). With ``blocks`` true (``data.name=FORMAT:DIR``)
     the images too are this rank's blocks, as ``pk.spatial.scatter`` cuts them. ``dims``: 2
-    for images, 3 for volumes.
+    for images, 3 for volumes. ``shape``: a whole sample's spatial size, ``(H, W)`` or
+    ``(D, H, W)`` (the crop, for ``FORMAT:DIR``); ``image_size`` is ``data.image_size`` as
+    given (an integer, or for ``FORMAT:DIR`` possibly a list).
 
     ``len(loader)`` is the number of batches of a whole epoch on this rank, whatever
     ``set_epoch``'s ``start_batch`` (an epoch resumed at batch k yields ``len(loader) - k``).
@@ -97,13 +105,15 @@ class Loader:
         batch_size: int,
         num_classes: int,
         channels: int,
-        image_size: int,
+        image_size: int | Sequence[int],
         num_samples: int,
         masks: bool = False,
         blocks: bool = False,
         dims: int = 2,
+        shape: tuple[int, ...] | None = None,
     ) -> None:
         self.dataloader, self.masks, self.blocks, self.dims = dataloader, masks, blocks, dims
+        self.shape = shape or (image_size,) * dims  # type: ignore[operator]
         self.batches, self.batch_size = batches, batch_size
         self.num_classes, self.channels = num_classes, channels
         self.image_size, self.num_samples = image_size, num_samples
@@ -142,7 +152,7 @@ class Loader:
     def __repr__(self) -> str:
         return (
             f"Loader({len(self)} batches of {self.batch_size}, {self.num_samples} samples, "
-            f"{self.channels}x{self.image_size}x{self.image_size}, {self.num_classes} classes)"
+            f"{'x'.join(map(str, (self.channels, *self.shape)))}, {self.num_classes} classes)"
         )
 
 
@@ -178,7 +188,7 @@ def build_loader(
     shuffle = bool(cfg.shuffle) and split == "train"
     # A private generator: iterating must not draw from the global RNG (model init, dropout).
     generator = torch.Generator().manual_seed(seed)
-    crop = window(cfg.image_size, block, volume=volumes(cfg))
+    crop = window(crop_shape(cfg), block, volume=volumes(cfg))
     if cfg.name == "webdataset":
         shards = load_split(str(cfg.root), split)
         check_shards(shards)
@@ -242,14 +252,16 @@ def build_loader(
         num_classes=num_classes,
         channels=cfg.channels,
         image_size=cfg.image_size,
+        shape=crop_shape(cfg),
         num_samples=num_samples,
         masks=masks,
     )
 
 
 def block_dataset(cfg: DataConfig, split: str, block: Block | None, seed: int) -> BlockDataset:
-    """``data.name=FORMAT:DIR``: this rank's blocks of ``image_size`` crops (cubes for
-    volumes) of the folder's samples, masks too; the folder must hold that format."""
+    """``data.name=FORMAT:DIR``: this rank's blocks of ``image_size`` crops (:func:`crop_shape`)
+    of the folder's samples, masks too; the folder must hold that format, and every image
+    ``data.channels`` channels (from the headers: nothing is decoded)."""
     root, dims = block_root(cfg.name), 3 if volumes(cfg) else 2
     rank_block = None
     if block is not None:
@@ -257,18 +269,24 @@ def block_dataset(cfg: DataConfig, split: str, block: Block | None, seed: int) -
             block = (1, block[0], block[1], 0, block[2], block[3])
         counts, coords = block[3 - dims : 3], block[6 - dims :]
         if dims == 2 and block[0] > 1:
-            window(cfg.image_size, block)  # raises: a depth split of images
+            window(crop_shape(cfg), block)  # raises: a depth split of images
         rank_block = RankBlock(tuple(counts), tuple(coords))
     data = BlockDataset(
-        root, split, block=rank_block, dims=dims, crop=(cfg.image_size,) * dims,
-        num_classes=cfg.num_classes, seed=seed,
+        root, split, block=rank_block, dims=dims, crop=crop_shape(cfg), flip=tuple(cfg.flips),
+        normalize=normalizer(cfg), num_classes=cfg.num_classes, seed=seed, level=cfg.level,
+        foreground=cfg.foreground, channels=cfg.channels,
     )  # fmt: skip
     kind, found = block_format(cfg.name), format_of(data.images[0].path)
     if found != kind:
         raise ValueError(f"data.name={cfg.name!r}: {data.images[0].path} is {found}, not {kind}")
-    if data.images[0].channels != cfg.channels:
-        raise ValueError(
-            f"data.channels={cfg.channels}, but {data.images[0].path} has "
-            f"{data.images[0].channels} channels"
-        )
     return data
+
+
+def normalizer(cfg: DataConfig) -> Normalizer | None:
+    """``data.normalize`` and its keys as a :class:`Normalizer` (None for ``none``); the
+    training statistics of ``zscore`` are filled in by :class:`BlockDataset`."""
+    if cfg.normalize == "none":
+        return None
+    window = (float(cfg.window[0]), float(cfg.window[1])) if cfg.normalize == "window" else None
+    low, high = (float(p) for p in cfg.percentiles)
+    return Normalizer(cfg.normalize, window=window, percentiles=(low, high))

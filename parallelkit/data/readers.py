@@ -8,11 +8,13 @@
 Formats, each read through its own library (``pip install 'parallelkit[data]'``):
 
     .zarr / .ome.zarr   zarr (v3 API; zarr format 2 and 3 stores): an array, or an OME-Zarr
-                        image group whose level 0 (``multiscales[0].datasets[0].path``) is read;
-                        only the chunks that the block touches are decoded
+                        image group whose level ``level`` (``multiscales[0].datasets[level]
+                        .path``; 0, full resolution, by default) is read; only the chunks that
+                        the block touches are decoded
     .tif / .tiff        tifffile: memory-mapped where the image data are contiguous and
-                        uncompressed (tifffile.memmap); otherwise through ``aszarr``, which
-                        decodes only the tiles or strips the block touches; series 0, level 0
+    .svs / .ndpi        uncompressed (tifffile.memmap); otherwise through ``aszarr``, which
+                        decodes only the tiles or strips the block touches; series 0 at level
+                        ``level`` (whole-slide formats: series 0 is the baseline pyramid)
     .nii / .nii.gz      nibabel's array proxy (``img.dataobj[slices]``): only the block's bytes
                         are read (a .nii.gz stream is inflated up to the block's last byte)
     .npy                numpy.load(mmap_mode="r")
@@ -34,8 +36,14 @@ them:
 and otherwise (npy, a plain zarr array, a TIFF of unnamed pages ``Q``) the number of
 dimensions: ``dims`` of them are spatial with no channel; one more is a channel axis first
 ``(C, H, W)`` if the first axis has at most 4 entries and the last more, last ``(H, W, C)`` in
-the opposite case, and a ``ValueError`` asking for ``layout=`` when both or neither are small.
+the opposite case; when both or neither are small, the end whose length is the ``channels``
+expected (``data.channels``) where one alone is, and a ``ValueError`` asking for ``layout=``
+otherwise.
 A mask is read the same way and must have one channel (or none).
+
+Pyramid levels. ``level`` > 0 reads a lower resolution of an OME-Zarr group or a pyramidal
+(OME-)TIFF, SVS or NDPI file; a file without that level (npy, NIfTI, a plain zarr array, a TIFF
+of fewer levels) is a ``ValueError`` naming the file.
 """
 
 from __future__ import annotations
@@ -54,15 +62,35 @@ from parallelkit.data.errors import DataError
 Block = tuple[slice, ...]
 SMALL = 4
 """At most this many entries along an axis make it a channel axis when guessing the layout."""
-EXTENSIONS = (".ome.zarr", ".zarr", ".ome.tiff", ".ome.tif", ".tiff", ".tif", ".nii.gz", ".nii",
-              ".npy")
+EXTENSIONS = (
+    ".ome.zarr",
+    ".zarr",
+    ".ome.tiff",
+    ".ome.tif",
+    ".tiff",
+    ".tif",
+    ".svs",
+    ".ndpi",
+    ".nii.gz",
+    ".nii",
+    ".npy",
+)
 
 
 def format_of(path: str | Path) -> str | None:
-    """``zarr``, ``tiff``, ``nifti`` or ``npy`` by the file name's extension; None otherwise."""
+    """``zarr``, ``tiff``, ``nifti`` or ``npy`` by the file name's extension; None otherwise.
+    Aperio ``.svs`` and Hamamatsu ``.ndpi`` slides are TIFF files that tifffile reads."""
     name = Path(path).name.lower()
-    for ext, fmt in ((".zarr", "zarr"), (".tif", "tiff"), (".tiff", "tiff"), (".nii", "nifti"),
-                     (".nii.gz", "nifti"), (".npy", "npy")):
+    for ext, fmt in (
+        (".zarr", "zarr"),
+        (".tif", "tiff"),
+        (".tiff", "tiff"),
+        (".svs", "tiff"),
+        (".ndpi", "tiff"),
+        (".nii", "nifti"),
+        (".nii.gz", "nifti"),
+        (".npy", "npy"),
+    ):
         if name.endswith(ext):
             return fmt
     return None
@@ -112,20 +140,24 @@ class ArrayReader:
 class NpyReader(ArrayReader):
     mode = "memmap"
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, level: int = 0) -> None:
+        _single_level(path, level, "an npy array")
         self._array = np.load(path, mmap_mode="r", allow_pickle=False)
         self.shape = tuple(self._array.shape)
 
 
 class ZarrReader(ArrayReader):
-    """A zarr array, or level 0 of an OME-Zarr image group (``path`` may be a zarr store)."""
+    """A zarr array, or level ``level`` of an OME-Zarr image group (``path`` may be a zarr
+    store)."""
 
     mode = "chunks"
 
-    def __init__(self, path: Any) -> None:
+    def __init__(self, path: Any, level: int = 0) -> None:
         zarr = _need("zarr")
         node = zarr.open(path, mode="r")
-        if isinstance(node, zarr.Group):
+        if not isinstance(node, zarr.Group):
+            _single_level(path, level, "a zarr array (not an OME-Zarr image group)")
+        else:
             attrs = dict(node.attrs)
             scales = attrs.get("ome", {}).get("multiscales") or attrs.get("multiscales")
             if not scales:
@@ -133,27 +165,42 @@ class ZarrReader(ArrayReader):
                     f"zarr group {path} has no OME-Zarr multiscales in its attributes (arrays "
                     f"in it: {sorted(node.array_keys())}); give the path of one array"
                 )
-            node = node[scales[0]["datasets"][0]["path"]]
+            levels = scales[0]["datasets"]
+            if level >= len(levels):
+                raise ValueError(
+                    f"{path}: has pyramid levels 0..{len(levels) - 1}, not level "
+                    f"{level} (data.level)"
+                )
+            node = node[levels[level]["path"]]
             self.axes = _ome_axes(scales[0].get("axes"), node.ndim)
         self._array, self.shape = node, tuple(node.shape)
 
 
 class TiffReader(ArrayReader):
-    """Series 0, level 0 of a TIFF file: memory-mapped, or decoded tile by tile."""
+    """Series 0 at level ``level`` of a TIFF file: memory-mapped, or decoded tile by tile."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, level: int = 0) -> None:
         tifffile = _need("tifffile")
         with tifffile.TiffFile(path) as tif:
-            series = tif.series[0].levels[0]
+            levels = tif.series[0].levels
+            if level >= len(levels):
+                raise ValueError(
+                    f"{path}: has pyramid levels 0..{len(levels) - 1} in its "
+                    f"series 0, not level {level} (data.level)"
+                )
+            series = levels[level]
             self.shape, self.axes = tuple(series.shape), _tiff_axes(series.axes)
         try:
-            self._array, self.mode = tifffile.memmap(path, mode="r"), "memmap"
+            self._array = tifffile.memmap(path, mode="r", series=0, level=level)
+            self.mode = "memmap"
         except ValueError:  # compressed or not contiguous: chunks (tiles or strips) on demand
-            self._store = tifffile.imread(path, aszarr=True, series=0, level=0)
+            self._store = tifffile.imread(path, aszarr=True, series=0, level=level)
             self._array, self.mode = _need("zarr").open(self._store, mode="r"), "chunks"
         if tuple(self._array.shape) != self.shape:
-            raise ValueError(f"TIFF {path}: image data {self._array.shape} is not series "
-                             f"0's shape {self.shape}")
+            raise ValueError(
+                f"TIFF {path}: image data {self._array.shape} is not series "
+                f"0's shape {self.shape} at level {level}"
+            )
 
     def close(self) -> None:
         if (store := getattr(self, "_store", None)) is not None:
@@ -165,7 +212,8 @@ class NiftiReader(ArrayReader):
 
     mode = "proxy"
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, level: int = 0) -> None:
+        _single_level(path, level, "a NIfTI image")
         image = _need("nibabel").load(str(path))
         self._array, self.shape = image.dataobj, tuple(image.shape)
         # (X, Y, Z), (X, Y, Z, C), (X, Y, Z, 1, C); anything else needs layout=
@@ -177,13 +225,18 @@ class NiftiReader(ArrayReader):
         return np.asarray(self._array[(0,) * len(self.shape)]).dtype
 
 
-def open_array(path: str | Path) -> ArrayReader:
-    """The reader of ``path``'s format (see :func:`format_of`)."""
+def open_array(path: str | Path, level: int = 0) -> ArrayReader:
+    """The reader of ``path``'s format (see :func:`format_of`), at pyramid level ``level``."""
     readers = {"zarr": ZarrReader, "tiff": TiffReader, "nifti": NiftiReader, "npy": NpyReader}
     fmt = format_of(path)
     if fmt is None:
         raise ValueError(f"{path}: not a block-readable file; expected one of {EXTENSIONS}")
-    return readers[fmt](path)
+    return readers[fmt](path, level)
+
+
+def _single_level(path: Any, level: int, what: str) -> None:
+    if level != 0:
+        raise ValueError(f"{path}: {what} has one level, 0, not level {level} (data.level)")
 
 
 @dataclass(frozen=True)
@@ -195,10 +248,18 @@ class Layout:
     dropped: tuple[int, ...] = ()
 
     @classmethod
-    def resolve(cls, shape: Sequence[int], dims: int, axes: str | None = None,
-                layout: str | None = None, where: str = "array") -> Layout:
-        """The layout given, else the format's ``axes``, else one guessed from ``shape``."""
-        letters = layout or axes or _guess(shape, dims, where)
+    def resolve(
+        cls,
+        shape: Sequence[int],
+        dims: int,
+        axes: str | None = None,
+        layout: str | None = None,
+        where: str = "array",
+        channels: int | None = None,
+    ) -> Layout:
+        """The layout given, else the format's ``axes``, else one guessed from ``shape`` (and
+        the expected ``channels``, where the shape alone cannot tell)."""
+        letters = layout or axes or _guess(shape, dims, where, channels)
         if len(letters) != len(shape) or letters.upper().count("C") > 1:
             raise ValueError(
                 f"{where}: layout {letters!r} does not fit its shape {tuple(shape)}: give one "
@@ -225,8 +286,9 @@ class Layout:
 
     def index(self, block: Block) -> tuple[slice | int, ...]:
         """The stored array's index of a spatial block: every channel, dropped axes at 0."""
-        out: list[slice | int] = [slice(None)] * (len(self.spatial) + len(self.dropped)
-                                                 + (self.channel is not None))
+        out: list[slice | int] = [slice(None)] * (
+            len(self.spatial) + len(self.dropped) + (self.channel is not None)
+        )
         for i in self.dropped:
             out[i] = 0
         for i, s in zip(self.spatial, block, strict=True):
@@ -242,27 +304,39 @@ class Layout:
 
 class SampleReader:
     """One image or mask on disk, read as ``(C, *spatial)`` blocks; ``dims`` spatial
-    dimensions (default: 3 for NIfTI, 2 otherwise), ``layout`` as in the module's docs.
+    dimensions (default: 3 for NIfTI, 2 otherwise), ``layout`` as in the module's docs,
+    ``level`` the pyramid level of OME-Zarr and TIFF files (0: full resolution). ``channels``:
+    the channel count expected (``data.channels``), which places the channel axis of an
+    unnamed array where the shape alone cannot (``(12, 512, 640)``: 12 channels first).
 
     The file is opened once here for its header (shape, dtype, axes), and again for each
     :meth:`read` (so a reader may be handed to DataLoader workers, which cannot share one open
     file handle).
     """
 
-    def __init__(self, path: str | Path, dims: int | None = None,
-                 layout: str | None = None, mask: bool = False) -> None:
-        self.path = path
+    def __init__(
+        self,
+        path: str | Path,
+        dims: int | None = None,
+        layout: str | None = None,
+        mask: bool = False,
+        level: int = 0,
+        channels: int | None = None,
+    ) -> None:
+        self.path, self.level = path, level
         dims = dims or (3 if format_of(path) == "nifti" else 2)
-        with _naming(path, "header"), open_array(path) as array:
+        with _naming(path, "header"), open_array(path, level) as array:
             self.shape, self.dtype, self.mode = array.shape, array.dtype, array.mode
             _check_dtype(self.dtype, mask, path)
-            self.layout = Layout.resolve(array.shape, dims, array.axes, layout, str(path))
+            self.layout = Layout.resolve(array.shape, dims, array.axes, layout, str(path), channels)
         self.size = self.layout.size(self.shape)
         self.channels = self.layout.channels(self.shape)
 
     def __repr__(self) -> str:
-        return (f"SampleReader({str(self.path)!r}: {self.channels} x "
-                f"{' x '.join(map(str, self.size))} {self.dtype}, {self.mode})")
+        return (
+            f"SampleReader({str(self.path)!r}: {self.channels} x "
+            f"{' x '.join(map(str, self.size))} {self.dtype}, {self.mode})"
+        )
 
     def read(self, block: Block | None = None) -> np.ndarray:
         """The ``(C, *block)`` block (the whole sample when ``block`` is None)."""
@@ -272,7 +346,7 @@ class SampleReader:
             for s, n in zip(block, self.size, strict=True)
         ):
             raise ValueError(f"{self.path}: block {block} is not inside its size {self.size}")
-        with _naming(self.path, "data"), open_array(self.path) as array:
+        with _naming(self.path, "data"), open_array(self.path, self.level) as array:
             data = array.read(self.layout.index(block))
         return self.layout.to_channels_first(np.asarray(data))
 
@@ -311,12 +385,14 @@ def _check_dtype(dtype: np.dtype, mask: bool, path: str | Path) -> None:
     )
 
 
-def _guess(shape: Sequence[int], dims: int, where: str) -> str:
-    spatial = "DHW"[3 - dims:] if dims <= 3 else "S" * dims
+def _guess(shape: Sequence[int], dims: int, where: str, channels: int | None = None) -> str:
+    spatial = "DHW"[3 - dims :] if dims <= 3 else "S" * dims
     if len(shape) == dims:
         return spatial
     if len(shape) == dims + 1:
         first, last = shape[0] <= SMALL, shape[-1] <= SMALL
+        if first == last and channels is not None:  # the shape cannot tell: the count can
+            first, last = shape[0] == channels, shape[-1] == channels
         if first != last:
             return "C" + spatial if first else spatial + "C"
         raise ValueError(

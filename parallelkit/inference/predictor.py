@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from parallelkit.data.intensity import Normalizer
 from parallelkit.data.readers import Block, SampleReader
 from parallelkit.inference.outputs import Output
 from parallelkit.parallel import Grid, parallelize
@@ -70,7 +71,7 @@ class Predictor:
     """
 
     def __init__(self, model: nn.Module, grid: Grid,
-                 normalize: tuple[Sequence[float], Sequence[float]] | None = None,
+                 normalize: tuple[Sequence[float], Sequence[float]] | Normalizer | None = None,
                  dtype: torch.dtype = torch.float32, fallback: str = "refuse",
                  pad: str | int = "auto") -> None:
         if grid.channel > 1:
@@ -88,10 +89,9 @@ class Predictor:
         self.device = next(dense.parameters(), torch.empty(0)).device  # blocks run there
         self.model = parallelize(dense, spatial, spatial, spatial_input="blocks",
                                  spatial_output="blocks", fallback=fallback).eval()
-        self.mean = self.std = None
-        if normalize is not None:
-            self.mean = np.asarray(normalize[0], np.float32)
-            self.std = np.asarray(normalize[1], np.float32)
+        if isinstance(normalize, tuple):  # per-channel (mean, std), as before
+            normalize = Normalizer("zscore", tuple(normalize[0]), tuple(normalize[1]))
+        self.normalize = normalize
 
     def padded(self, size: Sequence[int], channels: int) -> tuple[int, ...]:
         """The size that ``size`` runs at: padded to a multiple the model takes (``pad``)."""
@@ -111,10 +111,8 @@ class Predictor:
     def read(self, sample: SampleReader, block: Block) -> torch.Tensor:
         """``(1, C, *block)``: this rank's block of ``sample``, normalized."""
         x = sample.read(block).astype(np.float64 if self.dtype == torch.float64 else np.float32)
-        if self.mean is not None:
-            shape = (-1,) + (1,) * len(block)
-            x -= self.mean.reshape(shape)
-            x /= np.where(self.std > 0, self.std, 1).reshape(shape)
+        if self.normalize is not None and (intensity := self.normalize(sample)) is not None:
+            intensity(x)  # the whole sample's numbers: every rank maps its block alike
         return torch.from_numpy(np.ascontiguousarray(x))[None].to(self.dtype)
 
     @torch.no_grad()

@@ -38,6 +38,8 @@ from torch import nn
 import parallelkit as pk
 from parallelkit.data.blockset import cached_stats, pairs
 from parallelkit.data.config import block_format, block_root, volumes
+from parallelkit.data.intensity import Normalizer
+from parallelkit.data.loader import normalizer
 from parallelkit.data.readers import SampleReader, stem_of
 from parallelkit.inference import Predictor, Result, outputs
 from parallelkit.inference.predictor import fitting_multiple, sample_paths
@@ -83,16 +85,19 @@ def samples(cfg: Config) -> list[Sample]:
     return [Sample(stem_of(i), i, m) for i, m in pairs(block_root(cfg.data.name), p.split)]
 
 
-def normalization(cfg: Config) -> tuple[list[float], list[float]]:
+def normalization(cfg: Config) -> Normalizer | None:
     """What the run normalized with: its ``normalization.json``, else the statistics of its
     training data (runs from before that file)."""
     saved = Path(cfg.train.run_dir) / NORMALIZATION
     if saved.is_file():
-        numbers = json.loads(saved.read_text())
-        return numbers["mean"], numbers["std"]
+        return Normalizer.from_spec(json.loads(saved.read_text()))
+    if cfg.data.normalize != "zscore":
+        return normalizer(cfg.data)
     root = block_root(cfg.data.name)
-    readers = [SampleReader(i, dims_of(cfg)) for i, _ in pairs(root, "train")]
-    return cached_stats(readers, Path(root) / "channel_stats.json")
+    readers = [SampleReader(i, dims_of(cfg), level=cfg.data.level, channels=cfg.data.channels)
+               for i, _ in pairs(root, "train")]
+    mean, std = cached_stats(readers, Path(root) / "channel_stats.json")
+    return Normalizer("zscore", tuple(mean), tuple(std))
 
 
 def dims_of(cfg: Config) -> int:
@@ -194,8 +199,10 @@ def check_sample(cfg: Config, sample: Sample, dense: nn.Module, counts: dict[str
     meta device: no memory, no time)."""
     dims = dims_of(cfg)
     try:
-        reader = SampleReader(sample.image, dims)
-        mask = SampleReader(sample.mask, dims, mask=True) if sample.mask else None
+        reader = SampleReader(sample.image, dims, level=cfg.data.level,
+                              channels=cfg.data.channels)
+        mask = SampleReader(sample.mask, dims, mask=True,
+                            level=cfg.data.level) if sample.mask else None
     except (ValueError, OSError, EOFError, RuntimeError) as e:
         raise ValueError(f"{sample.image}: cannot be read: {' '.join(str(e).split())[:300]}"
                          ) from None
@@ -289,8 +296,9 @@ def predict_one(cfg: Config, predictor: Predictor, sample: Sample, out: Path, di
     """One sample over this rank's spatial group, made under temporary names and renamed
     whole; its result and its mask (None without one). ``stage`` as in ``Predictor``."""
     p, comm = cfg.predict, predictor.comm
-    reader = SampleReader(sample.image, dims)
-    mask = SampleReader(sample.mask, dims, mask=True) if sample.mask else None
+    reader = SampleReader(sample.image, dims, level=cfg.data.level, channels=cfg.data.channels)
+    mask = SampleReader(sample.mask, dims, mask=True,
+                        level=cfg.data.level) if sample.mask else None
     counts = predictor.blocks.counts(len(reader.size))
     probabilities = p.dtype if p.probabilities else None
     with outputs.writing(p.format, out / sample.name, reader, cfg.data.num_classes, comm, counts,

@@ -32,6 +32,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from parallelkit.data import Loader, build_loader
+from parallelkit.data.config import crop_shape
 from parallelkit.train.config import Config, grid_dims
 from parallelkit.train.tasks import TASKS
 
@@ -72,11 +73,17 @@ def check_grid(cfg: Config, world: int) -> dict[str, int]:
             f"data-parallel ranks x {t.accumulate} micro-batches (train.accumulate); "
             f"choose a multiple of {dims['data'] * t.accumulate}"
         )
-    side = cfg.data.image_size
-    for key in ("depth", "rows", "cols"):
+    shape = crop_shape(cfg.data)
+    # A square's side bounds the depth split too (refused later, with its own line, for images).
+    sides = dict(
+        zip(("depth", "rows", "cols"), (shape[0],) * (3 - len(shape)) + shape, strict=True)
+    )
+    for key, side in sides.items():
         if dims[key] > side:
+            given = cfg.data.image_size
+            shown = side if isinstance(given, int) else f"{list(given)} ({key}: {side})"
             raise ValueError(
-                f"config: data.image_size={side} has fewer planes than the parallel.{key}="
+                f"config: data.image_size={shown} has fewer planes than the parallel.{key}="
                 f"{dims[key]} blocks it is split into, so some rank would hold none; use fewer "
                 f"ranks along it or a larger data.image_size"
             )

@@ -81,7 +81,7 @@ class Segment(Task):
         dense = self.dense_networks(cfg, train)["model"]
         blocks_in = {}
         if train.blocks:  # data.name=FORMAT:DIR: every rank reads only its block of a sample
-            size = (train.image_size,) * train.dims
+            size = train.shape
             blocks_in = {"spatial_input": "blocks", "spatial_size": size}
         self.model = self.add("model", dense, spatial_output="blocks", **blocks_in)
 
@@ -180,8 +180,7 @@ class Segment(Task):
         (eval mode: BatchNorm's running statistics)."""
         g = self.grid
         spatial = Grid(g.spatial_comm, depth=g.depth, rows=g.rows, cols=g.cols)
-        normalize = None if data.mean is None else (data.mean, data.std)
-        predictor = Predictor(pk.to_dense(self.model), spatial, normalize)
+        predictor = Predictor(pk.to_dense(self.model), spatial, data.normalizer)
         k = self.classes
         counts = torch.zeros(3, k, dtype=torch.float64)
         loss, samples = 0.0, 0

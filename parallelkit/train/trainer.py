@@ -113,9 +113,8 @@ def save_normalization(run_dir: Path, loader) -> None:
     """Keep the training data's normalization in the run, so that ``parallelkit predict``
     normalizes as training did without the training data at hand."""
     dataset = loader.dataloader.dataset
-    if getattr(dataset, "mean", None) is not None:
-        numbers = {"mean": dataset.mean.tolist(), "std": dataset.std.tolist()}
-        atomic_text(run_dir / NORMALIZATION, json.dumps(numbers))
+    if getattr(dataset, "normalizer", None) is not None:
+        atomic_text(run_dir / NORMALIZATION, json.dumps(dataset.normalizer.spec()))
         rundir.record(run_dir, run_dir / NORMALIZATION)
 
 
