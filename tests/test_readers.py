@@ -499,7 +499,7 @@ def test_normalization_statistics_computed_once_and_cached(tmp_path, monkeypatch
     def fail(*args, **kw):
         raise AssertionError("statistics computed twice")
 
-    monkeypatch.setattr(blockset, "channel_stats", fail)
+    monkeypatch.setattr(blockset, "file_stats", fail)
     blockset._STATS.clear()  # from the JSON file now
     test = BlockDataset(tmp_path, "test")  # the training images' statistics
     assert np.allclose(test.mean, values.mean(1)) and np.allclose(test.std, values.std(1))

@@ -245,15 +245,16 @@ def test_check_finds_a_crop_larger_than_the_volumes(tmp_path):
             (root / split / sub).mkdir(parents=True)
             for i in range(2):
                 np.save(root / split / sub / f"s{i}.npy", arr)
-    proc = cli(
-        "train", "--check", f"data.name=npy:{root}", "data.dims=3", "data.image_size=10",
-        "data.channels=1", "train.task=segment", "model.name=unet", "train.batch_size=2",
-        "data.num_classes=2", f"train.run_dir={tmp_path / 'run'}",
-        env=clean_env(), cwd=tmp_path,
-    )  # fmt: skip
+    args = ["train", "--check", f"data.name=npy:{root}", "data.image_size=10", "data.dims=3",
+            "data.channels=1", "train.task=segment", "model.name=unet", "train.batch_size=2",
+            "data.num_classes=2", f"train.run_dir={tmp_path / 'run'}"]  # fmt: skip
+    proc = cli(*args, env=clean_env(), cwd=tmp_path)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "data.image_size" in proc.stderr
     assert not (tmp_path / "run").exists()
+    proc = cli(*args[:3], "data.image_size=[8,10,10]", *args[4:], env=clean_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr  # a crop that fits: passes, and reads no values
+    assert sorted(p.name for p in root.iterdir()) == ["test", "train"]  # no statistics written
 
 
 def test_default_run_dir_is_one_clean_name(tmp_path):

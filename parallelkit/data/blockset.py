@@ -5,7 +5,9 @@
 
 ``<ext>``: any format of :mod:`parallelkit.data.readers` (.zarr, .ome.zarr, .tif, .tiff, .nii,
 .nii.gz, .npy), one sample per file (or per zarr group); a mask pairs with the image of the same
-name, in any of them.
+name, in any of them. A folder with the Medical Segmentation Decathlon's layout
+(``imagesTr/``, ``labelsTr/`` and ``dataset.json`` listing the pairs) is read from its list
+instead (:mod:`parallelkit.data.datalist`).
 
     grid = pk.spatial.grid_of(spatial_comm, (rows, cols))
     data = BlockDataset(root, "train", block=grid.block, crop=(512, 512), flip=(0, 1))
@@ -42,6 +44,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from parallelkit.data import datalist
 from parallelkit.data.errors import DataError
 from parallelkit.data.foreground import MOST, centred_start, foreground_positions
 from parallelkit.data.intensity import SAMPLE_STATS_FILE, Intensity, Normalizer
@@ -137,67 +140,91 @@ def channel_stats(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per-channel mean and (population) standard deviation over every value of every
     sample, streaming: slabs of at most ``max_elements`` values, merged by count (Chan)."""
-    count, mean, m2 = 0, 0.0, 0.0
-    for reader in readers:
-        for block in slab_blocks(reader.size, reader.channels, max_elements):
-            x = reader.read(block).reshape(reader.channels, -1).astype(np.float64)
-            n = x.shape[1]
-            if n == 0:
-                continue
+    return merge_stats(np.stack([file_stats(r, max_elements) for r in readers]))
+
+
+def file_stats(reader: SampleReader, max_elements: int = 1 << 22) -> np.ndarray:
+    """``[n, mean (C), M2 (C)]`` of one sample's values per channel, float64, streaming."""
+    count, mean, m2 = 0, np.zeros(reader.channels), np.zeros(reader.channels)
+    for block in slab_blocks(reader.size, reader.channels, max_elements):
+        x = reader.read(block).reshape(reader.channels, -1).astype(np.float64)
+        if x.shape[1]:
             m = x.mean(1)
-            delta, total = m - mean, count + n
-            mean = mean + delta * (n / total)
-            m2 = m2 + ((x - m[:, None]) ** 2).sum(1) + delta**2 * (count * n / total)
-            count = total
+            count, mean, m2 = _chan(count, mean, m2, x.shape[1], m, ((x - m[:, None]) ** 2).sum(1))
+    return np.concatenate([[count], mean, m2])
+
+
+def merge_stats(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and std from :func:`file_stats` rows ``(files, 1 + 2C)``, merged in file order."""
+    c = (rows.shape[1] - 1) // 2
+    count, mean, m2 = 0, np.zeros(c), np.zeros(c)
+    for row in rows:
+        count, mean, m2 = _chan(count, mean, m2, int(row[0]), row[1 : 1 + c], row[1 + c :])
     if count == 0:
         raise ValueError("channel_stats: no values to average")
-    return np.asarray(mean), np.sqrt(np.asarray(m2) / count)
+    return mean, np.sqrt(m2 / count)
+
+
+def _chan(count, mean, m2, n, mean_n, m2_n):
+    """Chan et al.'s merge of two (count, mean, M2) summaries."""
+    if n == 0:
+        return count, mean, m2
+    delta, total = mean_n - mean, count + n
+    return total, mean + delta * (n / total), m2 + m2_n + delta**2 * (count * n / total)
+
+
+def stats_key(readers: Sequence[SampleReader]) -> str:
+    """What the statistics of ``readers`` depend on: the files' names, shapes, types, times."""
+    files = [[str(r.path), list(r.shape), str(r.dtype), os.stat(r.path).st_mtime_ns]
+             for r in readers]  # fmt: skip
+    return hashlib.sha1(json.dumps(files).encode()).hexdigest()
 
 
 def cached_stats(
-    readers: Sequence[SampleReader], cache: Path | None, max_elements: int = 1 << 22
+    readers: Sequence[SampleReader],
+    cache: Path | None,
+    max_elements: int = 1 << 22,
+    compute: Callable[[], np.ndarray] | None = None,
 ) -> tuple[list[float], list[float]]:
-    """:func:`channel_stats`, computed once: kept in memory and in the JSON file ``cache``."""
-    key = hashlib.sha1(
-        json.dumps(
-            [
-                [str(r.path), list(r.shape), str(r.dtype), os.stat(r.path).st_mtime_ns]
-                for r in readers
-            ]
-        ).encode()
-    ).hexdigest()
-    if key in _STATS:
-        return _STATS[key]
-    try:
-        saved = json.loads(cache.read_text()) if cache is not None else {}
-    except (OSError, ValueError):
-        saved = {}
-    if saved.get("key") == key:
-        _STATS[key] = saved["mean"], saved["std"]
-        return _STATS[key]
-    mean, std = channel_stats(readers, max_elements)
+    """:func:`channel_stats`, computed once: kept in memory and in the JSON file ``cache``.
+    ``compute``: the :func:`file_stats` rows of ``readers``, found another way, and always
+    called (shared out over ranks that agreed to:
+    :func:`~parallelkit.data.loader.share_statistics`)."""
+    key = stats_key(readers)
+    if compute is None and (known := saved_stats(key, cache)) is not None:
+        return known
+    rows = compute() if compute else np.stack([file_stats(r, max_elements) for r in readers])
+    mean, std = merge_stats(rows)
     _STATS[key] = mean.tolist(), std.tolist()
     if cache is not None:
         try:  # written whole or not at all: other ranks may be writing the same numbers
             tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
-            tmp.write_text(
-                json.dumps(
-                    {
-                        "key": key,
-                        "mean": _STATS[key][0],
-                        "std": _STATS[key][1],
-                        "files": len(readers),
-                    }
-                )
-            )
+            numbers = {"key": key, "mean": _STATS[key][0], "std": _STATS[key][1]}
+            tmp.write_text(json.dumps({**numbers, "files": len(readers)}))
             os.replace(tmp, cache)
         except OSError:
             pass  # a read-only data set: the statistics stay in memory
     return _STATS[key]
 
 
+def saved_stats(key: str, cache: Path | None) -> tuple[list[float], list[float]] | None:
+    """The statistics of ``key`` in memory or in the file ``cache``; None where neither has them."""
+    if key not in _STATS:
+        try:
+            saved = json.loads(cache.read_text()) if cache is not None else {}
+        except (OSError, ValueError):
+            saved = {}
+        if saved.get("key") != key:
+            return None
+        _STATS[key] = saved["mean"], saved["std"]
+    return _STATS[key]
+
+
 def pairs(root: str | Path, split: str) -> list[tuple[Path, Path]]:
-    """``(image, mask)`` paths of ``root/<split>``, paired by name (see the module's docs)."""
+    """``(image, mask)`` paths of ``root/<split>``, paired by name (see the module's docs), or
+    from ``root/dataset.json`` (the Decathlon's layout: :mod:`parallelkit.data.datalist`)."""
+    if (listing := datalist.find(root)) is not None:
+        return datalist.pairs(listing, split)
     base = Path(root)
     names = ("train",) if split == "train" else ("test", "val")
     dirs = [base / n for n in names if (base / n / "images").is_dir()]
@@ -232,6 +259,8 @@ class BlockDataset(Dataset):
     files, masks read at the same level (a mask without it is refused). ``foreground``: the
     share of augmented crops centred on a labelled voxel. ``channels``: the images' channel
     count expected, where a file's shape alone cannot tell its channel axis (readers).
+    ``measure=False`` reads the headers only: no statistics, no foreground positions, nothing
+    decoded or written (what a dry run checks); the samples are then not normalized.
 
     ``normalizer`` is the normalization used (None: none), ``intensity[i]`` sample ``i``'s;
     ``mean`` and ``std`` the per-channel statistics where it is ``zscore``, else None.
@@ -254,6 +283,7 @@ class BlockDataset(Dataset):
         level: int = 0,
         foreground: float = 0.0,
         channels: int | None = None,
+        measure: bool = True,
     ) -> None:
         found = pairs(root, split)
         dims = dims or (3 if format_of(found[0][0]) == "nifti" else 2)  # the same for masks
@@ -288,6 +318,8 @@ class BlockDataset(Dataset):
         self.block, self.crop, self.flip = block, crop, tuple(flip)
         self.augment = split == "train" if augment is None else augment
         self.num_classes, self.seed, self.epoch = num_classes, seed, 0
+        if not measure:  # headers only: no value read, nothing written (preflight)
+            normalize, foreground = None, 0.0
         self.normalizer = self._normalizer(normalize, root, split, dims, layout, level)
         self.intensity: list[Intensity | None] = (
             self.normalizer.for_samples(self.images) if self.normalizer else [None] * len(self)

@@ -25,13 +25,24 @@ Two rules, one per value of ``drop_last`` (default: True for "train", False for 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
 from parallelkit.comm import tensor_split_sizes
-from parallelkit.data.blockset import BlockDataset, RankBlock
+from parallelkit.data.blockset import (
+    STATS_FILE,
+    BlockDataset,
+    RankBlock,
+    cached_stats,
+    file_stats,
+    pairs,
+    saved_stats,
+    stats_key,
+)
 from parallelkit.data.config import (
     DataConfig,
     block_format,
@@ -43,7 +54,7 @@ from parallelkit.data.config import (
 )
 from parallelkit.data.datasets import load_dataset
 from parallelkit.data.intensity import Normalizer
-from parallelkit.data.readers import format_of
+from parallelkit.data.readers import SampleReader, format_of
 from parallelkit.data.sampler import RankSampler
 from parallelkit.data.shardio import check_shards, load_split
 from parallelkit.data.shardstream import ShardStream
@@ -167,6 +178,7 @@ def build_loader(
     drop_last: bool | None = None,
     shuffle_buffer: int = 512,
     block: Block | None = None,
+    measure: bool = True,
 ) -> Loader:
     """Data rank ``rank`` of ``size``'s loader of ``split``, ``batch_size`` images per batch.
 
@@ -175,7 +187,8 @@ def build_loader(
     globally. ``block``: under spatial parallelism, this rank's place in the grid; sources with
     masks then yield only this rank's block of each mask (images stay whole). Raises
     ``ValueError`` when the arguments or the data cannot work, e.g. a training split too small
-    to give every rank one full batch.
+    to give every rank one full batch. ``measure=False``: a block folder's headers only
+    (:class:`BlockDataset`'s ``measure``), for checks that must not read the data.
     """
     check_config(cfg, split)
     if size < 1 or not 0 <= rank < size:
@@ -212,7 +225,7 @@ def build_loader(
         masks = shards.masks
     else:
         dataset = (
-            block_dataset(cfg, split, block, seed) if block_format(cfg.name)
+            block_dataset(cfg, split, block, seed, measure) if block_format(cfg.name)
             else load_dataset(cfg, split, crop)
         )  # fmt: skip
         masks = has_masks(cfg.name)
@@ -258,7 +271,9 @@ def build_loader(
     )
 
 
-def block_dataset(cfg: DataConfig, split: str, block: Block | None, seed: int) -> BlockDataset:
+def block_dataset(
+    cfg: DataConfig, split: str, block: Block | None, seed: int, measure: bool = True
+) -> BlockDataset:
     """``data.name=FORMAT:DIR``: this rank's blocks of ``image_size`` crops (:func:`crop_shape`)
     of the folder's samples, masks too; the folder must hold that format, and every image
     ``data.channels`` channels (from the headers: nothing is decoded)."""
@@ -274,7 +289,7 @@ def block_dataset(cfg: DataConfig, split: str, block: Block | None, seed: int) -
     data = BlockDataset(
         root, split, block=rank_block, dims=dims, crop=crop_shape(cfg), flip=tuple(cfg.flips),
         normalize=normalizer(cfg), num_classes=cfg.num_classes, seed=seed, level=cfg.level,
-        foreground=cfg.foreground, channels=cfg.channels,
+        foreground=cfg.foreground, channels=cfg.channels, measure=measure,
     )  # fmt: skip
     kind, found = block_format(cfg.name), format_of(data.images[0].path)
     if found != kind:
@@ -290,3 +305,31 @@ def normalizer(cfg: DataConfig) -> Normalizer | None:
     window = (float(cfg.window[0]), float(cfg.window[1])) if cfg.normalize == "window" else None
     low, high = (float(p) for p in cfg.percentiles)
     return Normalizer(cfg.normalize, window=window, percentiles=(low, high))
+
+
+def share_statistics(
+    cfg: DataConfig, rank: int, size: int, total: Callable[[np.ndarray], np.ndarray]
+) -> None:
+    """The training images' channel statistics (``data.normalize=zscore`` of a block folder),
+    computed once over ``size`` ranks: rank ``rank`` streams every ``size``-th file, ``total``
+    sums an array over the ranks (one all-reduce), and every rank merges the files' summaries
+    in file order, the numbers :class:`BlockDataset` then finds in memory, and rank 0 keeps in
+    the folder's cache. A collective: every rank calls it, and all agree first whether the
+    statistics are known already (one more sum), so none waits alone. Otherwise a no-op."""
+    if block_format(cfg.name) is None or cfg.normalize != "zscore":
+        return
+    root, dims = Path(block_root(cfg.name)), 3 if volumes(cfg) else 2
+    readers = [SampleReader(p, dims, level=cfg.level, channels=cfg.channels)
+               for p, _ in pairs(root, "train")]  # fmt: skip
+    key = stats_key(readers)
+    known = saved_stats(key, root / STATS_FILE) is not None
+    if total(np.array([float(not known)]))[0] == 0:
+        return
+
+    def mine() -> np.ndarray:
+        rows = np.zeros((len(readers), 1 + 2 * readers[0].channels))
+        for i in range(rank, len(readers), size):
+            rows[i] = file_stats(readers[i])
+        return total(rows)
+
+    cached_stats(readers, root / STATS_FILE if rank == 0 else None, compute=mine)

@@ -17,8 +17,11 @@ the data or the model is checked here, where ``parallelkit train`` starts its ra
                 user may write there, and its file system has room for the checkpoints kept
                 and the exported model (estimated from the meta-built networks)
 
-Ranks started by torchrun, mpiexec or srun skip the launcher; they check the grid themselves
-(:func:`check_grid`, the same verdict on every rank), and the rest fails later, as before.
+Ranks started by torchrun, mpiexec or srun make the same checks, each on its own before any
+collective (:mod:`parallelkit.cli`): every rank reaches the same verdict, rank 0 says it.
+Nothing here reads a sample's values or writes into the data: the statistics a block folder
+needs are computed by the ranks, each streaming its share of the files
+(:func:`parallelkit.data.loader.share_statistics`).
 """
 
 from __future__ import annotations
@@ -104,6 +107,7 @@ def check_data(cfg: Config, dims: dict[str, int] | None) -> Loader:
             batch_size=cfg.train.batch_size // data,
             seed=cfg.train.seed,
             block=block,
+            measure=False,  # headers only: the ranks share the statistics out
         )
         for split in ("train", "test")
     ]

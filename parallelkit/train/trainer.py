@@ -35,6 +35,7 @@ import parallelkit as pk
 from parallelkit.comm import launcher
 from parallelkit.data import Loader, RankSampler, build_loader
 from parallelkit.data.errors import DataError, one_line
+from parallelkit.data.loader import share_statistics
 from parallelkit.parallel import Grid
 from parallelkit.train import checkpoint, launch, preflight, rundir, tasks
 from parallelkit.train.agree import agree, same_everywhere
@@ -253,6 +254,10 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
 
     per_rank = t.batch_size // grid.data
     _, z, row, col, _ = grid.coords
+    share_statistics(  # a block folder's channel statistics: each rank streams its share
+        cfg.data, comm.rank, comm.size,
+        lambda a: comm.all_reduce(torch.from_numpy(a).to(device)).cpu().numpy(),
+    )  # fmt: skip
     loaders = {
         split: build_loader(
             cfg.data,
