@@ -12,7 +12,8 @@ the data or the model is checked here, where ``parallelkit train`` starts its ra
                 splits open (not read: digits and generated sets are small, folders listed,
                 a block folder's headers read: sizes, types, the crop against every sample)
     model       the task's dense networks built on the meta device (no memory, no time): a
-                ``model.kwargs`` the constructor does not take is named
+                ``model.kwargs`` the constructor does not take is named; the network run
+                forward there on two samples of the crop's size (a size it cannot take)
     run_dir     ``train.run_dir`` is a directory, or can be made one (no file on the way), this
                 user may write there, and its file system has room for the checkpoints kept
                 and the exported model (estimated from the meta-built networks)
@@ -51,6 +52,7 @@ def check(cfg: Config, world: int | None) -> None:
     dims = check_grid(cfg, world) if world is not None else None
     loader = check_data(cfg, dims)
     nets = build_on_meta(cfg, loader)
+    check_runs(cfg, nets, loader)
     check_run_dir(Path(cfg.train.run_dir), space_needed(cfg, nets) if nets else 0)
 
 
@@ -128,6 +130,31 @@ def build_on_meta(cfg: Config, loader: Loader) -> dict[str, nn.Module] | None:
         raise ValueError(f"config: model.name={m.name} cannot be built{kwargs}: {what}") from None
     except Exception:
         return None
+
+
+def check_runs(cfg: Config, nets: dict[str, nn.Module] | None, loader: Loader) -> None:
+    """The task's network runs forward on a batch of two samples of the loader's shape, on the
+    meta device (no memory, no time): a size it cannot take (a U-Net whose skip connections
+    meet halves of an odd size) is a config mistake, said before any rank starts rather than as
+    a traceback from every rank. Failures of the meta device itself are left to the ranks."""
+    net = (nets or {}).get("model")
+    if net is None or not loader.shape:
+        return
+    try:
+        with torch.no_grad(), _NoFills():
+            net(torch.empty(2, loader.channels, *loader.shape, device="meta"))
+    except RuntimeError as e:
+        what = " ".join(str(e).split())
+        if "meta" in what.lower():
+            return  # an operation the meta device does not run
+        size = cfg.data.image_size
+        raise ValueError(
+            f"config: model.name={cfg.model.name} does not run on samples of "
+            f"{'x'.join(map(str, loader.shape))} (data.image_size={size}): {what[:200]}; choose "
+            "a size it takes (a network that halves the size k times takes multiples of 2^k)"
+        ) from None
+    except Exception:
+        return
 
 
 class _NoFills(TorchFunctionMode):
