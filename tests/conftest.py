@@ -24,7 +24,8 @@ from parallelkit.testing import Ranks
 SLOW_MODULES = (
     "test_faults.py", "test_train.py", "test_train_segment.py", "test_examples.py",
     "test_train_segment_volumes.py", "test_device_discipline.py", "test_integrity.py",
-    "test_preflight.py", "test_train_blocks.py", "test_predict_cli.py",
+    "test_preflight.py", "test_train_blocks.py", "test_predict_cli.py", "test_msd.py",
+    "test_slurm.py", "test_doc_commands.py", "test_user_code.py", "test_slides.py",
 )  # fmt: skip
 FAST_SIZES = (2,)
 
