@@ -405,3 +405,21 @@ def test_foreground_share_of_crops(tmp_path):
     # at least the 33% centred crops hold a label; random 8 x 6 crops of 30 x 28 rarely do
     assert 0.33 * 240 - 25 < labelled < 0.33 * 240 + 60
     assert dataset(cfg, "test").positions == [[]] * 4  # evaluation: centred crops, no draws
+
+
+# ---------------------------------------------------------------------- 7. data.layout
+def test_layout_names_axes_a_shape_cannot(tmp_path):
+    """(Z, C, Y, X) volumes of 5 channels and 5 planes: the shape cannot tell the channels;
+    ``data.layout=ZCYX`` does, and the blocks tile the crop read that way."""
+    rng = np.random.default_rng(7)
+    for split, n in (("train", 2), ("test", 1)):
+        images = [rng.normal(size=(5, 5, 12, 10)).astype(np.float32) for _ in range(n)]
+        write_set(tmp_path, split, images, [rng.integers(0, 3, (5, 12, 10)).astype("u1")] * n)
+    cfg = config(tmp_path, [4, 8, 6], dims=3, channels=5, normalize="none", layout="ZCYX")
+    data = dataset(cfg, "train")
+    assert data.images[0].channels == 5 and data.images[0].size == (5, 12, 10)
+    raw = np.load(tmp_path / "train" / "images" / "s0.npy").transpose(1, 0, 2, 3)  # C Z Y X
+    assert np.array_equal(data[0][0].numpy(), cut(raw, data.view(0)))
+    assert_blocks_tile(cfg, "train", (2, 1, 2), data, epochs=(0,))
+    with pytest.raises(ValueError, match=r"data\.layout='ZCYX' is for"):
+        build_loader(DataConfig(layout="ZCYX"), "train", rank=0, size=1, batch_size=1)

@@ -83,7 +83,7 @@ class DataConfig:
       of ``image_size`` (random in training, the same on every rank of a sample), normalized
       as ``normalize`` says. ``dims``: 2 for images, 3 for volumes (NIfTI files are volumes
       whatever it says). Their own keys (see :func:`check_blocks`): ``normalize``,
-      ``window``, ``percentiles``, ``flips``, ``level``, ``foreground``.
+      ``window``, ``percentiles``, ``flips``, ``level``, ``foreground``, ``layout``.
 
     ``image_size`` is one integer (a square, or a cube for volumes), or for ``FORMAT:DIR``
     sources a list of per-dimension sizes, ``[H, W]`` or ``[D, H, W]``: read it through
@@ -107,6 +107,7 @@ class DataConfig:
     flips: list[int] = field(default_factory=list)  # spatial axes flipped at random (train)
     level: int = 0  # pyramid level of OME-Zarr and TIFF samples (0: full resolution)
     foreground: float = 0.0  # fraction of training crops centred on a labelled voxel
+    layout: str = ""  # the images' stored axes where a shape cannot tell, e.g. "ZCYX" (readers)
 
 
 def crop_shape(cfg: DataConfig) -> tuple[int, ...]:
@@ -192,14 +193,14 @@ def check_config(cfg: DataConfig, split: str) -> None:
 
 BLOCK_KEYS: dict[str, object] = {
     "normalize": "zscore", "window": [], "percentiles": [0.5, 99.5], "flips": [], "level": 0,
-    "foreground": 0.0,
+    "foreground": 0.0, "layout": "",
 }  # fmt: skip
 """Keys of ``FORMAT:DIR`` sources alone, and the defaults that the other sources keep."""
 
 
 def check_blocks(cfg: DataConfig) -> None:
     """The keys of ``FORMAT:DIR`` sources (``normalize``, ``window``, ``percentiles``,
-    ``flips``, ``level``, ``foreground``): one-line ``ValueError`` naming the key."""
+    ``flips``, ``level``, ``foreground``, ``layout``): one-line ``ValueError`` naming the key."""
     if block_format(cfg.name) is None:
         for key, default in BLOCK_KEYS.items():
             value = getattr(cfg, key)

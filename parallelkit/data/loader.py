@@ -289,7 +289,8 @@ def block_dataset(
     data = BlockDataset(
         root, split, block=rank_block, dims=dims, crop=crop_shape(cfg), flip=tuple(cfg.flips),
         normalize=normalizer(cfg), num_classes=cfg.num_classes, seed=seed, level=cfg.level,
-        foreground=cfg.foreground, channels=cfg.channels, measure=measure,
+        foreground=cfg.foreground, channels=cfg.channels, layout=cfg.layout or None,
+        measure=measure,
     )  # fmt: skip
     kind, found = block_format(cfg.name), format_of(data.images[0].path)
     if found != kind:
@@ -319,7 +320,7 @@ def share_statistics(
     if block_format(cfg.name) is None or cfg.normalize != "zscore":
         return
     root, dims = Path(block_root(cfg.name)), 3 if volumes(cfg) else 2
-    readers = [SampleReader(p, dims, level=cfg.level, channels=cfg.channels)
+    readers = [SampleReader(p, dims, cfg.layout or None, level=cfg.level, channels=cfg.channels)
                for p, _ in pairs(root, "train")]  # fmt: skip
     key = stats_key(readers)
     known = saved_stats(key, root / STATS_FILE) is not None

@@ -94,10 +94,17 @@ def normalization(cfg: Config) -> Normalizer | None:
     if cfg.data.normalize != "zscore":
         return normalizer(cfg.data)
     root = block_root(cfg.data.name)
-    readers = [SampleReader(i, dims_of(cfg), level=cfg.data.level, channels=cfg.data.channels)
-               for i, _ in pairs(root, "train")]
+    readers = [image_reader(cfg, i) for i, _ in pairs(root, "train")]
     mean, std = cached_stats(readers, Path(root) / "channel_stats.json")
     return Normalizer("zscore", tuple(mean), tuple(std))
+
+
+def image_reader(cfg: Config, path: Path) -> SampleReader:
+    """A sample's reader as training read it: its dimensions, ``data.layout``, ``data.level``
+    and ``data.channels``."""
+    data = cfg.data
+    return SampleReader(path, dims_of(cfg), data.layout or None, level=data.level,
+                        channels=data.channels)  # fmt: skip
 
 
 def dims_of(cfg: Config) -> int:
@@ -199,8 +206,7 @@ def check_sample(cfg: Config, sample: Sample, dense: nn.Module, counts: dict[str
     meta device: no memory, no time)."""
     dims = dims_of(cfg)
     try:
-        reader = SampleReader(sample.image, dims, level=cfg.data.level,
-                              channels=cfg.data.channels)
+        reader = image_reader(cfg, sample.image)
         mask = SampleReader(sample.mask, dims, mask=True,
                             level=cfg.data.level) if sample.mask else None
     except (ValueError, OSError, EOFError, RuntimeError) as e:
@@ -296,7 +302,7 @@ def predict_one(cfg: Config, predictor: Predictor, sample: Sample, out: Path, di
     """One sample over this rank's spatial group, made under temporary names and renamed
     whole; its result and its mask (None without one). ``stage`` as in ``Predictor``."""
     p, comm = cfg.predict, predictor.comm
-    reader = SampleReader(sample.image, dims, level=cfg.data.level, channels=cfg.data.channels)
+    reader = image_reader(cfg, sample.image)
     mask = SampleReader(sample.mask, dims, mask=True,
                         level=cfg.data.level) if sample.mask else None
     counts = predictor.blocks.counts(len(reader.size))
