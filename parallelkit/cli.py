@@ -96,8 +96,10 @@ def train(argv: list[str]) -> int:
             print(config.to_yaml(cfg), end="")
             return 0
         launch.check_world(cfg, job, launch.explicit("parallel.ranks", args.config, overrides))
-        world = job.world if job.name != "none" else cfg.parallel.ranks
-        preflight.check(cfg, None if cfg.parallel.backend == "xla" else world)
+        world = job.world if ranked else cfg.parallel.ranks
+        if cfg.parallel.backend == "xla" or (ranked and job.name == "none"):
+            world = None  # XLA replicas: one per device, known to torch_xla alone
+        preflight.check(cfg, world)
         if not ranked:
             rundir.check(cfg)  # the ranks check it again, holding the run's lock
         command = None if ranked else launch.local_command(cfg, argv)
@@ -107,8 +109,9 @@ def train(argv: list[str]) -> int:
         return 2
     if args.check:
         if not ranked or job.rank == 0:
-            who = launch.started_by(job) if ranked else "parallelkit would start them here"
-            print(f"parallelkit train: check passed for {world} ranks; {who}")
+            who = launch.started_by(job) if ranked else f"started here ({job.why})"
+            ranks = f"{world} ranks" if world else "the XLA devices"
+            print(f"parallelkit train: check passed for {ranks}; {who}")
         return 0
     if ranked:
         procs.die_with_launcher()
