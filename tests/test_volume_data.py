@@ -108,3 +108,17 @@ def test_segfolder3d_missing_mask_and_config(tmp_path):
     ds = load_dataset(DataConfig(name="shapes3d", image_size=8, num_classes=3, channels=1,
                                  test_samples=5), "test")  # fmt: skip
     assert len(ds) == 5 and ds[0][0].shape == (1, 8, 8, 8)
+
+
+def test_a_damaged_volume_is_named(tmp_path):
+    """A truncated .npy or a pickled one: a DataError naming the file, never a bare numpy
+    message (or an unpickling)."""
+    from parallelkit.data.errors import DataError
+    from parallelkit.data.segfolder3d import read_volume
+
+    np.save(tmp_path / "cut.npy", np.zeros((4, 4, 4), np.float32))
+    (tmp_path / "cut.npy").write_bytes((tmp_path / "cut.npy").read_bytes()[:-20])
+    np.save(tmp_path / "obj.npy", np.array([{"x": 1}], dtype=object), allow_pickle=True)
+    for name in ("cut.npy", "obj.npy"):
+        with pytest.raises(DataError, match=f"cannot read volume {tmp_path / name}"):
+            read_volume(tmp_path / name)

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from parallelkit.data.errors import DataError, one_line
 from parallelkit.data.segfolder import check_labels
 from parallelkit.data.shapes3d import Window, volume_window
 
@@ -102,7 +103,10 @@ def check_shapes(image: Path, mask: Path, channels: int) -> None:
 
 def read_volume(path: Path) -> torch.Tensor:
     """The ``(C, D, H, W)`` float32 volume at ``path``, standardized per channel."""
-    array = np.load(path)
+    try:
+        array = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as err:  # truncated, pickled, not an .npy file
+        raise DataError(f"segfolder3d: cannot read volume {path}: {one_line(err)}") from None
     if not np.issubdtype(array.dtype, np.number) or np.iscomplexobj(array):
         raise ValueError(f"segfolder3d: volume {path} holds {array.dtype}, not real numbers")
     volume = torch.from_numpy(np.asarray(array, dtype=np.float32))
