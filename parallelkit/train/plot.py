@@ -15,8 +15,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-PERCENT = ("accuracy", "miou", "mdice", "pixel_accuracy")
-LABELS = {"accuracy": "accuracy", "miou": "mIoU", "pixel_accuracy": "pixel accuracy"}
+LABELS = {
+    "accuracy": "accuracy", "miou": "mIoU", "mdice": "mDice", "pixel_accuracy": "pixel accuracy",
+}  # fmt: skip
+PERCENT = tuple(LABELS)  # the test metrics drawn, in percent, under their labels
 FILE = "curves.png"
 
 
