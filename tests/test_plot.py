@@ -13,7 +13,15 @@ from parallelkit.train.plot import plot_run, series
 RECORDS = [
     {"kind": "train", "step": 1, "loss": 2.0, "lr": 0.1},
     {"kind": "train", "step": 2, "loss": 1.5},
-    {"kind": "eval", "step": 2, "loss": 1.4, "miou": 0.3, "mdice": 0.4, "pixel_accuracy": 0.8, "iou": [0.3]},
+    {
+        "kind": "eval",
+        "step": 2,
+        "loss": 1.4,
+        "miou": 0.3,
+        "mdice": 0.4,
+        "pixel_accuracy": 0.8,
+        "iou": [0.3],
+    },
     {"kind": "train", "step": 2, "loss": 1.25},  # a resumed run logged step 2 again
     {"kind": "summary", "step": 2, "seconds": 3.0},
 ]
@@ -28,7 +36,12 @@ def test_series_reads_losses_and_metrics(tmp_path):
     write(tmp_path)
     got = series(tmp_path)
     assert got["train"] == {"loss": [(1, 2.0), (2, 1.25)]}
-    assert got["eval"] == {"loss": [(2, 1.4)], "miou": [(2, 0.3)], "mdice": [(2, 0.4)], "pixel_accuracy": [(2, 0.8)]}
+    assert got["eval"] == {
+        "loss": [(2, 1.4)],
+        "miou": [(2, 0.3)],
+        "mdice": [(2, 0.4)],
+        "pixel_accuracy": [(2, 0.8)],
+    }
 
 
 def test_plot_writes_a_png_or_says_why_not(tmp_path, capsys):
