@@ -237,22 +237,22 @@ def test_check_is_a_dry_run(tmp_path):
     assert not run.exists()  # nothing written, no rank started
 
 
-def test_check_finds_a_crop_larger_than_the_volumes(tmp_path):
+def test_check_finds_a_crop_larger_than_the_images(tmp_path):
     root = tmp_path / "data"
     for split in ("train", "test"):
-        for sub, arr in (("images", np.zeros((8, 12, 12), np.float32)),
-                         ("masks", np.zeros((8, 12, 12), np.uint8))):  # fmt: skip
+        for sub, arr in (("images", np.zeros((1, 16, 16), np.float32)),
+                         ("masks", np.zeros((16, 16), np.uint8))):  # fmt: skip
             (root / split / sub).mkdir(parents=True)
             for i in range(2):
                 np.save(root / split / sub / f"s{i}.npy", arr)
-    args = ["train", "--check", f"data.name=npy:{root}", "data.image_size=10", "data.dims=3",
+    args = ["train", "--check", f"data.name=npy:{root}", "data.image_size=24",
             "data.channels=1", "train.task=segment", "model.name=unet", "train.batch_size=2",
             "data.num_classes=2", f"train.run_dir={tmp_path / 'run'}"]  # fmt: skip
     proc = cli(*args, env=clean_env(), cwd=tmp_path)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "data.image_size" in proc.stderr
     assert not (tmp_path / "run").exists()
-    proc = cli(*args[:3], "data.image_size=[8,10,10]", *args[4:], env=clean_env(), cwd=tmp_path)
+    proc = cli(*args[:3], "data.image_size=16", *args[4:], env=clean_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr  # a crop that fits: passes, and reads no values
     assert sorted(p.name for p in root.iterdir()) == ["test", "train"]  # no statistics written
 

@@ -44,9 +44,12 @@ QUIET = ["data.image_size=16", "data.channels=1", "train.batch_size=16", "train.
 
 @pytest.fixture
 def user_dir(tmp_path, monkeypatch):
+    """A working directory holding ``mynets.py``, imported afresh (other tests may have
+    imported a module of that name from elsewhere)."""
     (tmp_path / "mynets.py").write_text(NETS)
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "mynets", raising=False)
     yield tmp_path
     sys.modules.pop("mynets", None)
 
