@@ -97,3 +97,41 @@ def test_trains_split_over_two_ranks_as_on_one(user_dir):
     assert len(curves[0]) == 3 and curves[0][0] != curves[0][-1]  # it trains
     assert curves[0] == pytest.approx(curves[1], rel=1e-4, abs=1e-5)
     assert isinstance(create("mynets:TinyNet", num_classes=2), nn.Module)
+
+
+LOSSES = '''
+import torch.nn.functional as F
+
+
+def ce(logits, masks):
+    return F.cross_entropy(logits, masks, ignore_index=255)
+'''
+SEGMENT = ["train.task=segment", "model.width=4", "data.image_size=16", "data.train_samples=16",
+           "data.test_samples=4", "train.batch_size=8", "train.max_steps=3", "train.log_every=1",
+           "train.progress=false", "train.tensorboard=false", "train.plot=false",
+           "parallel.timeout=120"]  # fmt: skip
+
+
+def test_own_loss_on_two_data_ranks_as_on_one(user_dir):
+    """``train.loss=mylosses:ce`` (cross-entropy written by the user): on 1 rank the built-in
+    ``ce`` curve, on 2 data ranks the same curve; refused in one line under spatial."""
+    (user_dir / "mylosses.py").write_text(LOSSES)
+    curves = {}
+    for name, extra in (("ce", ["train.loss=ce", "parallel.ranks=1"]),
+                        ("own", ["train.loss=mylosses:ce", "parallel.ranks=1"]),
+                        ("own2", ["train.loss=mylosses:ce", "parallel.ranks=2"])):  # fmt: skip
+        cmd = [sys.executable, "-m", "parallelkit.cli", "train", *SEGMENT, *extra,
+               f"train.run_dir={user_dir / name}"]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=user_dir,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        curves[name] = losses(user_dir / name)
+    assert len(set(curves["ce"])) == 3
+    assert curves["own"] == pytest.approx(curves["ce"], rel=1e-6)
+    assert curves["own2"] == pytest.approx(curves["ce"], rel=1e-4, abs=1e-5)
+    proc = subprocess.run(
+        [sys.executable, "-m", "parallelkit.cli", "train", "--check", *SEGMENT,
+         "train.loss=mylosses:ce", "parallel.strategy=spatial"],
+        capture_output=True, text=True, timeout=120, cwd=user_dir,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "needs whole logits" in proc.stderr, proc.stderr

@@ -40,8 +40,9 @@ def is_import_path(name: str) -> bool:
     return bool(sep and module and attr) and module not in LIBRARIES
 
 
-def load(name: str) -> Callable[..., nn.Module]:
-    """The callable that ``module:attribute`` names (``attribute`` may be dotted)."""
+def load(name: str, key: str = "model.name") -> Callable[..., Any]:
+    """The callable that ``module:attribute`` names (``attribute`` may be dotted); ``key``:
+    the config key that named it, for the messages."""
     module_name, _, attr = name.partition(":")
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.append(os.getcwd())  # as ``python -m`` would, for the console script
@@ -49,20 +50,22 @@ def load(name: str) -> Callable[..., nn.Module]:
         target: Any = importlib.import_module(module_name)
     except Exception as e:  # ModuleNotFoundError, or the user's module failing on import
         close = difflib.get_close_matches(module_name, LIBRARIES, n=1)
-        hint = f"; did you mean {close[0]}:{attr}?" if close else ""
+        hint = f"; did you mean {close[0]}:{attr}?" if close and key == "model.name" else ""
         why = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
         zoo = ", ".join(f"{p}:NAME" for p in LIBRARIES)
+        others = f", another library's is {zoo}" if key == "model.name" else ""
         raise ValueError(
-            f"config: model.name={name!r} is not a model here: module {module_name!r} does not "
-            f"import ({why}); your own network must be importable from the working directory, "
-            f"PYTHONPATH or an installed package, another library's is {zoo}{hint}"
+            f"config: {key}={name!r} is not {'a model' if key == 'model.name' else 'found'} "
+            f"here: module {module_name!r} does not import ({why}); your own code must be "
+            f"importable from the working directory, PYTHONPATH or an installed package"
+            f"{others}{hint}"
         ) from None
     for part in attr.split("."):
         if not hasattr(target, part):
-            raise ValueError(f"config: model.name={name!r}: {module_name} has no {attr!r}")
+            raise ValueError(f"config: {key}={name!r}: {module_name} has no {attr!r}")
         target = getattr(target, part)
     if not callable(target):
-        raise ValueError(f"config: model.name={name!r} is not a class or a function")
+        raise ValueError(f"config: {key}={name!r} is not a class or a function")
     return target
 
 

@@ -152,7 +152,16 @@ def validate(cfg: Config) -> None:
     _one_of(p.device, DEVICES, "parallel.device")
     _one_of(p.fallback, ("refuse", "gather"), "parallel.fallback")
     _one_of(t.fail_how, FAULTS, "train.fail_how")
-    _one_of(t.loss, ("ce", "dice", "dice_ce"), "train.loss")  # parallelkit.train.losses
+    if imported.is_import_path(t.loss):  # the user's own loss of whole logits
+        imported.load(t.loss, "train.loss")
+        if p.depth * p.rows * p.cols > 1 or p.strategy == "spatial":
+            raise ValueError(
+                f"config: train.loss={t.loss} needs whole logits, and spatial parallelism "
+                "keeps them split over the ranks: use train.loss=ce, dice or dice_ce there "
+                "(exact on blocks), or a data or channel grid"
+            )
+    else:
+        _one_of(t.loss, ("ce", "dice", "dice_ce"), "train.loss")  # parallelkit.train.losses
     if t.loss != "ce" and t.task != "segment":
         raise ValueError(f"config: train.loss={t.loss} is for train.task=segment, not {t.task}")
     if cfg.model.name.startswith("resnet"):

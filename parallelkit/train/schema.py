@@ -105,7 +105,8 @@ class TrainConfig:
     seed and batch size sees the same batches on any number of ranks."""
 
     task: str = "classify"  # classify | gan | segment
-    loss: str = "ce"  # segment: ce | dice | dice_ce (parallelkit.train.losses); others: ce
+    # segment: ce | dice | dice_ce (parallelkit.train.losses), or package.module:fn; others: ce
+    loss: str = "ce"
     epochs: int = 6
     batch_size: int = 64
     accumulate: int = 1  # micro-batches per optimizer step

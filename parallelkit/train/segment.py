@@ -41,6 +41,7 @@ from parallelkit.data import Loader
 from parallelkit.data.blockset import BlockDataset
 from parallelkit.data.segfolder import IGNORE
 from parallelkit.inference import Predictor
+from parallelkit.models import imported
 from parallelkit.parallel import Grid
 from parallelkit.train.losses import dice_loss
 from parallelkit.train.protocol import Losses, Metrics, Task, network, no_sync
@@ -129,9 +130,14 @@ class Segment(Task):
 
         Both terms are scaled for DataParallel's mean over the D data ranks (module
         docstring): cross-entropy reports and backpropagates its share ``* D / n``; Dice is the
-        whole batch's on every rank, so it reports ``dice`` and backpropagates ``D * dice``.
+        whole batch's on every rank, so it reports ``dice`` and backpropagates ``D * dice``. A
+        loss of the user's (``train.loss=package.module:fn``, ``fn(logits, mask)``, e.g. a
+        mean over pixels) sees this rank's whole logits and its images' masks, as under DDP.
         """
         d, kind = self.grid.data, self.cfg.train.loss
+        if imported.is_import_path(kind):  # the user's: whole logits (config checks), its mean
+            loss = imported.load(kind, "train.loss")(logits, mask)  # DataParallel averages
+            return loss, loss
         loss = shown = logits.new_zeros(())
         if kind in ("ce", "dice_ce"):
             part = F.cross_entropy(logits, mask, ignore_index=IGNORE, reduction="sum")
