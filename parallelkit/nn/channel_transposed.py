@@ -20,12 +20,12 @@ as ranks, else "in" (e.g. a generator's last layer, 3 output channels).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import parallelkit.functional as pkf
 from parallelkit.comm import Communicator
 from parallelkit.geometry import tensor_split_sizes
+from parallelkit.nn.spatial_edges import CONV_TRANSPOSE
 
 
 class ChannelParallelConvTransposeNd(nn.Module):
@@ -75,7 +75,7 @@ class ChannelParallelConvTransposeNd(nn.Module):
                 f"{type(self).__name__}: expected (N, {self.in_channels}, {spatial}), got "
                 f"{tuple(x.shape)}"
             )
-        conv = _CONV_TRANSPOSE[self.dims]
+        conv = CONV_TRANSPOSE[self.dims]
         args = (self.stride, self.padding, self.output_padding, 1, self.dilation)
         if self.split == "out":
             y = conv(pkf.copy_to_group(x, self.comm), self.weight, self.bias, *args)
@@ -133,5 +133,3 @@ class ChannelParallelConvTranspose3d(ChannelParallelConvTransposeNd):
 
     dims, dense_type = 3, nn.ConvTranspose3d
 
-
-_CONV_TRANSPOSE = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
