@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from parallelkit.data import datalist
+from parallelkit.data import datalist, samplecache
 from parallelkit.data.errors import DataError
 from parallelkit.data.foreground import MOST, centred_start, foreground_positions
 from parallelkit.data.intensity import SAMPLE_STATS_FILE, Intensity, Normalizer
@@ -196,14 +196,9 @@ def cached_stats(
     rows = compute() if compute else np.stack([file_stats(r, max_elements) for r in readers])
     mean, std = merge_stats(rows)
     _STATS[key] = mean.tolist(), std.tolist()
-    if cache is not None:
-        try:  # written whole or not at all: other ranks may be writing the same numbers
-            tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
-            numbers = {"key": key, "mean": _STATS[key][0], "std": _STATS[key][1]}
-            tmp.write_text(json.dumps({**numbers, "files": len(readers)}))
-            os.replace(tmp, cache)
-        except OSError:
-            pass  # a read-only data set: the statistics stay in memory
+    if cache is not None:  # a read-only data set: the statistics stay in memory
+        numbers = {"key": key, "mean": _STATS[key][0], "std": _STATS[key][1]}
+        samplecache.save(cache, {**numbers, "files": len(readers)})
     return _STATS[key]
 
 

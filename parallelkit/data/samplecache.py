@@ -54,7 +54,7 @@ def per_sample(
     if computed:
         _MEMORY.update(computed)
         if cache is not None:
-            _save(cache, {**_load(cache), **computed})
+            save(cache, {**_load(cache), **computed})
     return [_MEMORY[k] for k in keys]
 
 
@@ -66,7 +66,8 @@ def _load(cache: Path) -> dict[str, Any]:
     return saved if isinstance(saved, dict) else {}
 
 
-def _save(cache: Path, numbers: dict[str, Any]) -> None:
+def save(cache: Path, numbers: dict[str, Any]) -> None:
+    """``numbers`` as the JSON file ``cache``, through a rename; nothing on a read-only disk."""
     try:  # written whole or not at all: other ranks may be writing the same numbers
         tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(numbers))
