@@ -309,8 +309,27 @@ STAND_INS: dict[str, Callable[[Path, int], None]] = {
     "~/cifar-10-batches-py": lambda p, n: cifar_folder(p, per_batch=-(-n // 5)),
     "shards": lambda p, n: shards(p, n),
 }
-# Modules of the docs' ``model.name=MODULE:CLASS`` that a user writes -> a stand-in's source.
-STAND_IN_MODULES = {"mynets": MYNETS}
+MYDATA = """
+from torch.utils.data import Dataset
+
+from parallelkit.data.shapes import ShapesDataset
+
+
+class Scenes(Dataset):
+    \"\"\"A stand-in for the docs' own data set: generated scenes with masks, whole.\"\"\"
+
+    def __init__(self, split, count=64):
+        self.inner = ShapesDataset(count, 32, 3, 4, base=0 if split == "train" else 1000)
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, i):
+        return self.inner[i]
+"""
+# Modules of the docs' ``model.name=`` and ``data.name=MODULE:CLASS`` that a user writes -> a
+# stand-in's source.
+STAND_IN_MODULES = {"mynets": MYNETS, "mydata": MYDATA}
 
 
 def data_paths(args: list[str], config: str | None) -> set[str]:
@@ -446,7 +465,7 @@ def test_train_command_passes_the_check(command, tmp_path, stand_ins, monkeypatc
         if any(a.startswith(f"model.name={prefix}") for a in argv):
             pytest.importorskip(module, reason=f"{command.where} needs {module}")
     for module, source in STAND_IN_MODULES.items():
-        if any(a.startswith(f"model.name={module}:") for a in argv):
+        if any(a.startswith((f"model.name={module}:", f"data.name={module}:")) for a in argv):
             (stand_ins / f"{module}.py").write_text(source)
             monkeypatch.syspath_prepend(str(stand_ins))
     argv = with_stand_ins(argv, stand_ins)

@@ -135,3 +135,49 @@ def test_own_loss_on_two_data_ranks_as_on_one(user_dir):
         capture_output=True, text=True, timeout=120, cwd=user_dir,
     )  # fmt: skip
     assert proc.returncode == 2 and "needs whole logits" in proc.stderr, proc.stderr
+
+
+DATA = '''
+import numpy as np
+from torch.utils.data import Dataset
+
+from parallelkit.data.shapes import ShapesDataset
+
+
+class Scenes(Dataset):
+    """Whole generated scenes and masks, as numpy arrays (a user's own reader would be here)."""
+
+    def __init__(self, split, count=16, size=16):
+        self.inner = ShapesDataset(count, size, 3, 4, base=0 if split == "train" else 1000)
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, i):
+        image, mask = self.inner[i]
+        return image.numpy(), mask.numpy().astype(np.uint8)
+'''
+
+
+def test_own_dataset_split_over_two_ranks_as_on_one(user_dir):
+    """``data.name=mydata:Scenes data.kwargs={count: 16}``: 2 spatial ranks (each keeping its
+    block of every mask) give the 1-rank curve and test scores."""
+    (user_dir / "mydata.py").write_text(DATA)
+    base = [*SEGMENT, "data.name=mydata:Scenes", "data.kwargs={count: 16}", "data.num_classes=4"]
+    runs = {}
+    for name, extra in (("one", ["parallel.ranks=1"]),
+                        ("two", ["parallel.strategy=spatial", "parallel.ranks=2"])):  # fmt: skip
+        cmd = [sys.executable, "-m", "parallelkit.cli", "train", *base, *extra,
+               f"train.run_dir={user_dir / name}"]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=user_dir,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = losses(user_dir / name)
+    assert len(set(runs["one"])) == 3
+    assert runs["two"] == pytest.approx(runs["one"], rel=1e-4, abs=1e-5)
+    proc = subprocess.run(
+        [sys.executable, "-m", "parallelkit.cli", "train", "--check", *base,
+         "data.kwargs={counts: 3}"],
+        capture_output=True, text=True, timeout=120, cwd=user_dir,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "unexpected keyword argument 'counts'" in proc.stderr

@@ -48,9 +48,16 @@ def has_masks(name: str) -> bool:
     return name in WITH_MASKS or block_format(name) is not None
 
 
+def own(name: str) -> bool:
+    """Whether ``name`` is a user's data set by import path, ``package.module:Class``
+    (:mod:`parallelkit.data.userdata`), rather than a source or ``FORMAT:DIR``."""
+    module, sep, attr = name.partition(":")
+    return bool(sep and attr) and module not in BLOCK_FORMATS and "/" not in name
+
+
 def volumes(cfg: DataConfig) -> bool:
     """Whether ``cfg``'s samples are volumes (C, D, H, W) rather than images."""
-    if cfg.name in VOLUMES:
+    if cfg.name in VOLUMES or (own(cfg.name) and cfg.dims == 3):
         return True
     kind = block_format(cfg.name)
     return kind is not None and (kind == "nifti" or cfg.dims == 3)
@@ -99,7 +106,8 @@ class DataConfig:
     test_samples: int = 256  # synthetic, shapes, shapes3d
     workers: int = 0  # DataLoader worker processes per rank
     shuffle: bool = True
-    dims: int = 2  # FORMAT:DIR sources: spatial dimensions of a sample (3: volumes)
+    dims: int = 2  # FORMAT:DIR and your own sources: spatial dimensions of a sample (3: volumes)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # your own source's arguments
     # FORMAT:DIR sources only (the others keep these defaults):
     normalize: str = "zscore"  # zscore | window | percentile | none
     window: list[float] = field(default_factory=list)  # normalize=window: [low, high]
@@ -148,10 +156,10 @@ def check_config(cfg: DataConfig, split: str) -> None:
     Called before any file is opened, with information every rank has, so every rank fails
     the same way before the first collective.
     """
-    if cfg.name not in DATASETS and block_format(cfg.name) is None:
+    if cfg.name not in DATASETS and block_format(cfg.name) is None and not own(cfg.name):
         raise ValueError(
             f"data.name={cfg.name!r} is not one of {', '.join(DATASETS)}, or FORMAT:DIR with "
-            f"FORMAT one of {', '.join(BLOCK_FORMATS)}"
+            f"FORMAT one of {', '.join(BLOCK_FORMATS)}, or your own package.module:Class"
         )
     if block_format(cfg.name) and (not block_root(cfg.name) or cfg.dims not in (2, 3)):
         raise ValueError(
@@ -160,7 +168,7 @@ def check_config(cfg: DataConfig, split: str) -> None:
         )
     if split not in SPLITS:
         raise ValueError(f"split={split!r} must be one of {', '.join(SPLITS)}")
-    if block_format(cfg.name) is None and cfg.channels not in (1, 3):
+    if block_format(cfg.name) is None and not own(cfg.name) and cfg.channels not in (1, 3):
         raise ValueError(
             f"data.channels={cfg.channels} must be 1 (grayscale) or 3 (RGB) for "
             f"data.name={cfg.name}; any count is for FORMAT:DIR sources (zarr, tiff, nifti, npy)"

@@ -33,6 +33,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from parallelkit.comm import tensor_split_sizes
+from parallelkit.data import userdata
 from parallelkit.data.blockset import (
     STATS_FILE,
     BlockDataset,
@@ -50,6 +51,7 @@ from parallelkit.data.config import (
     check_config,
     crop_shape,
     has_masks,
+    own,
     volumes,
 )
 from parallelkit.data.datasets import load_dataset
@@ -58,6 +60,7 @@ from parallelkit.data.readers import SampleReader, format_of
 from parallelkit.data.sampler import RankSampler
 from parallelkit.data.shardio import check_shards, load_split
 from parallelkit.data.shardstream import ShardStream
+from parallelkit.data.userdata import user_dataset
 
 Block = tuple[int, ...]
 """(depth, rows, cols, z, row, col), or (rows, cols, row, col): a spatial grid's shape and
@@ -224,11 +227,15 @@ def build_loader(
         batches, num_samples, num_classes = len(stream), shards.num_samples, shards.num_classes
         masks = shards.masks
     else:
-        dataset = (
-            block_dataset(cfg, split, block, seed, measure) if block_format(cfg.name)
-            else load_dataset(cfg, split, crop)
-        )  # fmt: skip
-        masks = has_masks(cfg.name)
+        if own(cfg.name):  # the user's class by import path
+            dataset = user_dataset(cfg, split, crop)
+            masks = userdata.has_masks(dataset)
+        else:
+            dataset = (
+                block_dataset(cfg, split, block, seed, measure) if block_format(cfg.name)
+                else load_dataset(cfg, split, crop)
+            )  # fmt: skip
+            masks = has_masks(cfg.name)
         sampler = RankSampler(
             dataset,  # type: ignore[arg-type]
             rank=rank,

@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from parallelkit import models
-from parallelkit.data.config import check_config, has_masks
+from parallelkit.data.config import check_config, has_masks, own
 from parallelkit.dims import GridDims
 from parallelkit.models import imported, zoo
 from parallelkit.train.protocol import Task
@@ -207,13 +207,15 @@ def _check_task(cfg: Config) -> None:
             f"config: model.name={name} is a {owner.name} model, not one for "
             f"train.task={task.name}, which trains {task.trains}"
         )
-    if task.masks and not (has_masks(data) or data == "webdataset"):
+    if own(data):
+        pass  # the user's data set: its items say (the first batch is checked on every rank)
+    elif task.masks and not (has_masks(data) or data == "webdataset"):
         raise ValueError(
             f"config: train.task={task.name} needs masks: data.name=shapes, segfolder, "
             f"shapes3d, segfolder3d, FORMAT:DIR (zarr, tiff, nifti, npy) or webdataset shards "
             f"written from one, not {data}"
         )
-    if not task.masks and has_masks(data):
+    elif not task.masks and has_masks(data):
         with_masks = " or ".join(f"train.task={t.name}" for t in TASK_CLASSES.values() if t.masks)
         raise ValueError(f"config: data.name={data} holds masks: use it with {with_masks}")
     task.check(cfg)
