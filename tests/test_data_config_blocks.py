@@ -20,6 +20,7 @@ from test_readers import assemble
 from parallelkit.data import DataConfig, build_loader
 from parallelkit.data import intensity as intensity_module
 from parallelkit.data.blockset import BlockDataset, RankBlock, draw_view
+from parallelkit.data.config import crop_shape
 from parallelkit.data.intensity import Normalizer, sample_values
 from parallelkit.data.readers import format_of, stem_of
 
@@ -423,3 +424,24 @@ def test_layout_names_axes_a_shape_cannot(tmp_path):
     assert_blocks_tile(cfg, "train", (2, 1, 2), data, epochs=(0,))
     with pytest.raises(ValueError, match=r"data\.layout='ZCYX' is for"):
         build_loader(DataConfig(layout="ZCYX"), "train", rank=0, size=1, batch_size=1)
+
+
+# ---------------------------------------------------------------------- 8. data.crop, crops
+def test_crop_per_axis_and_several_crops_per_sample(tmp_path):
+    """``data.crop=[D, H, W]`` is ``data.image_size``'s list form under its own name, and wins
+    over it; ``data.crops_per_sample=3`` gives 3 different training crops of every sample per
+    epoch (test samples: one, centred), each tiled exactly by the ranks' blocks."""
+    random_set(tmp_path, (10, 14, 12), 1)
+    cfg = config(tmp_path, 99, dims=3, crop=[4, 8, 6], crops_per_sample=3, normalize="none")
+    assert crop_shape(cfg) == (4, 8, 6) == crop_shape(config(tmp_path, [4, 8, 6], dims=3))
+    train = dataset(cfg, "train")
+    assert len(train) == 3 * 3 and len(dataset(cfg, "test")) == 2
+    starts = [train.view(i).start for i in range(3)]  # sample 0's three crops
+    assert len(set(starts)) == 3, starts
+    raw = np.load(tmp_path / "train" / "images" / "s1.npy")
+    assert np.array_equal(train[4][0].numpy(), cut(raw, train.view(4)).astype(np.float32))
+    assert_blocks_tile(cfg, "train", (2, 2, 1), train, epochs=(0, 1))
+    with pytest.raises(ValueError, match=r"data\.crop=\[4, 8\] must list 3 positive sizes"):
+        dataset(config(tmp_path, 8, dims=3, crop=[4, 8]), "train")
+    with pytest.raises(ValueError, match=r"data\.crops_per_sample=0 must be 1 or more"):
+        dataset(config(tmp_path, 8, dims=3, crops_per_sample=0), "train")

@@ -254,8 +254,10 @@ class BlockDataset(Dataset):
     files, masks read at the same level (a mask without it is refused). ``foreground``: the
     share of augmented crops centred on a labelled voxel. ``channels``: the images' channel
     count expected, where a file's shape alone cannot tell its channel axis (readers).
-    ``measure=False`` reads the headers only: no statistics, no foreground positions, nothing
-    decoded or written (what a dry run checks); the samples are then not normalized.
+    ``crops``: augmented crops drawn from each sample per epoch (the items are
+    ``len(images) * crops``, item ``i`` a crop of sample ``i // crops``). ``measure=False``
+    reads the headers only: no statistics, no foreground positions, nothing decoded or
+    written (what a dry run checks); the samples are then not normalized.
 
     ``normalizer`` is the normalization used (None: none), ``intensity[i]`` sample ``i``'s;
     ``mean`` and ``std`` the per-channel statistics where it is ``zscore``, else None.
@@ -279,6 +281,7 @@ class BlockDataset(Dataset):
         foreground: float = 0.0,
         channels: int | None = None,
         measure: bool = True,
+        crops: int = 1,
     ) -> None:
         found = pairs(root, split)
         dims = dims or (3 if format_of(found[0][0]) == "nifti" else 2)  # the same for masks
@@ -312,13 +315,14 @@ class BlockDataset(Dataset):
                 )
         self.block, self.crop, self.flip = block, crop, tuple(flip)
         self.augment = split == "train" if augment is None else augment
+        self.crops = crops if self.augment else 1  # items per sample and epoch
         self.num_classes, self.seed, self.epoch = num_classes, seed, 0
         if not measure:  # headers only: no value read, nothing written (preflight)
             normalize, foreground = None, 0.0
         self.normalizer = self._normalizer(normalize, root, split, dims, layout, level)
-        self.intensity: list[Intensity | None] = (
-            self.normalizer.for_samples(self.images) if self.normalizer else [None] * len(self)
-        )
+        self.intensity: list[Intensity | None] = [None] * len(self.images)
+        if self.normalizer:
+            self.intensity = self.normalizer.for_samples(self.images)
         self.mean, self.std = (None, None)
         if self.normalizer is not None and self.normalizer.mode == "zscore":
             self.mean = np.asarray(self.normalizer.mean, np.float32)
@@ -353,24 +357,26 @@ class BlockDataset(Dataset):
         return given
 
     def __len__(self) -> int:
-        return len(self.images)
+        return len(self.images) * self.crops
 
     def set_epoch(self, epoch: int) -> None:
         """Crops and flips are drawn anew each epoch (the same on every rank)."""
         self.epoch = epoch
 
     def view(self, index: int) -> View:
-        """Sample ``index``'s crop and flips this epoch: a function of (seed, epoch, index)."""
+        """Item ``index``'s crop and flips this epoch: a function of (seed, epoch, index). Item
+        ``index`` is a crop of sample ``index // crops``."""
         rng = np.random.default_rng((self.seed, self.epoch, index)) if self.augment else None
-        size, start = self.images[index].size, None
+        sample = index // self.crops
+        size, start = self.images[sample].size, None
         # Drawn only with foreground > 0: without it the crops are those drawn before it was.
         centred = rng is not None and self.foreground > 0 and rng.random() < self.foreground
-        if centred and (found := self.positions[index]) and self.crop is not None:
+        if centred and (found := self.positions[sample]) and self.crop is not None:
             start = centred_start(found[int(rng.integers(len(found)))], size, self.crop)
         return draw_view(size, self.crop, self.flip, rng, start)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        view = self.view(index)
+        view, index = self.view(index), index // self.crops  # the sample's from here
         block = self.block(*view.size) if self.block else tuple(slice(0, n) for n in view.size)
         image = view.read(self.images[index], block).astype(np.float32)  # a copy: ours
         if (intensity := self.intensity[index]) is not None:  # in place

@@ -116,13 +116,21 @@ class DataConfig:
     level: int = 0  # pyramid level of OME-Zarr and TIFF samples (0: full resolution)
     foreground: float = 0.0  # fraction of training crops centred on a labelled voxel
     layout: str = ""  # the images' stored axes where a shape cannot tell, e.g. "ZCYX" (readers)
+    crop: list[int] = field(default_factory=list)  # per axis, [D, H, W]; else image_size's
+    crops_per_sample: int = 1  # training crops drawn from each sample per epoch
 
 
 def crop_shape(cfg: DataConfig) -> tuple[int, ...]:
     """``data.image_size`` as one size per spatial dimension: ``(H, W)``, or ``(D, H, W)`` for
     volumes. An integer is a square (a cube); a list gives each dimension (``FORMAT:DIR``
-    sources only). A ``ValueError`` naming ``data.image_size`` for anything else."""
+    sources only). ``data.crop``, when set, gives the sizes per axis instead. A ``ValueError``
+    naming the key for anything else."""
     dims, size = 3 if volumes(cfg) else 2, cfg.image_size
+    if len(cfg.crop):  # data.crop, per axis, wins over the image_size shorthand
+        if len(cfg.crop) != dims or not all(_positive_int(n) for n in cfg.crop):
+            raise ValueError(f"data.crop={_show(cfg.crop)} must list {dims} positive sizes, "
+                             f"{'[D, H, W]' if dims == 3 else '[H, W]'}")  # fmt: skip
+        return tuple(int(n) for n in cfg.crop)
     if isinstance(size, Sequence) and not isinstance(size, str):
         if block_format(cfg.name) is None:
             raise ValueError(
@@ -201,7 +209,7 @@ def check_config(cfg: DataConfig, split: str) -> None:
 
 BLOCK_KEYS: dict[str, object] = {
     "normalize": "zscore", "window": [], "percentiles": [0.5, 99.5], "flips": [], "level": 0,
-    "foreground": 0.0, "layout": "",
+    "foreground": 0.0, "layout": "", "crop": [], "crops_per_sample": 1,
 }  # fmt: skip
 """Keys of ``FORMAT:DIR`` sources alone, and the defaults that the other sources keep."""
 
@@ -258,6 +266,9 @@ def check_blocks(cfg: DataConfig) -> None:
         raise ValueError(
             f"data.foreground={cfg.foreground} must be a fraction of the crops, in [0, 1]"
         )
+    if not isinstance(cfg.crops_per_sample, Integral) or cfg.crops_per_sample < 1:
+        raise ValueError(f"data.crops_per_sample={cfg.crops_per_sample} must be 1 or more")
+    crop_shape(cfg)  # data.crop's length and sizes
 
 
 def _numbers(value: object) -> list[float] | None:

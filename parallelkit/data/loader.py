@@ -297,7 +297,7 @@ def block_dataset(
         root, split, block=rank_block, dims=dims, crop=crop_shape(cfg), flip=tuple(cfg.flips),
         normalize=normalizer(cfg), num_classes=cfg.num_classes, seed=seed, level=cfg.level,
         foreground=cfg.foreground, channels=cfg.channels, layout=cfg.layout or None,
-        measure=measure,
+        measure=measure, crops=cfg.crops_per_sample,
     )  # fmt: skip
     kind, found = block_format(cfg.name), format_of(data.images[0].path)
     if found != kind:
