@@ -149,6 +149,14 @@ def crop_shape(cfg: DataConfig) -> tuple[int, ...]:
     return tuple(int(n) for n in shape)
 
 
+def crop_key(cfg: DataConfig) -> str:
+    """The key that sets the crop, as the user wrote it: ``data.crop=[...]`` when set, else
+    ``data.image_size=...``, for messages."""
+    if len(cfg.crop):
+        return f"data.crop={_show(cfg.crop)}"
+    return f"data.image_size={_show(cfg.image_size)}"
+
+
 def _positive_int(value: object) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool) and value >= 1
 

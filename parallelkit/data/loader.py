@@ -60,7 +60,6 @@ from parallelkit.data.readers import SampleReader, format_of
 from parallelkit.data.sampler import RankSampler
 from parallelkit.data.shardio import check_shards, load_split
 from parallelkit.data.shardstream import ShardStream
-from parallelkit.data.userdata import user_dataset
 
 Block = tuple[int, ...]
 """(depth, rows, cols, z, row, col), or (rows, cols, row, col): a spatial grid's shape and
@@ -228,7 +227,7 @@ def build_loader(
         masks = shards.masks
     else:
         if own(cfg.name):  # the user's class by import path
-            dataset = user_dataset(cfg, split, crop)
+            dataset = userdata.user_dataset(cfg, split, crop)
             masks = userdata.has_masks(dataset)
         else:
             dataset = (

@@ -36,7 +36,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from parallelkit.data import Loader, build_loader
-from parallelkit.data.config import crop_shape
+from parallelkit.data.config import crop_key, crop_shape
 from parallelkit.train.config import Config, grid_dims
 from parallelkit.train.tasks import TASKS
 
@@ -85,12 +85,12 @@ def check_grid(cfg: Config, world: int) -> dict[str, int]:
     )
     for key, side in sides.items():
         if dims[key] > side:
-            given = cfg.data.image_size
-            shown = side if isinstance(given, int) else f"{list(given)} ({key}: {side})"
+            given = crop_key(cfg.data)
+            shown = given if given.endswith(f"={side}") else f"{given} ({key}: {side})"
             raise ValueError(
-                f"config: data.image_size={shown} has fewer planes than the parallel.{key}="
-                f"{dims[key]} blocks it is split into, so some rank would hold none; use fewer "
-                f"ranks along it or a larger data.image_size"
+                f"config: {shown} has fewer planes than the parallel.{key}={dims[key]} blocks "
+                f"it is split into, so some rank would hold none; use fewer ranks along it or "
+                f"a larger {given.partition('=')[0]}"
             )
     return dims
 
@@ -147,10 +147,9 @@ def check_runs(cfg: Config, nets: dict[str, nn.Module] | None, loader: Loader) -
         what = " ".join(str(e).split())
         if "meta" in what.lower():
             return  # an operation the meta device does not run
-        size = cfg.data.image_size
         raise ValueError(
             f"config: model.name={cfg.model.name} does not run on samples of "
-            f"{'x'.join(map(str, loader.shape))} (data.image_size={size}): {what[:200]}; choose "
+            f"{'x'.join(map(str, loader.shape))} ({crop_key(cfg.data)}): {what[:200]}; choose "
             "a size it takes (a network that halves the size k times takes multiples of 2^k)"
         ) from None
     except Exception:
