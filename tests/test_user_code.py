@@ -76,6 +76,16 @@ def test_bad_import_paths_are_config_errors(user_dir, name, message):
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+def train_curve(user_dir: Path, name: str, *overrides: str) -> list[float]:
+    """``parallelkit train`` from ``user_dir`` into ``user_dir/name``; its training losses."""
+    cmd = [sys.executable, "-m", "parallelkit.cli", "train", *overrides,
+           f"train.run_dir={user_dir / name}"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=user_dir,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return losses(user_dir / name)
+
+
 def losses(run: Path) -> list[float]:
     lines = (run / "metrics.jsonl").read_text().splitlines()
     return [r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"]
@@ -85,15 +95,9 @@ def test_trains_split_over_two_ranks_as_on_one(user_dir):
     """The user's network under spatial parallelism on 2 ranks gives the 1-rank loss curve."""
     curves = []
     for ranks in (1, 2):
-        run = user_dir / f"run{ranks}"
-        cmd = [sys.executable, "-m", "parallelkit.cli", "train", "model.name=mynets:TinyNet",
-               "model.kwargs={width: 8}", f"parallel.ranks={ranks}", "parallel.strategy=spatial",
-               f"train.run_dir={run}", *QUIET]  # fmt: skip
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=user_dir,
-                              env=env)  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        curves.append(losses(run))
+        curves.append(train_curve(user_dir, f"run{ranks}", "model.name=mynets:TinyNet",
+                                  "model.kwargs={width: 8}", f"parallel.ranks={ranks}",
+                                  "parallel.strategy=spatial", *QUIET))  # fmt: skip
     assert len(curves[0]) == 3 and curves[0][0] != curves[0][-1]  # it trains
     assert curves[0] == pytest.approx(curves[1], rel=1e-4, abs=1e-5)
     assert isinstance(create("mynets:TinyNet", num_classes=2), nn.Module)
@@ -120,12 +124,7 @@ def test_own_loss_on_two_data_ranks_as_on_one(user_dir):
     for name, extra in (("ce", ["train.loss=ce", "parallel.ranks=1"]),
                         ("own", ["train.loss=mylosses:ce", "parallel.ranks=1"]),
                         ("own2", ["train.loss=mylosses:ce", "parallel.ranks=2"])):  # fmt: skip
-        cmd = [sys.executable, "-m", "parallelkit.cli", "train", *SEGMENT, *extra,
-               f"train.run_dir={user_dir / name}"]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=user_dir,
-                              env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        curves[name] = losses(user_dir / name)
+        curves[name] = train_curve(user_dir, name, *SEGMENT, *extra)
     assert len(set(curves["ce"])) == 3
     assert curves["own"] == pytest.approx(curves["ce"], rel=1e-6)
     assert curves["own2"] == pytest.approx(curves["ce"], rel=1e-4, abs=1e-5)
@@ -167,12 +166,7 @@ def test_own_dataset_split_over_two_ranks_as_on_one(user_dir):
     runs = {}
     for name, extra in (("one", ["parallel.ranks=1"]),
                         ("two", ["parallel.strategy=spatial", "parallel.ranks=2"])):  # fmt: skip
-        cmd = [sys.executable, "-m", "parallelkit.cli", "train", *base, *extra,
-               f"train.run_dir={user_dir / name}"]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=user_dir,
-                              env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        runs[name] = losses(user_dir / name)
+        runs[name] = train_curve(user_dir, name, *base, *extra)
     assert len(set(runs["one"])) == 3
     assert runs["two"] == pytest.approx(runs["one"], rel=1e-4, abs=1e-5)
     proc = subprocess.run(
