@@ -54,6 +54,18 @@ def cli(*args: str, env: dict[str, str], cwd: Path, timeout: float = 240):
     )
 
 
+def side_by_side(args: list[str], envs: list[dict[str, str]], cwd: Path, timeout: float):
+    """``parallelkit ARGS`` once per environment, all at once, as a launcher starts ranks:
+    each one's (exit status, stdout, stderr)."""
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "parallelkit.cli", *args], env=env, cwd=cwd,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for env in envs
+    ]  # fmt: skip
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs, strict=True)]
+
+
 @pytest.mark.parametrize(
     ("env", "want"),
     [
@@ -163,37 +175,13 @@ def test_srun_step_ranks_join_by_slurm_variables(tmp_path):
     """Two tasks of a simulated srun step with gloo: rank, world and the store's address come
     from Slurm's variables, and the header says srun started them."""
     port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "parallelkit.cli",
-                "train",
-                f"train.run_dir={tmp_path}/run",
-                "parallel.backend=gloo",
-                *TINY,
-            ],
-            env=clean_env(
-                **{
-                    **BATCH,
-                    "SLURM_NTASKS": "2",
-                    "SLURM_STEP_ID": "0",
-                    "SLURM_PROCID": str(r),
-                    "SLURM_LOCALID": str(r),
-                },
-                MASTER_PORT=port,
-            ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=tmp_path,
-        )
-        for r in range(2)
-    ]
-    outs = [p.communicate(timeout=240) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
-    assert "2 ranks (gloo)" in outs[0][0] and "ranks started by srun" in outs[0][0]
+    step = {**BATCH, "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0"}
+    envs = [clean_env(**{**step, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+                      MASTER_PORT=port) for r in range(2)]  # fmt: skip
+    args = ["train", f"train.run_dir={tmp_path}/run", "parallel.backend=gloo", *TINY]
+    (rc0, out0, err0), (rc1, _, err1) = side_by_side(args, envs, tmp_path, 240)
+    assert [rc0, rc1] == [0, 0], err0[-3000:] + err1[-3000:]
+    assert "2 ranks (gloo)" in out0 and "ranks started by srun" in out0
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -212,21 +200,14 @@ def test_ranks_of_a_launcher_report_a_config_mistake_once(tmp_path):
     """torchrun's ranks with a batch that does not split: one line from rank 0, every rank
     exits 2, before any collective (no store is listening on the port)."""
     port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "parallelkit.cli", "train", *TINY, "train.batch_size=15"],
-            env=clean_env(WORLD_SIZE="2", RANK=str(r), LOCAL_RANK=str(r), MASTER_PORT=port),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=tmp_path,
-        )
-        for r in range(2)
-    ]
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [2, 2]
-    assert len(outs[0][1].strip().splitlines()) == 1 and "must split" in outs[0][1]
-    assert outs[1][1].strip() == ""
+    envs = [clean_env(WORLD_SIZE="2", RANK=str(r), LOCAL_RANK=str(r), MASTER_PORT=port)
+            for r in range(2)]  # fmt: skip
+    (rc0, _, err0), (rc1, _, err1) = side_by_side(
+        ["train", *TINY, "train.batch_size=15"], envs, tmp_path, 120
+    )
+    assert [rc0, rc1] == [2, 2]
+    assert len(err0.strip().splitlines()) == 1 and "must split" in err0
+    assert err1.strip() == ""
 
 
 def test_check_is_a_dry_run(tmp_path):
