@@ -84,6 +84,9 @@ def test_channels_any_count_for_blocks_one_or_three_elsewhere():
         ({"flips": [2]}, r"data.flips=\[2\] must list distinct spatial axes of the 2-D"),
         ({"flips": [0, 0]}, r"data.flips=\[0, 0\] must list distinct"),
         ({"flips": [3], "dims": 3}, r"each in 0..2 \(D, H, W\)"),
+        ({"rotate": [1]}, r"data.rotate=\[1\] must name the plane of the quarter turns, two"),
+        ({"rotate": [1, 1], "dims": 3}, r"two distinct spatial axes in 0..2 \(D, H, W\)"),
+        ({"rotate": [0, 2]}, r"data.rotate=\[0, 2\] must name .* in 0..1 \(H, W\), or be \[\]"),
         ({"level": -1}, "data.level=-1 must be a pyramid level"),
         ({"foreground": 1.5}, r"data.foreground=1.5 must be a fraction of the crops, in \[0, 1\]"),
     ],
@@ -98,6 +101,7 @@ def test_block_keys_are_checked_in_one_line(kw, message):
     [
         ({"normalize": "window", "window": [0, 1]}, "data.normalize='window'"),
         ({"flips": [0]}, r"data.flips=\[0\]"),
+        ({"rotate": [0, 1]}, r"data.rotate=\[0, 1\]"),
         ({"level": 1}, "data.level=1"),
         ({"foreground": 0.3}, "data.foreground=0.3"),
     ],

@@ -1,6 +1,7 @@
 """The data keys of block sources on files: crops of per-dimension sizes, any channel count,
-``data.normalize`` (zscore, window, percentile, none), ``data.flips``, ``data.level`` and
-``data.foreground``, through ``build_loader`` as ``parallelkit train`` builds them.
+``data.normalize`` (zscore, window, percentile, none), ``data.flips``, ``data.rotate``,
+``data.level`` and ``data.foreground``, through ``build_loader`` as ``parallelkit train``
+builds them.
 
 Two checks for each: one rank's sample against the same crop cut and normalized by hand in
 numpy, and the blocks of every rank of a spatial grid (simulated in one process, as in
@@ -271,6 +272,61 @@ def test_flips_only_along_the_axes_named(tmp_path):
     assert {f[0] for f in seen} == {False} and len(seen) == 4
     assert_blocks_tile(cfg, "train", (1, 2, 2), flipped, epochs=range(3))
     assert dataset(cfg, "test").view(0).flips == (False, False, False)  # test: never
+
+
+def where_in(sample, got, plane, flip_axes):
+    """Every (turns, flipped axes, corner) at which ``got`` (C, *crop) is a window of
+    ``np.flip(np.rot90(sample, turns, plane), flipped)``, ``sample`` (C, *size): how ``got``
+    was cut, found by brute force from numpy's own rotation, not from the data set's views."""
+    crop, found = got.shape[1:], []
+    spatial = tuple(range(1, sample.ndim))
+    for turns in range(4):
+        for n in range(len(flip_axes) + 1):
+            for flipped in itertools.combinations(flip_axes, n):
+                t = np.rot90(sample, turns, tuple(1 + a for a in plane))
+                t = np.flip(t, tuple(1 + a for a in flipped)) if flipped else t
+                if any(c > n for c, n in zip(crop, t.shape[1:], strict=True)):
+                    continue
+                # (C, *corners, *crop) against got as (C, 1, ..., 1, *crop)
+                windows = np.lib.stride_tricks.sliding_window_view(t, crop, spatial)
+                same = windows == got.reshape(got.shape[:1] + (1,) * len(crop) + crop)
+                corners = np.argwhere(same.all(axis=(0, *range(1 + len(crop), same.ndim))))
+                found += [(turns, flipped, tuple(c)) for c in corners]
+    return found
+
+
+def test_quarter_turns_in_the_plane_named_with_flips(tmp_path):
+    """A crop not square in the plane ([4, 6, 5] turned in [1, 2] reads 4 x 5 x 6 of the
+    sample): each item is one window of one of the 8 flips and turns of the sample (found
+    by numpy), its mask the same window; all 8 are drawn; every rank's blocks tile it."""
+    data = random_set(tmp_path, (9, 10, 11), channels=1)
+    cfg = config(tmp_path, 6, dims=3, normalize="none", crop=[4, 6, 5], flips=[0],
+                 rotate=[1, 2])  # fmt: skip
+    turned = dataset(cfg, "train")
+    seen = set()
+    for epoch in range(16):
+        turned.set_epoch(epoch)
+        for i in range(3):
+            x, y = turned[i]
+            assert x.shape == (1, 4, 6, 5) and y.shape == (4, 6, 5)
+            (how,) = where_in(data["train"][0][i], x.numpy(), (1, 2), (0,))
+            assert where_in(data["train"][1][i][None], y.numpy()[None], (1, 2), (0,)) == [how]
+            seen.add(how[:2])
+    assert len(seen) == 8  # 4 turns x flipped or not along D
+    for grid in [(1, 2, 2), (2, 1, 3), (1, 3, 1)]:
+        assert_blocks_tile(cfg, "train", grid, turned, epochs=range(4))
+    test = dataset(cfg, "test")  # never turned outside training: the centred crop
+    assert np.array_equal(test[0][0].numpy(), data["test"][0][0][:, 2:6, 2:8, 3:8])
+
+
+def test_quarter_turns_need_the_turned_crop_to_fit_and_a_plane(tmp_path):
+    random_set(tmp_path, (9, 10, 11), channels=1)
+    with pytest.raises(ValueError, match=r"crop \(4, 11, 5\) or turned, \(4, 5, 11\), does not "
+                       r"fit in .*s0.npy, of size \(9, 10, 11\)"):  # fmt: skip
+        dataset(config(tmp_path, 6, dims=3, crop=[4, 11, 5], rotate=[1, 2]), "train")
+    for bad in ([1], [1, 1], [0, 3], "12"):
+        with pytest.raises(ValueError, match=r"data.rotate=.* must name the plane of the qu"):
+            dataset(config(tmp_path, 6, dims=3, rotate=bad), "train")
 
 
 # ---------------------------------------------------------------------- 5. pyramid levels

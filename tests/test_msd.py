@@ -1,7 +1,8 @@
 """A Medical Segmentation Decathlon folder trained as a CT/MRI user would: ``dataset.json``
 with ``imagesTr``/``labelsTr``, anisotropic 2-channel NIfTI volumes, ``train.loss=dice_ce``, a
-Hounsfield window, a ``[D, H, W]`` crop and foreground oversampling, on 2 ranks split over depth:
-the 1-rank loss curve and test scores, and another seed's curve differs."""
+Hounsfield window, a ``[16, 48, 40]`` crop, foreground oversampling, flips and quarter turns in
+the H-W plane, on 2 ranks split over depth: the 1-rank loss curve and test scores, and another
+seed's curve differs."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ from parallelkit.data import datalist
 
 pytest.importorskip("monai")
 
-CROP = [8, 24, 20]  # D, H, W of the crop; the volumes are (12, 32, 28): the crops move
+SIZE = (20, 56, 48)  # the stored array's axes
+CROP = [16, 48, 40]  # D, H, W of the crop; the volumes are (20, 56, 48): the crops move
 OPTS = [
     "train.task=segment", "data.num_classes=3", "data.channels=2", "data.dims=3",
     f"data.image_size=[{','.join(map(str, CROP))}]", "data.normalize=window",
-    "data.window=[-1000,400]", "data.foreground=0.5", "data.flips=[1,2]", "train.loss=dice_ce",
+    "data.window=[-1000,400]", "data.foreground=0.5", "data.flips=[1,2]", "data.rotate=[1,2]",
+    "train.loss=dice_ce",
     "train.batch_size=2", "train.max_steps=4", "train.log_every=1", "train.progress=false",
     "train.tensorboard=false", "train.plot=false", "optim.lr=0.2", "model.name=monai:UNet",
     "model.kwargs={channels: [4, 8], strides: [2], num_res_units: 1, norm: batch}",
@@ -35,18 +38,18 @@ def write_msd(root, count: int = 10) -> None:
     (root / "labelsTr").mkdir()
     training = []
     for i in range(count):
-        labels = np.zeros((12, 32, 28), np.uint8)
-        z, y, x = rng.integers(1, 5), rng.integers(2, 16), rng.integers(2, 14)
-        labels[z : z + 5, y : y + 10, x : x + 9] = 1
-        zz, yy, xx = np.ogrid[:12, :32, :28]
-        cz, cy, cx = rng.integers(4, 8), rng.integers(8, 24), rng.integers(8, 20)
+        labels = np.zeros(SIZE, np.uint8)
+        z, y, x = rng.integers(1, 10), rng.integers(2, 36), rng.integers(2, 30)
+        labels[z : z + 8, y : y + 16, x : x + 14] = 1
+        zz, yy, xx = np.ogrid[: SIZE[0], : SIZE[1], : SIZE[2]]
+        cz, cy, cx = rng.integers(5, 15), rng.integers(8, 48), rng.integers(8, 40)
         labels[(zz - cz) ** 2 + ((yy - cy) / 2) ** 2 + ((xx - cx) / 2) ** 2 < 6] = 2
         ct = -900 + 500.0 * labels + rng.normal(0, 80, labels.shape)
         pet = 3 * (labels == 2) + rng.normal(0, 0.5, labels.shape)
         image = np.stack([ct, pet], -1).astype(np.float32)
         name = f"case_{i:03d}.nii.gz"
-        nib.save(nib.Nifti1Image(image, np.diag([0.8, 0.8, 2.5, 1])), root / "imagesTr" / name)
-        nib.save(nib.Nifti1Image(labels, np.diag([0.8, 0.8, 2.5, 1])), root / "labelsTr" / name)
+        nib.save(nib.Nifti1Image(image, np.diag([2.5, 0.8, 0.8, 1])), root / "imagesTr" / name)
+        nib.save(nib.Nifti1Image(labels, np.diag([2.5, 0.8, 0.8, 1])), root / "labelsTr" / name)
         training.append({"image": f"./imagesTr/{name}", "label": f"./labelsTr/{name}"})
     listing = {"name": "Synthetic", "modality": {"0": "CT", "1": "PET"},
                "labels": {"0": "background", "1": "box", "2": "ball"},
@@ -85,6 +88,6 @@ def test_decathlon_folder_on_two_depth_ranks_gives_the_one_rank_curve(tmp_path):
     assert_curves_equal(curve(tmp_path / "two"), one)
     assert abs(curve(tmp_path / "seed")[-1] - one[-1]) > 1e-4  # negative control
     last = [max(records(tmp_path / r, "eval").items())[1] for r in ("one", "two")]
-    assert last[0]["pixels"] == last[1]["pixels"] == 2 * 12 * 32 * 28  # the held-out cases
+    assert last[0]["pixels"] == last[1]["pixels"] == 2 * 20 * 56 * 48  # the held-out cases
     for key in ("loss", "miou", "mdice"):
         assert last[1][key] == pytest.approx(last[0][key], rel=2e-4, abs=1e-5)

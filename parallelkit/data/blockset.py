@@ -10,7 +10,8 @@ name, in any of them. A folder with the Medical Segmentation Decathlon's layout
 instead (:mod:`parallelkit.data.datalist`).
 
     grid = pk.spatial.grid_of(spatial_comm, (rows, cols))
-    data = BlockDataset(root, "train", block=grid.block, crop=(512, 512), flip=(0, 1))
+    data = BlockDataset(root, "train", block=grid.block, crop=(512, 512), flip=(0, 1),
+                        rotate=(0, 1))
     data.set_epoch(epoch)
     image, mask = data[i]    # (C, *block) float32 and (*block) int64: this rank's block only
 
@@ -20,8 +21,10 @@ What every rank of a spatial group agrees on, so that their blocks tile the same
   same position on every rank. Outside training (``augment=False``) the crop is centred.
   With ``foreground`` > 0, that share of the crops is centred on a labelled voxel of the
   mask, also drawn from that generator (:mod:`parallelkit.data.foreground`).
-- **Flips** are drawn the same way. A rank's block of a flipped sample is the mirrored block of
-  the sample, reversed: it reads only those rows (:meth:`View.source`).
+- **Flips and 90° rotations** are drawn the same way. A rank's block of a flipped or rotated
+  crop is another block of the sample, reversed or transposed: it reads only those rows
+  (:meth:`View.source`). A rotation by an odd number of turns transposes the crop's extent in
+  its plane, so a crop that is not square there reads a region of the swapped shape.
 - **Normalization** (:mod:`parallelkit.data.intensity`): by default ``(x - mean[c]) / std[c]``
   with per-channel statistics of the training images, computed once by streaming slabs of
   each file (:func:`channel_stats`) and kept in ``root/channel_stats.json`` (or in memory where
@@ -82,31 +85,52 @@ class RankBlock:
 
 @dataclass(frozen=True)
 class View:
-    """The part of a sample that the model sees: a crop at ``start`` of ``size``, flipped
-    along the spatial axes where ``flips`` is True."""
+    """The part of a sample that the model sees, of ``size``: the region of the sample at
+    ``start`` whose axis ``axes[d]`` is the view's axis ``d``, reversed where ``flips[d]``.
+    Every flip and 90° rotation of a crop is such a view."""
 
     start: tuple[int, ...]
     size: tuple[int, ...]
     flips: tuple[bool, ...]
+    axes: tuple[int, ...] = ()  # () for the identity
 
     @classmethod
     def whole(cls, size: Sequence[int]) -> View:
         return cls((0,) * len(size), tuple(size), (False,) * len(size))
 
+    @property
+    def order(self) -> tuple[int, ...]:
+        """The sample's axis that each axis of the view shows."""
+        return self.axes or tuple(range(len(self.size)))
+
     def source(self, block: Block) -> Block:
-        """The sample's rows that ``block`` of this view shows: block ``[a, b)`` of a crop of
-        ``s`` at ``o`` is ``[o + a, o + b)``, or ``[o + s - b, o + s - a)`` reversed if flipped."""
-        out = []
-        for s, o, n, flip in zip(block, self.start, self.size, self.flips, strict=True):
+        """The sample's rows that ``block`` of this view shows, in the sample's axis order:
+        rows ``[a, b)`` of a view axis of length ``n`` showing the sample's axis ``s`` are
+        ``[start[s] + a, start[s] + b)``, or ``[start[s] + n - b, start[s] + n - a)`` if flipped."""
+        out = [slice(0)] * len(block)
+        for s, axis, n, flip in zip(block, self.order, self.size, self.flips, strict=True):
             a, b = (n - s.stop, n - s.start) if flip else (s.start, s.stop)
-            out.append(slice(o + a, o + b))
+            out[axis] = slice(self.start[axis] + a, self.start[axis] + b)
         return tuple(out)
 
     def read(self, reader: SampleReader, block: Block) -> np.ndarray:
         """``block`` of this view of ``reader``'s sample, ``(C, *block)``."""
         data = reader.read(self.source(block))
-        axes = tuple(1 + d for d, flip in enumerate(self.flips) if flip)
-        return np.flip(data, axes) if axes else data
+        if self.axes:
+            data = data.transpose(0, *(1 + a for a in self.axes))
+        flipped = tuple(1 + d for d, flip in enumerate(self.flips) if flip)
+        return np.flip(data, flipped) if flipped else data
+
+
+def turned(dims: int, plane: Sequence[int], turns: int) -> tuple[tuple[int, ...], set[int]]:
+    """``np.rot90(x, turns, plane)`` as a view: the sample's axis that each axis shows, and the
+    view's axes that are reversed."""
+    a, b = plane
+    axes = list(range(dims))
+    if turns % 2:
+        axes[a], axes[b] = b, a
+    reversed_ = {0: set(), 1: {a}, 2: {a, b}, 3: {b}}[turns % 4]
+    return tuple(axes), reversed_
 
 
 def draw_view(
@@ -114,11 +138,13 @@ def draw_view(
     crop: Sequence[int] | None,
     flip: Sequence[int],
     rng: np.random.Generator | None,
-    start: Sequence[int] | None = None,
+    centre: int | None = None,
+    rotate: Sequence[int] = (),
 ) -> View:
-    """A crop of ``crop`` (the whole sample if None) and flips along the axes in ``flip``, each
-    with probability 1/2: drawn from ``rng``, or centred and unflipped if ``rng`` is None.
-    ``start``: the crop's place, where the caller chose it (flips are still drawn)."""
+    """A crop of ``crop`` (the whole sample if None), flipped along each axis of ``flip`` with
+    probability 1/2, then turned by 0-3 quarter turns in the plane of the two axes of
+    ``rotate``: drawn from ``rng``, or centred, unflipped and unturned if ``rng`` is None.
+    ``centre``: the flat index of a voxel to centre the crop on (the flips are still drawn)."""
     size = tuple(size)
     crop = size if crop is None else tuple(int(c) for c in crop)
     if len(crop) != len(size) or any(not 0 < c <= n for c, n in zip(crop, size, strict=True)):
@@ -127,11 +153,22 @@ def draw_view(
         return View(
             tuple((n - c) // 2 for n, c in zip(size, crop, strict=True)), crop, (False,) * len(size)
         )
-    if start is None:
-        start = tuple(int(rng.integers(0, n - c + 1)) for n, c in zip(size, crop, strict=True))
-    start = tuple(start)
-    flips = tuple(bool(rng.integers(0, 2)) if d in flip else False for d in range(len(size)))
-    return View(start, crop, flips)
+    axes, reversed_ = turned(len(size), rotate, int(rng.integers(0, 4))) if rotate else ((), set())
+    extent = list(crop)  # the region read, in the sample's axis order
+    for d, axis in enumerate(axes):
+        extent[axis] = crop[d]
+    if any(e > n for e, n in zip(extent, size, strict=True)):
+        raise ValueError(
+            f"crop {crop} turned in the plane of axes {tuple(rotate)} is {tuple(extent)}, which "
+            f"does not fit in a sample of size {size}"
+        )
+    if centre is not None:
+        start = centred_start(centre, size, extent)
+    else:
+        start = tuple(int(rng.integers(0, n - e + 1)) for n, e in zip(size, extent, strict=True))
+    flips = tuple((bool(rng.integers(0, 2)) if d in flip else False) != (d in reversed_)
+                  for d in range(len(size)))  # fmt: skip
+    return View(start, crop, flips, axes if axes != tuple(range(len(size))) else ())
 
 
 def channel_stats(
@@ -246,7 +283,9 @@ class BlockDataset(Dataset):
     fork); None reads whole samples. ``dims``: spatial dimensions (2,
     or 3 for volumes; default 3 for NIfTI, else 2). ``crop``: the view's size (None: whole
     samples, which must then all have the same size to be batched). ``flip``: the spatial axes
-    flipped at random. ``augment``: random crops and flips (default: on the train split only).
+    flipped at random. ``rotate``: two spatial axes, the plane of random quarter turns (the
+    crop, where it is not square there, must fit the sample turned too). ``augment``: random
+    crops, flips and turns (default: on the train split only).
     ``layout`` / ``mask_layout``: see :mod:`parallelkit.data.readers`. ``normalize``:
     ``"stats"`` (the training images' per-channel mean and std), ``(mean, std)``, a
     :class:`~parallelkit.data.intensity.Normalizer` (one of mode ``zscore`` without ``mean`` gets
@@ -282,6 +321,7 @@ class BlockDataset(Dataset):
         channels: int | None = None,
         measure: bool = True,
         crops: int = 1,
+        rotate: Sequence[int] = (),
     ) -> None:
         found = pairs(root, split)
         dims = dims or (3 if format_of(found[0][0]) == "nifti" else 2)  # the same for masks
@@ -304,16 +344,27 @@ class BlockDataset(Dataset):
                     f"{image.path} is {image.channels} x {image.size}: a mask has one channel "
                     "and its image's spatial size"
                 )
+        if rotate and (len(rotate) != 2 or len(set(rotate)) != 2
+                       or not all(0 <= a < dims for a in rotate)):  # fmt: skip
+            raise ValueError(f"rotate={tuple(rotate)} must name two distinct spatial axes of "
+                             f"the {dims}-D samples, the plane of the turns")  # fmt: skip
         if crop is not None:  # from the headers: before any sample is read
-            small = [r for r in self.images if len(crop) != len(r.size)
-                     or any(c > n for c, n in zip(crop, r.size, strict=True))]  # fmt: skip
+            shapes = [tuple(crop)]
+            if rotate:  # the crop turned a quarter: its extent in the sample
+                a, b = rotate
+                shapes.append(tuple(crop[b] if d == a else crop[a] if d == b else c
+                                    for d, c in enumerate(crop)))  # fmt: skip
+            small = [r for r in self.images if len(crop) != len(r.size) or any(
+                c > n for s in shapes for c, n in zip(s, r.size, strict=True))]  # fmt: skip
             if small:
+                turned_ = f" or turned, {shapes[-1]}," if shapes[-1] != shapes[0] else ""
                 raise ValueError(
-                    f"crop {tuple(crop)} does not fit in {small[0].path}, of size "
+                    f"crop {tuple(crop)}{turned_} does not fit in {small[0].path}, of size "
                     f"{small[0].size} ({len(small)} of the {len(self.images)} {split} samples "
-                    "are smaller): choose a crop within every sample (data.image_size)"
+                    "are smaller): choose a crop within every sample"
                 )
         self.block, self.crop, self.flip = block, crop, tuple(flip)
+        self.rotate = tuple(rotate)
         self.augment = split == "train" if augment is None else augment
         self.crops = crops if self.augment else 1  # items per sample and epoch
         self.num_classes, self.seed, self.epoch = num_classes, seed, 0
@@ -360,20 +411,20 @@ class BlockDataset(Dataset):
         return len(self.images) * self.crops
 
     def set_epoch(self, epoch: int) -> None:
-        """Crops and flips are drawn anew each epoch (the same on every rank)."""
+        """Crops, flips and turns are drawn anew each epoch (the same on every rank)."""
         self.epoch = epoch
 
     def view(self, index: int) -> View:
-        """Item ``index``'s crop and flips this epoch: a function of (seed, epoch, index). Item
-        ``index`` is a crop of sample ``index // crops``."""
+        """Item ``index``'s crop, flips and turns this epoch: a function of (seed, epoch,
+        index). Item ``index`` is a crop of sample ``index // crops``."""
         rng = np.random.default_rng((self.seed, self.epoch, index)) if self.augment else None
         sample = index // self.crops
-        size, start = self.images[sample].size, None
+        centre = None
         # Drawn only with foreground > 0: without it the crops are those drawn before it was.
         centred = rng is not None and self.foreground > 0 and rng.random() < self.foreground
         if centred and (found := self.positions[sample]) and self.crop is not None:
-            start = centred_start(found[int(rng.integers(len(found)))], size, self.crop)
-        return draw_view(size, self.crop, self.flip, rng, start)
+            centre = found[int(rng.integers(len(found)))]
+        return draw_view(self.images[sample].size, self.crop, self.flip, rng, centre, self.rotate)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         view, index = self.view(index), index // self.crops  # the sample's from here

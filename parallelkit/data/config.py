@@ -90,7 +90,8 @@ class DataConfig:
       of ``image_size`` (random in training, the same on every rank of a sample), normalized
       as ``normalize`` says. ``dims``: 2 for images, 3 for volumes (NIfTI files are volumes
       whatever it says). Their own keys (see :func:`check_blocks`): ``normalize``,
-      ``window``, ``percentiles``, ``flips``, ``level``, ``foreground``, ``layout``.
+      ``window``, ``percentiles``, ``flips``, ``rotate``, ``level``, ``foreground``,
+      ``layout``.
 
     ``image_size`` is one integer (a square, or a cube for volumes), or for ``FORMAT:DIR``
     sources a list of per-dimension sizes, ``[H, W]`` or ``[D, H, W]``: read it through
@@ -113,6 +114,7 @@ class DataConfig:
     window: list[float] = field(default_factory=list)  # normalize=window: [low, high]
     percentiles: list[float] = field(default_factory=lambda: [0.5, 99.5])  # of each sample
     flips: list[int] = field(default_factory=list)  # spatial axes flipped at random (train)
+    rotate: list[int] = field(default_factory=list)  # two spatial axes: random quarter turns
     level: int = 0  # pyramid level of OME-Zarr and TIFF samples (0: full resolution)
     foreground: float = 0.0  # fraction of training crops centred on a labelled voxel
     layout: str = ""  # the images' stored axes where a shape cannot tell, e.g. "ZCYX" (readers)
@@ -216,15 +218,16 @@ def check_config(cfg: DataConfig, split: str) -> None:
 
 
 BLOCK_KEYS: dict[str, object] = {
-    "normalize": "zscore", "window": [], "percentiles": [0.5, 99.5], "flips": [], "level": 0,
-    "foreground": 0.0, "layout": "", "crop": [], "crops_per_sample": 1,
+    "normalize": "zscore", "window": [], "percentiles": [0.5, 99.5], "flips": [], "rotate": [],
+    "level": 0, "foreground": 0.0, "layout": "", "crop": [], "crops_per_sample": 1,
 }  # fmt: skip
 """Keys of ``FORMAT:DIR`` sources alone, and the defaults that the other sources keep."""
 
 
 def check_blocks(cfg: DataConfig) -> None:
     """The keys of ``FORMAT:DIR`` sources (``normalize``, ``window``, ``percentiles``,
-    ``flips``, ``level``, ``foreground``, ``layout``): one-line ``ValueError`` naming the key."""
+    ``flips``, ``rotate``, ``level``, ``foreground``, ``layout``): one-line ``ValueError``
+    naming the key."""
     if block_format(cfg.name) is None:
         for key, default in BLOCK_KEYS.items():
             value = getattr(cfg, key)
@@ -267,6 +270,17 @@ def check_blocks(cfg: DataConfig) -> None:
         raise ValueError(
             f"data.flips={_show(cfg.flips)} must list distinct spatial axes of the {dims}-D "
             f"samples, each in 0..{dims - 1} ({'D, H, W' if dims == 3 else 'H, W'}), or be []"
+        )
+    rotate = list(cfg.rotate) if isinstance(cfg.rotate, Sequence) else None
+    if rotate is None or (rotate and (
+        len(rotate) != 2
+        or len(set(rotate)) != 2
+        or not all(isinstance(a, Integral) and 0 <= a < dims for a in rotate)
+    )):  # fmt: skip
+        raise ValueError(
+            f"data.rotate={_show(cfg.rotate)} must name the plane of the quarter turns, two "
+            f"distinct spatial axes in 0..{dims - 1} ({'D, H, W' if dims == 3 else 'H, W'}), "
+            "or be []"
         )
     if not isinstance(cfg.level, Integral) or cfg.level < 0:
         raise ValueError(f"data.level={cfg.level} must be a pyramid level, 0 or more")

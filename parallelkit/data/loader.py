@@ -294,7 +294,8 @@ def block_dataset(
         rank_block = RankBlock(tuple(counts), tuple(coords))
     data = BlockDataset(
         root, split, block=rank_block, dims=dims, crop=crop_shape(cfg), flip=tuple(cfg.flips),
-        normalize=normalizer(cfg), num_classes=cfg.num_classes, seed=seed, level=cfg.level,
+        rotate=tuple(cfg.rotate), normalize=normalizer(cfg), num_classes=cfg.num_classes,
+        seed=seed, level=cfg.level,
         foreground=cfg.foreground, channels=cfg.channels, layout=cfg.layout or None,
         measure=measure, crops=cfg.crops_per_sample,
     )  # fmt: skip
