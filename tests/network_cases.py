@@ -316,6 +316,44 @@ DROPOUT = {
         (),
     )
 }
+class SwapNet(nn.Module):
+    """Every layer ``pk.parallelize`` swaps for a spatial one, in ``dims`` spatial dimensions:
+    convolution, BatchNorm, max and average pools, transposed convolution, upsampling
+    (nearest and (bi-, tri-)linear), a strided convolution and the global average pool before
+    a linear head, on a channels-last input where ``channels_last`` (2-D and 3-D)."""
+
+    def __init__(self, dims: int, channels_last: bool = False) -> None:
+        super().__init__()
+        conv, pool = getattr(nn, f"Conv{dims}d"), getattr(nn, f"AdaptiveAvgPool{dims}d")
+        linear = {1: "linear", 2: "bilinear", 3: "trilinear"}[dims]
+        self.memory = {2: torch.channels_last, 3: torch.channels_last_3d}.get(dims)
+        self.channels_last = channels_last
+        self.body = nn.Sequential(
+            conv(3, 6, 3, padding=1), getattr(nn, f"BatchNorm{dims}d")(6), nn.ReLU(),
+            getattr(nn, f"MaxPool{dims}d")(2), getattr(nn, f"AvgPool{dims}d")(3, 1, 1),
+            getattr(nn, f"ConvTranspose{dims}d")(6, 6, 2, stride=2), nn.Upsample(scale_factor=2),
+            nn.Upsample(scale_factor=2, mode=linear), conv(6, 6, 3, stride=4, padding=1),
+            pool(1), nn.Flatten(), nn.Linear(6, 5),
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.channels_last:
+            x = x.contiguous(memory_format=self.memory)
+        return self.body(x)
+
+
+# Every swapped layer in 1-D and 3-D (2-D: the networks above), channels-last included.
+SWAPS = {
+    f"every swap, {dims}-D{', channels-last' if last else ''}": (
+        lambda dims=dims, last=last: SwapNet(dims, last),
+        (3, *{1: (16,), 2: (12, 10), 3: (8, 8, 6)}[dims]),
+        lambda out, t: F.cross_entropy(out, t % 5, reduction="sum"),
+        (),
+    )
+    for dims, last in ((1, False), (2, True), (3, False), (3, True))
+}
+
+
 # Refused under spatial parallelism (kind -> what the message names).
 REFUSED = {
     "dynamic pad": "F.pad",
@@ -349,7 +387,7 @@ def network_parity(
     device: str | None = None,
 ) -> list[Triple]:
     """``device``: where the parallelized network trains (the dense one stays on the CPU)."""
-    build, shape, loss_fn, keep_dense = {**NETWORKS, **FORWARD_CODE, **DROPOUT}[name]
+    build, shape, loss_fn, keep_dense = {**NETWORKS, **FORWARD_CODE, **DROPOUT, **SWAPS}[name]
     torch.manual_seed(0)
     dense = build().to(dtype)
     if strategy == "data" and grid is None:

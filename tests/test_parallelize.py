@@ -20,6 +20,8 @@ from network_cases import (
     FORWARD_CODE,
     NETWORKS,
     REFUSED,
+    SWAPS,
+    SwapNet,
     accumulated_grads,
     block_outputs,
     chained,
@@ -78,6 +80,39 @@ def test_to_dense_gives_the_same_tree_and_keys():
     assert [type(m) for m in dense.modules()] == kinds
     x = torch.randn(2, 3, 32, 32)
     torch.testing.assert_close(dense(x), parallel(x))
+
+
+@pytest.mark.parametrize("name", list(SWAPS))
+@pytest.mark.parametrize(("size", "grid"), [(2, None), (3, None), (4, "two by two")])
+def test_every_swapped_layer_in_1d_2d_3d_matches_dense(ranks, size, grid, name):
+    """Each spatial swap (conv, pools, transposed conv, upsampling, global pool) is exact in
+    its own dimensions, split along the first spatial dimension or two of them."""
+    dims = len(SWAPS[name][1]) - 1
+    if grid is not None and dims == 1:
+        pytest.skip("a 1-D sample has one dimension to split")
+    grid = None if grid is None else dict(depth=2, rows=2) if dims == 3 else dict(rows=2, cols=2)
+    for triples in ranks(size).run(network_parity, name, "spatial", grid, steps=2, timeout=300):
+        assert_triples(triples)
+
+
+@pytest.mark.parametrize(("dims", "last"), [(1, False), (2, False), (2, True), (3, True)])
+def test_every_swap_keeps_its_kind_and_runs_whole_tensors(dims, last):
+    """A swapped layer given a whole tensor (what a gathered module passes on) runs the dense
+    layer it stands for, of its own dimensions, and ``pk.to_dense`` gives that layer back:
+    a 3-D global pool never becomes a 2-D one (swin3d_t's head)."""
+    torch.manual_seed(0)
+    dense = SwapNet(dims, last).double().eval()
+    parallel = pk.parallelize(copy.deepcopy(dense), LocalCommunicator(), "spatial").eval()
+    swapped = [m for m in parallel.modules() if type(m).__module__.startswith("parallelkit.nn")]
+    assert len(swapped) >= 8, swapped  # each kind was swapped, so the test covers it
+    x = torch.randn(2, 3, *(8,) * dims, dtype=torch.float64)
+    if last:
+        x = x.contiguous(memory_format=dense.memory)
+    for dense_layer, layer in zip(dense.body, parallel.module.module.body, strict=True):
+        torch.testing.assert_close(layer(x), dense_layer(x), rtol=0, atol=1e-12)
+        x = dense_layer(x)
+    back = pk.to_dense(parallel)
+    assert [type(m) for m in back.modules()] == [type(m) for m in dense.modules()]
 
 
 @pytest.mark.parametrize(

@@ -280,17 +280,24 @@ class SpatialUpsample(nn.Module):
 
 
 class SpatialGlobalAvgPool2d(nn.Module):
-    """``nn.AdaptiveAvgPool2d(1)`` (1d, 3d alike) ending the spatial region: (N, C, h, w)
-    blocks -> the same (N, C, 1, 1) means on every rank. One all-reduce of the local sums and
-    pixel counts; its backward is the identity, right for a loss every rank computes identically
-    (inside
-    ``pk.parallelize``'s region, an all-reduce of the gradient shares: ``layout.summed``)."""
+    """``nn.AdaptiveAvgPool1d/2d/3d(1)`` ending the spatial region: (N, C, *spatial) blocks of
+    any spatial dimensions -> the same (N, C, 1, ...) means on every rank. One all-reduce of
+    the local sums and pixel counts; its backward is the identity, right for a loss every rank
+    computes identically (inside ``pk.parallelize``'s region, an all-reduce of the gradient
+    shares: ``layout.summed``). ``dense``: the kind of pool it stands for, which runs whole
+    tensors and is what :meth:`to_dense` gives back (a 3-D pool stays a 3-D pool)."""
 
     ends_spatial_region = True  # for parallelkit.parallel.spatial_guard
 
-    def __init__(self, *, comm: Communicator) -> None:
+    def __init__(
+        self, *, comm: Communicator, dense: type[nn.Module] = nn.AdaptiveAvgPool2d
+    ) -> None:
         super().__init__()
-        self.comm = comm
+        self.comm, self.dense = comm, dense
+
+    @classmethod
+    def from_dense(cls, pool: nn.Module, comm: Communicator) -> SpatialGlobalAvgPool2d:
+        return cls(comm=comm, dense=type(pool))
 
     def forward(self, x_blk: torch.Tensor) -> torch.Tensor:
         if not layout.is_split(x_blk):  # a whole tensor inside a spatial region
@@ -302,4 +309,4 @@ class SpatialGlobalAvgPool2d(nn.Module):
         return (total[:-1] / total[-1]).view(n, c, *(1,) * len(spatial))
 
     def to_dense(self) -> nn.Module:
-        return nn.AdaptiveAvgPool2d(1)
+        return self.dense(1)

@@ -187,7 +187,7 @@ def _spatial_layer(m: nn.Module, comm: Communicator, shape: Any) -> nn.Module | 
     if kind is nn.Upsample and _upsample_covered(m):
         return spool.SpatialUpsample.from_dense(m, comm, shape)
     if kind in _GLOBAL_POOLS and all_ones(m.output_size):
-        return spool.SpatialGlobalAvgPool2d(comm=comm)  # other sizes: the spatial guard's rule
+        return spool.SpatialGlobalAvgPool2d.from_dense(m, comm)  # other sizes: the guard's rule
     return None
 
 
