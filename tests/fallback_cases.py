@@ -61,31 +61,32 @@ class Hybrid(nn.Module):
 
 
 class WindowMixer(nn.Module):
-    """Attention inside 4 x 4 windows, as Swin's and MaxViT's: its forward asserts that the
-    window divides the height and width it reads, which on a block of 6 or 5 rows fails."""
+    """Attention inside ``p`` x ``p`` windows, as Swin's and MaxViT's: its forward asserts that
+    the window divides the height and width it reads (the whole samples', on blocks too)."""
 
-    def __init__(self, c: int) -> None:
+    def __init__(self, c: int, p: int = 4) -> None:
         super().__init__()
-        self.qkv = nn.Conv2d(c, 3 * c, 1)
+        self.qkv, self.p = nn.Conv2d(c, 3 * c, 1), p
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n, c, h, w = x.shape
-        assert h % 4 == 0 and w % 4 == 0, f"height ({h}) must be divisible by window (4)"
+        (n, c, h, w), p = x.shape, self.p
+        assert h % p == 0 and w % p == 0, f"height ({h}) must be divisible by window ({p})"
 
-        def windows(t: torch.Tensor) -> torch.Tensor:  # (N * windows, 16, C)
-            return t.view(n, c, h // 4, 4, w // 4, 4).permute(0, 2, 4, 3, 5, 1).reshape(-1, 16, c)
+        def windows(t: torch.Tensor) -> torch.Tensor:  # (N * windows, p * p, C)
+            t = t.view(n, c, h // p, p, w // p, p).permute(0, 2, 4, 3, 5, 1)
+            return t.reshape(-1, p * p, c)
 
         q, k, v = self.qkv(x).chunk(3, dim=1)
         attn = (windows(q) @ windows(k).transpose(1, 2)).softmax(-1)
-        y = (attn @ windows(v)).view(n, h // 4, w // 4, 4, 4, c)
+        y = (attn @ windows(v)).view(n, h // p, w // p, p, p, c)
         return x + y.permute(0, 5, 1, 3, 2, 4).reshape(n, c, h, w)
 
 
 class WindowNet(nn.Module):
-    def __init__(self, dropout: float = 0.0) -> None:
+    def __init__(self, dropout: float = 0.0, p: int = 4) -> None:
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
-        self.mixer = WindowMixer(4)
+        self.mixer = WindowMixer(4, p)
         self.head = nn.Conv2d(4, 2, 3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -141,6 +142,7 @@ class PartitionNet(nn.Module):
 NETS = {
     "hybrid": (Hybrid, (3, 12, 10)),
     "windows": (WindowNet, (3, 16, 12)),
+    "windows of 5": (lambda: WindowNet(p=5), (3, 16, 12)),  # 5 does not divide 16
     "partitions": (PartitionNet, (3, 4, 4)),
 }
 

@@ -178,6 +178,8 @@ class ForwardCodeNet(nn.Module):
                 self.ln.weight.uniform_(0.5, 1.5), self.ln.bias.uniform_(-0.5, 0.5)
         if kind == "tf same pool":  # 11 x 10 maps: rows split 6 + 5, and only 5 rows pad
             self.valid, self.same_pool = nn.Conv2d(6, 6, (2, 1)), MaxPool2dSame(2, 2)
+        if kind == "upcat pad":  # 11 x 10 maps: rows split 6 + 5
+            self.valid = nn.Conv2d(6, 6, (2, 1))
         if kind == "functional conv":  # weight standardization (timm's StdConv2d, BiT)
             self.w, self.b = nn.Parameter(torch.randn(6, 6, 3, 3) / 6), nn.Parameter(torch.zeros(6))
         if kind == "same padding":  # timm's Conv2dSame: F.pad, then a convolution without
@@ -241,7 +243,7 @@ class ForwardCodeNet(nn.Module):
             w = F.batch_norm(self.w.reshape(1, 6, -1), None, None, training=True).view(6, 6, 3, 3)
             down = F.conv2d(x, w, self.b, stride=2, padding=1)  # 12 x 10 -> 6 x 5
             return F.interpolate(down, scale_factor=2) + F.conv2d(x, w, None, 1, (2, 1), (2, 1))
-        if k == "dynamic pad":  # padding to a multiple of 4, computed from the block's size
+        if k == "dynamic pad":  # padding to a multiple of 4, computed from x.shape
             return F.pad(x, (0, -x.shape[-1] % 4, 0, -x.shape[-2] % 4))
         if k == "interpolate to a literal size":  # the whole size, written in the code
             return F.interpolate(x, size=(24, 20))
@@ -254,6 +256,17 @@ class ForwardCodeNet(nn.Module):
             return x + F.interpolate(small, size=x.shape[-2:], mode="bilinear", align_corners=True)
         if k == "dropout":
             return F.dropout(x, 0.2, self.training)
+        if k == "mean by hand":  # sums over H * W and numel() read from x.shape
+            mean = x.sum((2, 3), keepdim=True) / (x.shape[2] * x.shape[3])
+            return x - mean + x.sum((2, 3), keepdim=True) / x[0, 0].numel()
+        if k == "upcat pad":  # MONAI's UpCat: pad by one where the skip's size differs
+            e = self.valid(x)  # 11 x 10
+            up = F.interpolate(F.max_pool2d(e, 2), scale_factor=2)  # 10 x 10
+            sp = [0] * 4
+            for i in range(2):
+                if e.shape[-i - 1] != up.shape[-i - 1]:
+                    sp[i * 2 + 1] = 1
+            return e + F.pad(up, sp, "replicate")
         if k == "same padding":  # "same" for stride 2 pads one more row and column after
             y = self.strided(F.pad(x, (0, 1, 0, 1)))
             return F.interpolate(y, scale_factor=2) + x  # 12 x 10 -> 13 x 11 -> 6 x 5 -> 12 x 10
@@ -304,6 +317,12 @@ FORWARD_CODE = {
         "instance statistics",
         "layer norm chw",
         "tf same pool",
+        # Sizes computed from x.shape, which a block reports whole.
+        "dynamic pad",
+        "interpolate",
+        "interpolate to a literal size",
+        "mean by hand",
+        "upcat pad",
     )
 }
 # Exact under model parallelism without a data dimension: dropout's masks are drawn for the
@@ -356,9 +375,6 @@ SWAPS = {
 
 # Refused under spatial parallelism (kind -> what the message names).
 REFUSED = {
-    "dynamic pad": "F.pad",
-    "interpolate": "F.interpolate",
-    "interpolate to a literal size": "F.interpolate",
     "flatten": "Tensor.flatten",
 }
 

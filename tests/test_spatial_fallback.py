@@ -56,10 +56,17 @@ def test_window_partitions_shaped_like_images_run_on_whole_images(ranks, size, g
 
 
 def test_a_modules_own_error_on_a_block_is_a_refusal(ranks):
-    for message in ranks(3).run(hybrid_refused, "windows"):
+    """The window's assertion reads the whole height, 16, on every rank's block of 6 or 5
+    rows: it fails for a window of 5 alone, as on the dense model, and is refused."""
+    for message in ranks(3).run(hybrid_refused, "windows of 5"):
         assert message.startswith("spatial parallelism: the forward in 'mixer' (WindowMixer) "
-                                  "raised AssertionError (height ("), message  # fmt: skip
+                                  "raised AssertionError (height (16) must be divisible by "
+                                  "window (5))"), message  # fmt: skip
         assert "keep_dense=['mixer']" in message and 'fallback="gather"' in message, message
+    for message in ranks(3).run(hybrid_refused, "windows"):  # its partition merges rows
+        assert message.startswith("spatial parallelism: Tensor.view in 'mixer' (WindowMixer) "
+                                  "touches a block of split images, and (2, 4, H, W) -> 6 "
+                                  "dimensions merges or splits"), message  # fmt: skip
 
 
 def test_errors_raised_by_parallelkit_itself_are_not_dressed_as_refusals():

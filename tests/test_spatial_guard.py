@@ -102,6 +102,18 @@ BLOCKS = {
     "a block expanded along a size-1 channel dimension": lambda x: (
         x[:, :1].expand_as(x) + x
     ),
+    # Sizes read from a block are the whole samples': what forward code computes from them.
+    "F.pad to a multiple of 4, computed from x.shape": lambda x: F.pad(
+        x, (0, -x.shape[-1] % 4, 0, -x.shape[-2] % 4)
+    ),
+    "F.interpolate to a literal size, twice the sample's": lambda x: F.interpolate(
+        x, size=(10, 12)
+    ),
+    "view to sizes read from x.shape": lambda x: x.view(*x.shape[:2], x.size(2), x.size(-1)),
+    "reshape with -1 for the channels": lambda x: x.reshape(-1, 2, *x.shape[2:]),
+    "unflatten the channels, view as another block": lambda x: (
+        x.unflatten(1, (2, 2)).flatten(1, 2).view_as(x)
+    ),
 }
 WHOLE = {
     "mean over H and W": (lambda x: x.mean((2, 3)), lambda x: x.mean((2, 3))),
@@ -147,6 +159,10 @@ WHOLE = {
     "sum over H and W with a dtype": (lambda x: x.sum((2, 3), dtype=torch.float64), None),
     "logsumexp over H and W": (lambda x: torch.logsumexp(x * 3, (2, 3)), None),
     "logsumexp over C, H and W, kept": (lambda x: x.logsumexp((1, 2, 3), keepdim=True), None),
+    "a mean by hand: the sum over H and W over H * W read from x.shape": (
+        lambda x: x.sum((2, 3)) / (x.shape[2] * x.shape[3]), None
+    ),
+    "a mean by hand over numel()": (lambda x: x.sum((1, 2, 3)) / x[0].numel(), None),
 }
 REFUSED = {
     "repeat along W": (lambda x: x.repeat(1, 1, 1, 2), "it repeats a spatial dimension"),
@@ -164,20 +180,9 @@ REFUSED = {
     "a slice of H spelled out": (lambda x: x[:, :, 1:, :], "reaches a spatial dimension"),
     "a step over W": (lambda x: x[..., ::2], "reaches a spatial dimension"),
     "F.normalize over W": (lambda x: F.normalize(x, dim=-1), "normalizes over a spatial dimension"),
-    "F.pad after reading the block's size": (
-        lambda x: F.pad(x, (0, -x.shape[-1] % 4, 0, -x.shape[-2] % 4)),
-        "read this block's size before padding it",
-    ),
     "a whole tensor varying over W": (lambda x: x + torch.ones(6), "varies over a spatial"),
     "cat along H": (lambda x: torch.cat([x, x], 2), "along a spatial dimension"),
     "stack before C": (lambda x: torch.stack([x, x], 1).flatten(1), "merges or splits a spatial"),
-    "F.interpolate to a size computed from a block's": (
-        lambda x: F.interpolate(x, size=(x.shape[-2] + 1, 7), mode="bicubic"),
-        "is not the shape of a block read",
-    ),
-    "F.interpolate to a literal size": (
-        lambda x: F.interpolate(x, size=(10, 12)), "is not the shape of a block read"
-    ),
     "F.conv2d with a split weight": (lambda x: F.conv2d(x, x[:, :, :2, :2]), "reaches a spatial"),
     "F.conv2d of a whole tensor by a block": (
         lambda x: F.conv2d(torch.ones(1, 4, 7, 8), x),
@@ -223,6 +228,9 @@ RESAMPLED = {
         x, scale_factor=0.5, mode="bilinear", antialias=True
     ),
     "F.interpolate by 0.7, area": lambda x: F.interpolate(x, scale_factor=0.7, mode="area"),
+    "F.interpolate to a size computed from x.shape, bicubic": lambda x: F.interpolate(
+        x, size=(x.shape[-2] + 1, 7), mode="bicubic"
+    ),
 }
 
 

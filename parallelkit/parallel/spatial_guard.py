@@ -87,8 +87,7 @@ class SpatialGuard(TorchFunctionMode):
         # id -> (the block, where its spatial dimensions are, the whole size if known)
         self._blocks: dict[int, tuple[weakref.ref, Dims, Size | None]] = {}
         self.size_now: Size | None = None  # the whole size of the call being ruled on
-        self._sized: dict[int, weakref.ref] = {}  # blocks whose H or W forward code read
-        self.read_sizes: set[tuple[Size, Size | None]] = set()  # their sizes, and whole
+        self.read_sizes: set[Size] = set()  # whole sizes of blocks whose shape code read
         self._stack: list[tuple[nn.Module, bool, bool, Size | None, Any] | None] = []
         self._restore: dict[int, tuple[Any, Any]] = {}
         self._trusted = 0
@@ -122,17 +121,10 @@ class SpatialGuard(TorchFunctionMode):
         self.mark(out, dims=dims, size=size or self.size_now)
         return out
 
-    def note_sized(self, x: Tensor, dim: int | None) -> None:
-        """Remember that forward code read a spatial size of block ``x`` (``x.shape``,
-        ``x.size(2)``): a padding computed from it would be the block's, and a ``size=`` equal
-        to it stands for its whole size (:mod:`parallelkit.spatial.rules.resize`)."""
-        if dim is None or dim % x.dim() - x.dim() in self.dims(x):
-            self._sized[id(x)] = weakref.ref(x)
-            self.read_sizes.add((tuple(x.shape[d] for d in self.dims(x)), self.size_of(x)))
-
-    def was_sized(self, t: Tensor) -> bool:
-        ref = self._sized.get(id(t))
-        return ref is not None and ref() is t
+    def note_sized(self, x: Tensor, size: Size) -> None:
+        """Remember that forward code read the whole spatial ``size`` of block ``x``: a whole
+        tensor interpolated to it is cut into blocks (:mod:`parallelkit.spatial.rules.resize`)."""
+        self.read_sizes.add(tuple(size))
 
     @property
     def grid(self) -> SpatialGrid:

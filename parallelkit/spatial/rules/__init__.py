@@ -5,13 +5,13 @@ functions it serves (:mod:`.registry`); the spatial guard (``parallelkit.paralle
 spatial_guard``) looks a call up here and refuses what has no rule.
 
 - :mod:`.pointwise`: activations, arithmetic, type changes; whole tensors meeting blocks;
-- :mod:`.shape`: views, permutes, cat, split, indexing, and reads of a block's shape;
+- :mod:`.shape`: views, permutes, cat, split, indexing, and reads of a block's shape
+  (the whole samples');
 - :mod:`.reductions`: sums, means, extremes, norms and variances over H and W, or over others;
 - :mod:`.windows`: functional convolution, pooling and padding (halo fetches);
 - :mod:`.norms`: group, instance and layer norm, and linear layers over channels;
 - :mod:`.resize`: interpolation;
-- :mod:`.random`: dropout masks;
-- :mod:`.compat`: what one model library's modules need (timm's "same" padding).
+- :mod:`.random`: dropout masks.
 """
 
 from parallelkit.spatial.rules import (  # noqa: F401 (each registers its rules)

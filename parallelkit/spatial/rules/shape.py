@@ -4,16 +4,24 @@ stay whole.
 A block's spatial dimensions (H and W; D, H and W; L) may move (ConvNeXt permutes to channels
 last and back: the record follows them, ``g.dims``), but they must stay separate dimensions,
 each whole in its place: merging, cutting, indexing or joining along them would need the other
-ranks' pixels, so it is refused. Reads of a block's shape are noted (``g.note_sized``): sizes
-computed from them are the block's, not the sample's.
+ranks' pixels, so it is refused.
+
+A block reports the whole samples' shape, as DTensor reports its global shape: ``x.shape``,
+``x.size(d)``, ``x.numel()`` and ``len(x)`` give the sample's spatial sizes (the reads are
+noted, ``g.note_sized``). Sizes that forward code computes from them (a pad to a multiple, an
+interpolation to a skip connection's size, a mean divided by ``H * W``, the sizes given to
+``view``) are then the sample's, and the rules take sizes in arguments as whole sizes: a
+``view`` to whole sizes views the block to its own.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_map
 
 from parallelkit.spatial.rules.registry import PROPERTY, Call, Dims, Guard, ops, prop, rule
 
@@ -29,23 +37,66 @@ def _without(dims: Dims, removed: list[int], ndim: int) -> Dims:
     return tuple(d + sum(r > ndim + d for r in removed) for d in dims)
 
 
+def whole_size(g: Guard, x: Tensor) -> tuple[int, ...]:
+    """The whole samples' spatial size of block ``x`` (wherever its spatial dimensions are):
+    the record's, else one host all-gather of the block sizes (every rank reads it alike)."""
+    size = g.size_of(x)
+    if size is None:
+        block = [x.shape[d] for d in g.dims(x)]
+        size = g.grid.global_size(torch.empty((1, 1, *block), device="meta"), "a block's shape")
+    return tuple(size)
+
+
+def whole_shape(g: Guard, x: Tensor) -> torch.Size:
+    """Block ``x``'s shape with the whole samples' spatial sizes in place of its own."""
+    shape = list(x.shape)
+    for d, n in zip(g.dims(x), whole_size(g, x), strict=True):
+        shape[d] = n
+    return torch.Size(shape)
+
+
+def _whole_meta(g: Guard, t: Any) -> Any:
+    """A meta tensor of the whole shape of block ``t`` (of ``t``'s shape if it is whole)."""
+    if not isinstance(t, Tensor):
+        return t
+    shape = whole_shape(g, t) if g.is_split(t) else t.shape
+    return torch.empty(shape, dtype=t.dtype, device="meta")
+
+
+_VIEWS = (Tensor.view, Tensor.view_as)
+
+
 @rule(*ops("view reshape flatten unflatten view_as reshape_as squeeze unsqueeze", torch, Tensor),
       params="input, *_, **__")  # fmt: skip
 def reshape(g: Guard, call: Call) -> Any:
     """Local where the dimensions from the first spatial one on come out unchanged (only
-    leading ones regrouped)."""
-    x, out = call["input"], call.run()
+    leading ones regrouped). Sizes given are the whole samples' (read from ``x.shape``): the
+    call is worked out on the whole shape, and the block viewed to the result with its own
+    spatial sizes."""
+    x = call["input"]
     dims = g.dims(x)
     k = -min(dims)
-    if isinstance(out, Tensor) and out.dim() >= k and out.shape[-k:] == x.shape[-k:]:
-        return g.marked(out, dims)
-    # The spatial sizes by name: a block's differ by rank (uneven splits), and a refusal must
-    # read the same on every rank.
-    named = list(map(str, x.shape))
+    if any(isinstance(a, torch.dtype) for a in call.args[1:]):  # a view as another dtype
+        out = call.run()
+        if out.shape == x.shape:
+            return g.marked(out, dims)
+        raise g.refuse(call.name, "it views a block as a dtype of another size")
+    whole_in = _whole_meta(g, x)
+    args, kwargs = tree_map(lambda t: _whole_meta(g, t), (call.args[1:], call.kwargs))
+    try:
+        whole = call.func(whole_in, *args, **kwargs)
+    except RuntimeError as e:
+        raise g.refuse(call.name, f"on the whole samples' shape {tuple(whole_in.shape)}: "
+                       f"{str(e).splitlines()[0]}") from e  # fmt: skip
+    if isinstance(whole, Tensor) and whole.dim() >= k and whole.shape[-k:] == whole_in.shape[-k:]:
+        shape = (*whole.shape[: whole.dim() - k], *x.shape[x.dim() - k :])
+        return g.marked(x.view(shape) if call.func in _VIEWS else x.reshape(shape), dims)
+    # The spatial sizes by name, so that a refusal reads the same on every rank.
+    named = list(map(str, whole_in.shape))
     names = {1: "L", 2: "HW", 3: "DHW"}[len(dims)]
     for name, at in zip(names, _positions(g, x), strict=True):
         named[at] = name
-    into = f"{out.dim()} dimensions" if isinstance(out, Tensor) else type(out).__name__
+    into = f"{whole.dim()} dimensions" if isinstance(whole, Tensor) else type(whole).__name__
     raise g.refuse(
         call.name, f"({', '.join(named)}) -> {into} merges or splits a spatial dimension"
     )
@@ -203,19 +254,32 @@ def getitem(g: Guard, call: Call) -> Any:
 
 
 _METADATA = """
-size dim ndimension numel nelement element_size is_contiguous is_floating_point is_complex
-get_device data_ptr stride storage_offset __len__ __repr__ __format__ __hash__ register_hook
+dim ndimension element_size is_contiguous is_floating_point is_complex get_device data_ptr
+stride storage_offset __repr__ __format__ __hash__ register_hook
 """
+_SHAPE = (Tensor.size, prop("shape"), Tensor.numel, Tensor.nelement, Tensor.__len__)
 
 
-@rule(PROPERTY, *ops(_METADATA, Tensor), prop("shape"))
+@rule(PROPERTY, *ops(_METADATA, Tensor), *_SHAPE)
 def metadata(g: Guard, call: Call) -> Any:
-    """Answered from the block (its own shape: noted, so that sizes computed from it are
-    known to be the block's)."""
-    if call.func in (Tensor.size, prop("shape")):
-        dim = call.args[1] if len(call.args) > 1 else call.kwargs.get("dim")
-        g.note_sized(call.blocks[0], dim)
-    return call.run()
+    """Answered from the block, but for its shape (``x.shape``, ``x.size()``, ``x.numel()``,
+    ``len(x)``): the whole samples', as DTensor reports its global shape, so that sizes the
+    forward code computes from it are the sample's (the reads are noted)."""
+    if call.func not in _SHAPE or call.args[0] is not call.blocks[0]:
+        return call.run()
+    x = call.blocks[0]
+    shape = whole_shape(g, x)
+    if call.func in (Tensor.numel, Tensor.nelement):
+        return math.prod(shape)
+    if call.func is Tensor.__len__:
+        return shape[0]
+    dim = call.args[1] if len(call.args) > 1 else call.kwargs.get("dim")
+    g.note_sized(x, whole_size(g, x))
+    if dim is None:
+        return shape
+    if isinstance(dim, int):
+        return shape[dim]
+    return tuple(shape[d] for d in dim)
 
 
 @rule(prop("data"))

@@ -25,7 +25,6 @@ from parallelkit.nn import spatial_adaptive_max, spatial_resample
 from parallelkit.nn import spatial_parallel as sp
 from parallelkit.nn import spatial_pooling as spool
 from parallelkit.spatial.grid import gather
-from parallelkit.spatial.rules import compat
 from parallelkit.spatial.rules.reductions import mean_spatial
 from parallelkit.spatial.rules.registry import Call, Guard, all_, nchw, pair, rule
 
@@ -139,9 +138,9 @@ def pad(g: Guard, call: Call) -> Tensor:
     """The padded samples' blocks in tensor_split layout: with a constant (negative pads
     crop), each rank fetches its new block's rows (``gather_rows``, the constant outside the
     sample); reflect, replicate and circular read mirrored or wrapped rows in three fetches of
-    contiguous rows per dimension. Padding of a block whose size the forward code read is
-    refused (it may be computed for the block), but for timm's "same" modules, whose padding
-    becomes the whole images'."""
+    contiguous rows per dimension. The pads are the whole samples' (a pad computed from
+    ``x.shape`` is computed from the whole size: timm's "same" padding, a pad to a multiple
+    of a patch size, MONAI's pad to a skip connection's size)."""
     x, pads = call["input"], list(call["pad"])
     mode, value = call["mode"], call["value"] or 0.0
     ndim = nchw(g, call, x)
@@ -149,17 +148,6 @@ def pad(g: Guard, call: Call) -> Tensor:
         raise g.refuse(call.name, f"mode={mode!r} has no rule")
     size = g.size_now or g.grid.global_size(x, call.name)
     spatial = [*pads, *[0] * (2 * ndim)][: 2 * ndim]  # F.pad's order: the last dimension first
-    if g.was_sized(x):  # even with zero pads here: other ranks' may not be
-        whole = None
-        if ndim == 2:
-            whole = compat.same_pads(g.module(), tuple(x.shape[-2:]), size, spatial)
-        if whole is None:
-            raise g.refuse(
-                call.name, "the forward code read this block's size before padding it, so its "
-                "padding may be computed for the block instead of the whole sample (padding "
-                "to a multiple of a patch size, to a skip connection's size)",
-            )  # fmt: skip
-        spatial = whole
     rest = pads[2 * ndim :]
     if mode != "constant" and (rest or min(spatial) < 0):
         raise g.refuse(call.name, f"mode={mode!r} with pads {pads} (only the spatial "
