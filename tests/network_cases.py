@@ -180,6 +180,8 @@ class ForwardCodeNet(nn.Module):
             self.valid, self.same_pool = nn.Conv2d(6, 6, (2, 1)), MaxPool2dSame(2, 2)
         if kind == "upcat pad":  # 11 x 10 maps: rows split 6 + 5
             self.valid = nn.Conv2d(6, 6, (2, 1))
+        if kind == "space to depth":  # mixes the 4 pixels of each 2 x 2 cell
+            self.mix = nn.Conv2d(24, 24, 1)
         if kind == "functional conv":  # weight standardization (timm's StdConv2d, BiT)
             self.w, self.b = nn.Parameter(torch.randn(6, 6, 3, 3) / 6), nn.Parameter(torch.zeros(6))
         if kind == "same padding":  # timm's Conv2dSame: F.pad, then a convolution without
@@ -259,6 +261,21 @@ class ForwardCodeNet(nn.Module):
         if k == "mean by hand":  # sums over H * W and numel() read from x.shape
             mean = x.sum((2, 3), keepdim=True) / (x.shape[2] * x.shape[3])
             return x - mean + x.sum((2, 3), keepdim=True) / x[0, 0].numel()
+        if k == "space to depth":  # timm's SpaceToDepth and DepthToSpace, pixel (un)shuffle
+            x = F.pad(x, (0, -x.shape[-1] % 4))  # 12 x 12: blocks of 6 rows and columns
+            n, c, h, w = x.shape
+            y = x.view(n, c, h // 2, 2, w // 2, 2).permute(0, 3, 5, 1, 2, 4)
+            y = self.mix(y.reshape(n, c * 4, h // 2, w // 2)).view(n, 2, 2, c, h // 2, w // 2)
+            y = y.permute(0, 3, 4, 1, 5, 2).reshape(n, c, h, w)
+            return y + F.pixel_shuffle(F.pixel_unshuffle(x, 2).sigmoid(), 2)
+        if k == "cyclic shift":  # Swin's shifted windows, channels last, and back
+            y = torch.roll(x, shifts=(-3, 4), dims=(2, 3)) * torch.sigmoid(x)
+            return x + torch.roll(y.permute(0, 2, 3, 1), shifts=(3, -4), dims=(1, 2)).permute(
+                0, 3, 1, 2
+            )
+        if k == "space to depth by 4 along H":  # 12 rows in blocks of 6: not whole groups
+            n, c, h, w = x.shape
+            return x.view(n, c, h // 4, 4, w).sum(3)
         if k == "upcat pad":  # MONAI's UpCat: pad by one where the skip's size differs
             e = self.valid(x)  # 11 x 10
             up = F.interpolate(F.max_pool2d(e, 2), scale_factor=2)  # 10 x 10
@@ -323,6 +340,8 @@ FORWARD_CODE = {
         "interpolate to a literal size",
         "mean by hand",
         "upcat pad",
+        "space to depth",
+        "cyclic shift",
     )
 }
 # Exact under model parallelism without a data dimension: dropout's masks are drawn for the
@@ -376,6 +395,7 @@ SWAPS = {
 # Refused under spatial parallelism (kind -> what the message names).
 REFUSED = {
     "flatten": "Tensor.flatten",
+    "space to depth by 4 along H": "Tensor.view",
 }
 
 

@@ -114,6 +114,17 @@ BLOCKS = {
     "unflatten the channels, view as another block": lambda x: (
         x.unflatten(1, (2, 2)).flatten(1, 2).view_as(x)
     ),
+    "space to depth by 2 along W, as timm's SpaceToDepth, and back": lambda x: (
+        x.view(2, 4, 5, 3, 2).permute(0, 4, 1, 2, 3).reshape(2, 8, 5, 3)
+        .view(2, 2, 4, 5, 3).permute(0, 2, 3, 4, 1).reshape(2, 4, 5, 6)
+    ),
+    "torch.roll along H and W, and C": lambda x: torch.roll(x, (2, -3, 1), (2, 3, 1)),
+    "Tensor.roll along H, channels last": lambda x: (
+        x.permute(0, 2, 3, 1).roll(4, 1).permute(0, 3, 1, 2)
+    ),
+    "F.pixel_unshuffle, F.pixel_shuffle": lambda x: F.pixel_shuffle(
+        F.pixel_unshuffle(F.pad(x, (0, 0, 0, 1)), 2) * 2, 2
+    ),
 }
 WHOLE = {
     "mean over H and W": (lambda x: x.mean((2, 3)), lambda x: x.mean((2, 3))),
@@ -169,8 +180,9 @@ REFUSED = {
     "a whole tensor varying over H expanded to the block": (
         lambda x: torch.ones(1, 1, 5, 1).expand_as(x), "varies over a spatial dimension"
     ),
-    "flatten(1)": (lambda x: x.flatten(1), "merges or splits a spatial dimension"),
-    "view(N, -1)": (lambda x: x.view(2, -1), "merges or splits a spatial dimension"),
+    "flatten(1)": (lambda x: x.flatten(1), "(2, 4, H, W) -> (2, 120) merges two spatial"),
+    "view(N, -1)": (lambda x: x.view(2, -1), "merges two spatial dimensions"),
+    "flatten(1, 2): C with H": (lambda x: x.flatten(1, 2), "merges a spatial dimension with one"),
     "index along W": (lambda x: x[..., 0], "reaches a spatial dimension"),
     "max over W, with indices": (lambda x: x.max(3), "reduces over a spatial dimension"),
     "argmax over H": (lambda x: x.argmax(2), "reduces over a spatial dimension"),
@@ -182,7 +194,7 @@ REFUSED = {
     "F.normalize over W": (lambda x: F.normalize(x, dim=-1), "normalizes over a spatial dimension"),
     "a whole tensor varying over W": (lambda x: x + torch.ones(6), "varies over a spatial"),
     "cat along H": (lambda x: torch.cat([x, x], 2), "along a spatial dimension"),
-    "stack before C": (lambda x: torch.stack([x, x], 1).flatten(1), "merges or splits a spatial"),
+    "stack before C": (lambda x: torch.stack([x, x], 1).flatten(1), "merges two spatial"),
     "F.conv2d with a split weight": (lambda x: F.conv2d(x, x[:, :, :2, :2]), "reaches a spatial"),
     "F.conv2d of a whole tensor by a block": (
         lambda x: F.conv2d(torch.ones(1, 4, 7, 8), x),

@@ -84,7 +84,7 @@ def main() -> None:
     for name in strategies:
         if name not in STRATEGIES:
             parser.error(f"unknown strategy {name!r}; one of {list(STRATEGIES)}")
-    chosen = [c for c in cases() if c[0] in archs and c[1] in strategies]
+    chosen = [c for c in cases(slow=bool(args.arch)) if c[0] in archs and c[1] in strategies]
 
     # A plain kill still stops the ranks (the finally below), instead of orphaning them.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("survey.py: terminated"))

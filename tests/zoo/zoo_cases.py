@@ -469,6 +469,23 @@ ARCHS: dict[str, Arch] = {
         "timm", _timm_tresnet,
         what="patch reshape: space-to-depth stem (4 x 4 patches into channels), anti-aliasing",
     ),
+    "timm eca_resnet33ts": Arch(
+        "timm", _timm("eca_resnet33ts"),
+        what="ECA gates: a 1-D convolution over the pooled channels, expand_as to the block",
+    ),
+    "monai FlexibleUNet": Arch(
+        "monai",
+        _monai("FlexibleUNet", 3, 2, backbone="efficientnet-b0", pretrained=False,
+               spatial_dims=2, decoder_channels=(16, 8, 8, 4, 4)),
+        what="MONAI's U-Net on an EfficientNet encoder: skip sizes compared, pads computed "
+        "from them (UpCat)",
+    ),
+    "monai BasicUNet pixelshuffle": Arch(
+        "monai",
+        _monai("BasicUNet", 2, 3, 2, features=(4, 4, 8, 8, 16, 4), upsample="pixelshuffle"),
+        what="sub-pixel upsampling (MONAI's pixelshuffle: a view that splits the channels, a "
+        "permute and a reshape merging each spatial dimension with its factor)",
+    ),
     "timm cs3darknet_focus_s": Arch(
         "timm", _timm("cs3darknet_focus_s"),
         what="patch reshape: Focus stem (x[..., ::2, ::2] and its 3 shifts concatenated), "
@@ -535,6 +552,16 @@ ARCHS: dict[str, Arch] = {
     "monai BasicUNet": Arch(
         "monai", _monai("BasicUNet", 3, 1, 2, features=(4, 4, 8, 8, 16, 4)), (1, 32, 32, 32),
         what="four max-pool levels, affine InstanceNorm3d, LeakyReLU, skip concatenation",
+    ),
+    # Kept out of the test tier for their cost (SLOW): survey.py --arch runs them.
+    "monai VNet": Arch(
+        "monai", _monai("VNet", spatial_dims=3, in_channels=1, out_channels=2), (1, 16, 16, 16),
+        what="InputTransition's channel repeat, 5 x 5 x 5 convolutions, PReLU (45M weights)",
+    ),
+    "monai BasicUNetPlusPlus": Arch(
+        "monai", _monai("BasicUNetPlusPlus", 3, 1, 2, features=(4, 4, 8, 8, 16, 4)),
+        (1, 32, 32, 32),
+        what="nested dense skip connections: UpCat's pad from compared skip sizes at every node",
     ),
     "monai AttentionUnet": Arch(
         "monai", _monai("AttentionUnet", 3, 1, 2, channels=(4, 8, 16), strides=(2, 2)),
@@ -677,6 +704,8 @@ COLS = (
     "tv maxvit", "timm maxvit", "timm coatnet", "timm mobilevit_xxs", "timm mobilevitv2_050",
     "timm edgenext_xx_small", "timm efficientformerv2_s0", "smp Segformer mit_b0",
     "smp MAnet mobilenetv3", "timm tresnet",
+    # sub-pixel upsampling regroups W with its factor
+    "monai BasicUNet pixelshuffle",
 )  # fmt: skip
 """The images also run split over columns ("cols"). The rest of them are purely convolutional
 networks with square windows and reductions over H and W together: there the spatial rules are
@@ -697,6 +726,11 @@ SPATIAL = tuple(
 (a data group's unused parameters, or a channel split, are not about blocks)."""
 
 
+SLOW = ("monai VNet", "monai BasicUNetPlusPlus")
+"""Architectures kept out of the test tier for their cost (VNet's 45M weights, U-Net++'s
+nested decoder at 32^3 in float64), run by hand: ``survey.py --arch 'monai VNet'``."""
+
+
 def applies(arch: str, strategy: str) -> bool:
     """Does ``arch`` run under ``strategy``? Images under IMAGE_STRATEGIES, volumes under
     VOLUME_STRATEGIES, a strategy of SUBSETS only for its architectures."""
@@ -704,9 +738,10 @@ def applies(arch: str, strategy: str) -> bool:
     return strategy in kinds and (strategy not in SUBSETS or arch in SUBSETS[strategy])
 
 
-def cases() -> list[tuple[str, str]]:
-    """Every (architecture, strategy) of the tier, grouped by strategy."""
-    return [(a, s) for s in STRATEGIES for a in ARCHS if applies(a, s)]
+def cases(slow: bool = False) -> list[tuple[str, str]]:
+    """Every (architecture, strategy) of the tier, grouped by strategy (and of SLOW)."""
+    return [(a, s) for s in STRATEGIES for a in ARCHS
+            if applies(a, s) and (slow or a not in SLOW)]  # fmt: skip
 
 
 def gather_cases(refuse: dict | None = None) -> list[tuple[str, str]]:

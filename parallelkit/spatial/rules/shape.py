@@ -20,10 +20,12 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-from parallelkit.spatial.rules.registry import PROPERTY, Call, Dims, Guard, ops, prop, rule
+from parallelkit.geometry import tensor_split_sizes
+from parallelkit.spatial.rules.registry import PROPERTY, Call, Dims, Guard, nchw, ops, prop, rule
 
 
 def _positions(g: Guard, x: Tensor) -> tuple[int, ...]:
@@ -69,13 +71,14 @@ _VIEWS = (Tensor.view, Tensor.view_as)
 @rule(*ops("view reshape flatten unflatten view_as reshape_as squeeze unsqueeze", torch, Tensor),
       params="input, *_, **__")  # fmt: skip
 def reshape(g: Guard, call: Call) -> Any:
-    """Local where the dimensions from the first spatial one on come out unchanged (only
-    leading ones regrouped). Sizes given are the whole samples' (read from ``x.shape``): the
-    call is worked out on the whole shape, and the block viewed to the result with its own
-    spatial sizes."""
+    """Local where each spatial dimension comes out whole in a place of its own, or split
+    into (outer, inner ...) with the blocks' rows in whole groups of the inner size (a
+    space-to-depth view), or merged with the dimensions after it (depth-to-space), the blocks
+    then in tensor_split layout of the new size; the other dimensions regroup freely. Sizes
+    given are the whole samples' (read from ``x.shape``): the call is worked out on the whole
+    shape, and the block reshaped to the result with its own spatial sizes."""
     x = call["input"]
     dims = g.dims(x)
-    k = -min(dims)
     if any(isinstance(a, torch.dtype) for a in call.args[1:]):  # a view as another dtype
         out = call.run()
         if out.shape == x.shape:
@@ -88,18 +91,104 @@ def reshape(g: Guard, call: Call) -> Any:
     except RuntimeError as e:
         raise g.refuse(call.name, f"on the whole samples' shape {tuple(whole_in.shape)}: "
                        f"{str(e).splitlines()[0]}") from e  # fmt: skip
-    if isinstance(whole, Tensor) and whole.dim() >= k and whole.shape[-k:] == whole_in.shape[-k:]:
-        shape = (*whole.shape[: whole.dim() - k], *x.shape[x.dim() - k :])
-        return g.marked(x.view(shape) if call.func in _VIEWS else x.reshape(shape), dims)
-    # The spatial sizes by name, so that a refusal reads the same on every rank.
-    named = list(map(str, whole_in.shape))
-    names = {1: "L", 2: "HW", 3: "DHW"}[len(dims)]
-    for name, at in zip(names, _positions(g, x), strict=True):
+    if not isinstance(whole, Tensor):
+        raise g.refuse(call.name, f"it gives a {type(whole).__name__}")
+    regrouped = _regroup(g, x, tuple(whole_in.shape), tuple(whole.shape))
+    if isinstance(regrouped, str):
+        raise g.refuse(call.name, f"{_named(g, x, whole_in.shape)} -> {tuple(whole.shape)} "
+                       f"{regrouped}")  # fmt: skip
+    shape, out_dims, size = regrouped
+    y = x.view(shape) if call.func in _VIEWS else x.reshape(shape)
+    return g.marked(y, out_dims, size)
+
+
+def _named(g: Guard, x: Tensor, shape: Any) -> str:
+    """``shape`` with the spatial sizes by name, so that a refusal reads the same on every
+    rank (a block's sizes differ by rank)."""
+    named = list(map(str, shape))
+    for name, at in zip({1: "L", 2: "HW", 3: "DHW"}[len(g.dims(x))], _positions(g, x),
+                        strict=True):  # fmt: skip
         named[at] = name
-    into = f"{whole.dim()} dimensions" if isinstance(whole, Tensor) else type(whole).__name__
-    raise g.refuse(
-        call.name, f"({', '.join(named)}) -> {into} merges or splits a spatial dimension"
-    )
+    return f"({', '.join(named)})"
+
+
+def _regroup(
+    g: Guard, x: Tensor, a: tuple[int, ...], b: tuple[int, ...]
+) -> tuple[tuple[int, ...], Dims, tuple[int, ...]] | str:
+    """How block ``x`` of whole shape ``a`` reshapes to whole shape ``b``: this rank's shape,
+    the spatial dimensions' places (from the end) and their whole sizes; or why it cannot."""
+    spatial = _positions(g, x)
+    first, k = min(spatial), len(b) - len(a)
+    # Per spatial dimension of the record: (its place in b, its new whole size, the inner
+    # size it is split by, the size of what is merged after it).
+    moves: list[tuple[int, int, int, int]] = []
+    if k + first >= 0 and a[first:] == b[k + first :]:  # only leading dimensions regrouped
+        moves = [(k + d, a[d], 1, 1) for d in spatial]
+    elif any(a[d] == 1 for d in spatial):
+        return "moves a spatial dimension of size 1"
+    else:
+        found = {}
+        for ins, outs in _runs(a, b):
+            mine = [d for d in ins if d in spatial]
+            if len(mine) > 1:
+                return "merges two spatial dimensions"
+            if not mine:
+                continue
+            if len(ins) == 1:  # whole, or split into (outer, inner ...)
+                found[mine[0]] = (outs[0], b[outs[0]], math.prod(b[o] for o in outs[1:]), 1)
+            elif ins[0] == mine[0] and len(outs) == 1:  # merged with the dimensions after it
+                found[mine[0]] = (outs[0], b[outs[0]], 1, math.prod(a[d] for d in ins[1:]))
+            else:
+                return "merges a spatial dimension with one before it"
+        moves = [found[d] for d in spatial]
+    shape, size = list(b), []
+    for d, (o, n, inner, merged), (_, parts, _) in zip(
+        spatial, moves, g.grid.axes(len(spatial)), strict=True
+    ):
+        have, want = tensor_split_sizes(a[d], parts), tensor_split_sizes(n, parts)
+        if any(h % inner or h // inner * merged != w for h, w in zip(have, want, strict=True)):
+            return (f"regroups a dimension of {a[d]} split into blocks of {list(have)}, which "
+                    f"do not become blocks of its {n} (each block a multiple of "
+                    f"{inner * merged} rows would)")  # fmt: skip
+        shape[o] = x.shape[d] // inner * merged
+        size.append(n)
+    return tuple(shape), tuple(o - len(b) for o, *_ in moves), tuple(size)
+
+
+def _runs(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """The dimensions of ``a`` and ``b`` (of equal products) in runs of equal products, as a
+    reshape regroups them; dimensions of size 1 are left out."""
+    ia = [d for d, n in enumerate(a) if n != 1]
+    ib = [d for d, n in enumerate(b) if n != 1]
+    runs, i, j = [], 0, 0
+    while i < len(ia) and j < len(ib):
+        ins, outs, pa, pb = [ia[i]], [ib[j]], a[ia[i]], b[ib[j]]
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb:
+                ins.append(ia[i])
+                pa, i = pa * a[ia[i]], i + 1
+            else:
+                outs.append(ib[j])
+                pb, j = pb * b[ib[j]], j + 1
+        runs.append((ins, outs))
+    return runs
+
+
+@rule(F.pixel_shuffle, F.pixel_unshuffle, params="input, factor")
+def pixel_shuffle(g: Guard, call: Call) -> Any:
+    """As its definition: a view that splits the channels, a permute and a reshape that merges
+    each spatial dimension with a factor after it (shuffle), or the reverse (unshuffle), whose
+    rules check that each block's rows regroup whole."""
+    x, r = call["input"], int(call["factor"])
+    nchw(g, call, x)
+    with g.rules():
+        n, c, h, w = x.shape
+        if call.func is F.pixel_shuffle:
+            y = x.view(n, c // (r * r), r, r, h, w).permute(0, 1, 4, 2, 5, 3)
+            return y.reshape(n, c // (r * r), h * r, w * r)
+        y = x.view(n, c, h // r, r, w // r, r).permute(0, 1, 3, 5, 2, 4)
+        return y.reshape(n, c * r * r, h // r, w // r)
 
 
 @rule(*ops("permute transpose swapaxes swapdims movedim moveaxis", torch, Tensor),
@@ -168,11 +257,10 @@ def split(g: Guard, call: Call) -> Any:
 @rule(*ops("narrow", torch, Tensor), params="input, dim, start, length")
 @rule(*ops("index_select", torch, Tensor), params="input, dim, index, *, out=None")
 @rule(*ops("flip", torch, Tensor), params="input, dims")
-@rule(*ops("roll", torch, Tensor), params="input, shifts, dims=None")
 @rule(*ops("cumsum cumprod", torch, Tensor), params="input, dim, *, dtype=None, out=None")
 def along(g: Guard, call: Call) -> Any:
     """Local along any dimension but the spatial ones (``narrow``, ``index_select``,
-    ``flip``, ``roll``, ``cumsum`` over channels)."""
+    ``flip``, ``cumsum`` over channels)."""
     dims = call.get("dim", call.get("dims"))
     if dims is None or call.get("out") is not None:
         raise g.refuse(call.name, "it acts on the flattened tensor")

@@ -26,7 +26,8 @@ from parallelkit.nn import spatial_parallel as sp
 from parallelkit.nn import spatial_pooling as spool
 from parallelkit.spatial.grid import gather
 from parallelkit.spatial.rules.reductions import mean_spatial
-from parallelkit.spatial.rules.registry import Call, Guard, all_, nchw, pair, rule
+from parallelkit.spatial.rules.registry import Call, Guard, all_, nchw, ops, pair, rule
+from parallelkit.spatial.rules.shape import whole_size
 
 MAX_POOLS = {F.max_pool1d: 1, F.max_pool2d: 2, F.max_pool3d: 3, torch.max_pool1d: 1,
              torch.max_pool2d: 2, torch.max_pool3d: 3}  # fmt: skip
@@ -205,3 +206,33 @@ def _wrap_pad(g: Guard, x: Tensor, dim: int, n: int, lo: int, hi: int, mode: str
             got = got.index_select(dim, order.long())
         pieces.append(got)
     return torch.cat(pieces, dim)
+
+
+@rule(*ops("roll", torch, Tensor), params="input, shifts, dims=None")
+def roll(g: Guard, call: Call) -> Tensor:
+    """A cyclic shift (Swin's shifted windows): along other dimensions local; along a split
+    one, each rank's new rows are the sample's rows ``shift`` before them, wrapped around, in
+    at most two contiguous runs that two row fetches bring from whoever holds them."""
+    x, shifts, dims = call["input"], call["shifts"], call["dims"]
+    if dims is None:
+        raise g.refuse(call.name, "it acts on the flattened tensor")
+    shifts = shifts if isinstance(shifts, tuple | list) else (shifts,)
+    dims = dims if isinstance(dims, tuple | list) else (dims,)
+    record = g.dims(x)
+    size, axes = whole_size(g, x), g.grid.axes(len(record))
+    y = x
+    for shift, dim in zip(shifts, dims, strict=True):
+        d = dim % x.dim() - x.dim()
+        if d not in record:
+            y = torch.roll(y, shift, d)
+            continue
+        k = record.index(d)
+        n, (comm, parts, _) = size[k], axes[k]
+        sizes = tensor_split_sizes(n, parts)
+        runs: list[list[tuple[int, int]]] = [[], []]
+        for a, m in zip(starts(sizes), sizes, strict=True):
+            first = (a - shift) % n
+            runs[0].append((first, min(n, first + m)))
+            runs[1].append((0, m - (runs[0][-1][1] - first)))
+        y = torch.cat([pkf.gather_rows(y, comm, d, sizes, want) for want in runs], d)
+    return g.marked(y, record)
