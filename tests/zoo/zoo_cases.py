@@ -60,6 +60,8 @@ def no_randomness(model: nn.Module) -> nn.Module:
             m.drop_prob = 0.0
         if isinstance(getattr(m, "drop_rate", None), float):
             m.drop_rate = 0.0  # timm heads: F.dropout(x, p=self.drop_rate) (GhostNet's 0.2)
+        if isinstance(getattr(m, "drop_connect_rate", None), float):
+            m.drop_connect_rate = 0.0  # MONAI's EfficientNet blocks: drop_connect(x, p=...)
     return model
 
 
@@ -938,6 +940,22 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
+    ('timm eca_resnet33ts', 'data'): (
+        'exact',
+        '',
+    ),
+    ('monai FlexibleUNet', 'data'): (
+        'refused',
+        "DataParallel: parameters ['encoder._conv_head.weight', 'encoder._bn1.wei"
+        "ght', 'encoder._bn1.bias', ' ... ', 'encoder._fc.bias'] got no gradient "
+        'in this backward. Pass find_unused_parameters=True if the model does not'
+        ' use every parameter in every step, or reduce_over={name: None} to leave'
+        ' a parame...',
+    ),
+    ('monai BasicUNet pixelshuffle', 'data'): (
+        'exact',
+        '',
+    ),
     ('timm cs3darknet_focus_s', 'data'): (
         'exact',
         '',
@@ -1239,12 +1257,20 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         ' channel ...',
     ),
     ('timm tresnet', 'rows'): (
-        'refused',
-        "spatial parallelism: Tensor.view in 'body.s2d' (SpaceToDepth) touches a "
-        "block of split images, and ( ... on; pass keep_dense=['body.s2d'] to run"
-        ' that module on whole images from there on, or fallback="gather" to run '
-        'it on gathered whole images and split again after it, or use the data or'
-        ' channel ...',
+        'exact',
+        '',
+    ),
+    ('timm eca_resnet33ts', 'rows'): (
+        'exact',
+        '',
+    ),
+    ('monai FlexibleUNet', 'rows'): (
+        'exact',
+        '',
+    ),
+    ('monai BasicUNet pixelshuffle', 'rows'): (
+        'exact',
+        '',
     ),
     ('timm cs3darknet_focus_s', 'rows'): (
         'exact',
@@ -1287,12 +1313,8 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('monai BasicUNet', 'rows'): (
-        'refused',
-        "spatial parallelism: F.pad in 'upcat_4' (UpCat) touches a block of split"
-        " images, and the forward cod ... ze); pass keep_dense=['upcat_4'] to run"
-        ' that module on whole images from there on, or fallback="gather" to run '
-        'it on gathered whole images and split again after it, or use the data or'
-        ' channel ...',
+        'exact',
+        '',
     ),
     ('monai AttentionUnet', 'rows'): (
         'exact',
@@ -1447,12 +1469,12 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         ' channel ...',
     ),
     ('timm tresnet', 'cols'): (
-        'refused',
-        "spatial parallelism: Tensor.view in 'body.s2d' (SpaceToDepth) touches a "
-        "block of split images, and ( ... on; pass keep_dense=['body.s2d'] to run"
-        ' that module on whole images from there on, or fallback="gather" to run '
-        'it on gathered whole images and split again after it, or use the data or'
-        ' channel ...',
+        'exact',
+        '',
+    ),
+    ('monai BasicUNet pixelshuffle', 'cols'): (
+        'exact',
+        '',
     ),
     ('timm cs3darknet_focus_s', 'cols'): (
         'exact',
@@ -1638,6 +1660,18 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
+    ('timm eca_resnet33ts', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('monai FlexibleUNet', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('monai BasicUNet pixelshuffle', 'channel'): (
+        'exact',
+        '',
+    ),
     ('timm cs3darknet_focus_s', 'channel'): (
         'exact',
         '',
@@ -1751,12 +1785,8 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('monai BasicUNet', 'depth'): (
-        'refused',
-        "spatial parallelism: F.pad in 'upcat_4' (UpCat) touches a block of split"
-        " images, and the forward cod ... ze); pass keep_dense=['upcat_4'] to run"
-        ' that module on whole images from there on, or fallback="gather" to run '
-        'it on gathered whole images and split again after it, or use the data or'
-        ' channel ...',
+        'exact',
+        '',
     ),
     ('monai AttentionUnet', 'depth'): (
         'exact',
@@ -1815,12 +1845,8 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('monai BasicUNet', 'depth x cols'): (
-        'refused',
-        "spatial parallelism: F.pad in 'upcat_4' (UpCat) touches a block of split"
-        " images, and the forward cod ... ze); pass keep_dense=['upcat_4'] to run"
-        ' that module on whole images from there on, or fallback="gather" to run '
-        'it on gathered whole images and split again after it, or use the data or'
-        ' channel ...',
+        'exact',
+        '',
     ),
     ('monai AttentionUnet', 'depth x cols'): (
         'exact',
@@ -1926,14 +1952,6 @@ EXPECTED_GATHER: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
-    ('timm tresnet', 'rows'): (
-        'exact',
-        '',
-    ),
-    ('monai BasicUNet', 'rows'): (
-        'exact',
-        '',
-    ),
     ('monai UNETR', 'rows'): (
         'exact',
         '',
@@ -1974,23 +1992,11 @@ EXPECTED_GATHER: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
-    ('timm tresnet', 'cols'): (
-        'exact',
-        '',
-    ),
     ('timm mobilevit_xxs', 'data x rows'): (
         'exact',
         '',
     ),
-    ('monai BasicUNet', 'depth'): (
-        'exact',
-        '',
-    ),
     ('monai UNETR', 'depth'): (
-        'exact',
-        '',
-    ),
-    ('monai BasicUNet', 'depth x cols'): (
         'exact',
         '',
     ),
