@@ -273,6 +273,9 @@ class ForwardCodeNet(nn.Module):
             return x + torch.roll(y.permute(0, 2, 3, 1), shifts=(3, -4), dims=(1, 2)).permute(
                 0, 3, 1, 2
             )
+        if k == "whole-size constants":  # made from x.shape: this rank's block of each
+            mask = torch.ones(x.shape[0], 1, *x.shape[2:], dtype=x.dtype)
+            return x * mask + x.new_full(x.shape, 0.5) + torch.zeros_like(x)
         if k == "space to depth by 4 along H":  # 12 rows in blocks of 6: not whole groups
             n, c, h, w = x.shape
             return x.view(n, c, h // 4, 4, w).sum(3)
@@ -342,6 +345,7 @@ FORWARD_CODE = {
         "upcat pad",
         "space to depth",
         "cyclic shift",
+        "whole-size constants",
     )
 }
 # Exact under model parallelism without a data dimension: dropout's masks are drawn for the

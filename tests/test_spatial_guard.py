@@ -118,6 +118,10 @@ BLOCKS = {
         x.view(2, 4, 5, 3, 2).permute(0, 4, 1, 2, 3).reshape(2, 8, 5, 3)
         .view(2, 2, 4, 5, 3).permute(0, 2, 3, 4, 1).reshape(2, 4, 5, 6)
     ),
+    "constants of the whole shape: x.new_zeros(x.shape), torch.ones(n, c, *x.shape[2:])": (
+        lambda x: x + x.new_full(x.shape, 2.0) * torch.ones(2, 4, *x.shape[2:])
+        + torch.zeros_like(x) + x.new_zeros(*x.shape)
+    ),
     "torch.roll along H and W, and C": lambda x: torch.roll(x, (2, -3, 1), (2, 3, 1)),
     "Tensor.roll along H, channels last": lambda x: (
         x.permute(0, 2, 3, 1).roll(4, 1).permute(0, 3, 1, 2)

@@ -15,6 +15,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_map
 
 from parallelkit.spatial.rules.registry import Call, Guard, nchw, ops, rule
+from parallelkit.spatial.rules.shape import whole_shape
 
 _POINTWISE = """
 abs absolute acos add addcdiv addcmul asin atan atan2 ceil clamp clamp_max clamp_min clip cos
@@ -72,3 +73,41 @@ def prelu(g: Guard, call: Call) -> Tensor:
     """Local; the weight broadcasts over channels, its gradient summed."""
     nchw(g, call, call["input"])
     return g.marked(call.func(call["input"], g.summed(call["weight"])))
+
+
+def _size(args: tuple) -> tuple[int, ...] | None:
+    """The size a factory was asked for (``zeros(2, 3)`` or ``zeros((2, 3))``), if plain ints."""
+    size = args[0] if len(args) == 1 and isinstance(args[0], tuple | list) else args
+    return tuple(size) if all(isinstance(n, int) for n in size) else None
+
+
+@rule(*ops("zeros_like ones_like full_like empty_like", torch))
+def constant_like(g: Guard, call: Call) -> Tensor:
+    """Local: a constant block of the block's shape."""
+    return g.marked(call.run(), g.dims(call.blocks[0]))
+
+
+@rule(*ops("new_zeros new_ones new_full new_empty", Tensor))
+def new_constant(g: Guard, call: Call) -> Tensor:
+    """Asked for the whole shape of the block it is called on (``x.new_zeros(x.shape)``):
+    this rank's block of that constant; any other size: a whole tensor, as asked."""
+    x, full = call.args[0], call.func is Tensor.new_full
+    size = _size(call.args[1:2] if full else call.args[1:])
+    if size is None or torch.Size(size) != whole_shape(g, x):
+        return call.run()
+    rest = call.args[2:] if full else ()
+    return g.marked(call.func(x, x.shape, *rest, **call.kwargs), g.dims(x))
+
+
+@rule(*ops("zeros ones full empty", torch), whole=True)
+def constant(g: Guard, call: Call) -> Tensor:
+    """Asked for (N, C, *the whole size of a block whose shape the forward code read), as
+    ``torch.zeros(n, c, *x.shape[2:])``: this rank's block of that constant (the same values
+    wherever they are); any other size: a whole tensor, as asked."""
+    full = call.func is torch.full
+    size = _size(call.args[:1] if full else call.args)
+    if size is None or len(size) < 3 or tuple(size[2:]) not in g.read_sizes:
+        return call.run()
+    block = tuple(s.stop - s.start for s in g.grid.block(*size[2:]))
+    rest = call.args[1:] if full else ()
+    return g.marked(call.func((*size[:2], *block), *rest, **call.kwargs), size=size[2:])
