@@ -180,6 +180,8 @@ class ForwardCodeNet(nn.Module):
             self.valid, self.same_pool = nn.Conv2d(6, 6, (2, 1)), MaxPool2dSame(2, 2)
         if kind == "upcat pad":  # 11 x 10 maps: rows split 6 + 5
             self.valid = nn.Conv2d(6, 6, (2, 1))
+        if kind == "coordinates":  # a positional embedding of the whole size, a parameter
+            self.pos = nn.Parameter(torch.randn(1, 6, 12, 10) / 4 + 1)
         if kind == "space to depth":  # mixes the 4 pixels of each 2 x 2 cell
             self.mix = nn.Conv2d(24, 24, 1)
         if kind == "functional conv":  # weight standardization (timm's StdConv2d, BiT)
@@ -276,6 +278,11 @@ class ForwardCodeNet(nn.Module):
         if k == "whole-size constants":  # made from x.shape: this rank's block of each
             mask = torch.ones(x.shape[0], 1, *x.shape[2:], dtype=x.dtype)
             return x * mask + x.new_full(x.shape, 0.5) + torch.zeros_like(x)
+        if k == "coordinates":  # CoordConv: whole coordinate maps joined to the blocks
+            n, _, h, w = x.shape
+            rows = torch.linspace(-1, 1, h, dtype=x.dtype).view(1, 1, h, 1).expand(n, 1, h, w)
+            cols = torch.arange(w, dtype=x.dtype) / w  # broadcast over W: cut to the block
+            return torch.cat([x[:, :5] + cols, rows], 1) * self.pos
         if k == "space to depth by 4 along H":  # 12 rows in blocks of 6: not whole groups
             n, c, h, w = x.shape
             return x.view(n, c, h // 4, 4, w).sum(3)
@@ -346,6 +353,7 @@ FORWARD_CODE = {
         "space to depth",
         "cyclic shift",
         "whole-size constants",
+        "coordinates",
     )
 }
 # Exact under model parallelism without a data dimension: dropout's masks are drawn for the

@@ -122,6 +122,11 @@ BLOCKS = {
         lambda x: x + x.new_full(x.shape, 2.0) * torch.ones(2, 4, *x.shape[2:])
         + torch.zeros_like(x) + x.new_zeros(*x.shape)
     ),
+    "whole tensors of the whole size, cut to the block: a (C, H, W) map, an arange over W":
+        lambda x: x * torch.ones(4).view(4, 1, 1).expand(4, 5, 6) + torch.arange(x.shape[-1]),
+    "cat with whole coordinate maps (CoordConv)": lambda x: torch.cat(
+        [x, torch.linspace(-1, 1, x.shape[2]).view(1, 1, -1, 1).expand(2, 1, -1, x.shape[3])], 1
+    ),
     "torch.roll along H and W, and C": lambda x: torch.roll(x, (2, -3, 1), (2, 3, 1)),
     "Tensor.roll along H, channels last": lambda x: (
         x.permute(0, 2, 3, 1).roll(4, 1).permute(0, 3, 1, 2)
@@ -196,7 +201,9 @@ REFUSED = {
     "a slice of H spelled out": (lambda x: x[:, :, 1:, :], "reaches a spatial dimension"),
     "a step over W": (lambda x: x[..., ::2], "reaches a spatial dimension"),
     "F.normalize over W": (lambda x: F.normalize(x, dim=-1), "normalizes over a spatial dimension"),
-    "a whole tensor varying over W": (lambda x: x + torch.ones(6), "varies over a spatial"),
+    "a whole tensor varying over W, not of its size": (
+        lambda x: x + torch.ones(5), "varies over a spatial dimension, whose whole size is 6"
+    ),
     "cat along H": (lambda x: torch.cat([x, x], 2), "along a spatial dimension"),
     "stack before C": (lambda x: torch.stack([x, x], 1).flatten(1), "merges two spatial"),
     "F.conv2d with a split weight": (lambda x: F.conv2d(x, x[:, :, :2, :2]), "reaches a spatial"),
@@ -211,10 +218,6 @@ REFUSED = {
     "channels-last block into max pooling": (
         lambda x: F.max_pool2d(x.permute(0, 2, 3, 1), 2),
         "wants an (N, C, L), (N, C, H, W) or (N, C, D, H, W) block",
-    ),
-    "a whole (C,) tensor on channels-first blocks": (
-        lambda x: x * torch.ones(4).view(4, 1, 1).expand(4, 5, 6),
-        "varies over a spatial",
     ),
 }
 

@@ -1,8 +1,9 @@
 """Pointwise rules: operations that read each pixel alone run on the block as they are.
 
 A whole tensor may meet a block here (an SE gate, a layer scale, a parameter used directly) if
-it is constant over the spatial dimensions (size 1 there); its gradient is then each rank's
-share of the dense one, summed where it meets the blocks (``layout.replicated``).
+it is constant over the spatial dimensions (size 1 there), or of the whole samples' size there
+(it is then cut to the block); its gradient is then each rank's share of the dense one, summed
+where it meets the blocks (``layout.replicated``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_map
 
 from parallelkit.spatial.rules.registry import Call, Guard, nchw, ops, rule
-from parallelkit.spatial.rules.shape import whole_shape
+from parallelkit.spatial.rules.shape import cut_whole, whole_shape
 
 _POINTWISE = """
 abs absolute acos add addcdiv addcmul asin atan atan2 ceil clamp clamp_max clamp_min clip cos
@@ -41,8 +42,8 @@ requires_grad_ cpu cuda retain_grad zero_ fill_ copy_ __deepcopy__
     *ops(" ".join(f"__{n}__" for n in _DUNDERS.split()), Tensor),
 )
 def pointwise(g: Guard, call: Call) -> Any:
-    """Local. Blocks must share one layout; a whole tensor must have size 1 in the spatial
-    dimensions."""
+    """Local. Blocks must share one layout; a whole tensor must have size 1 or the whole
+    samples' size in each spatial dimension, and is then cut to the block."""
     dims = g.dims(call.blocks[0])
     sizes = {tuple(b.shape[d] for d in dims) for b in call.blocks}
     if len(sizes) > 1 or any(g.dims(b) != dims for b in call.blocks):
@@ -51,11 +52,7 @@ def pointwise(g: Guard, call: Call) -> Any:
     def replicate(t: Any) -> Any:
         if not isinstance(t, Tensor) or g.is_split(t):
             return t
-        if any(t.dim() >= -d and t.shape[d] != 1 for d in dims):
-            shape = tuple(t.shape)
-            raise g.refuse(call.name, f"a whole tensor of shape {shape} varies over a spatial "
-                           "dimension")  # fmt: skip
-        return g.summed(t)
+        return cut_whole(g, t, call.blocks[0], call.name)
 
     args, kwargs = tree_map(replicate, (call.args, call.kwargs))
     return g.marked(call.func(*args, **kwargs), dims)

@@ -277,22 +277,47 @@ def unbind(g: Guard, call: Call) -> Any:
     return g.marked(call.run(), _without(g.dims(x), [d], x.dim()))
 
 
+def cut_whole(g: Guard, t: Tensor, block: Tensor, op: str) -> Tensor:
+    """Whole tensor ``t`` meeting ``block`` (broadcast against it, from the end): sizes 1 stay
+    as they are, and a spatial dimension of the whole samples' size is cut to this rank's rows
+    of it (CoordConv's coordinate maps, ``torch.arange(x.shape[-1])``, a whole-size positional
+    embedding); its gradient is then each rank's share, summed as a gate's. Any other size
+    over a spatial dimension is refused."""
+    dims, whole = g.dims(block), whole_size(g, block)
+    index: list[Any] = [slice(None)] * t.dim()
+    for d, n, rows in zip(dims, whole, g.grid.block(*whole), strict=True):
+        if t.dim() < -d or t.shape[d] == 1:
+            continue
+        if t.shape[d] != n:
+            raise g.refuse(op, f"a whole tensor of shape {tuple(t.shape)} varies over a spatial "
+                           f"dimension, whose whole size is {n}")  # fmt: skip
+        index[t.dim() + d] = rows
+    cut = tuple(index) != (slice(None),) * t.dim()
+    return g.summed(t)[tuple(index)] if cut else g.summed(t)
+
+
 @rule(torch.cat, torch.concat, torch.concatenate, torch.stack,
       params="tensors, dim=0, *, out=None")  # fmt: skip
 def cat(g: Guard, call: Call) -> Any:
-    """Local when every tensor is a block of one layout, joined along another dimension."""
-    tensors, dim = call["tensors"], call["dim"]
-    dims = g.dims(call.blocks[0])
+    """Local when every tensor is a block of one layout, joined along another dimension; a
+    whole tensor among them of the whole samples' size is cut to the block first
+    (CoordConv's coordinate maps)."""
+    tensors, dim, first = list(call["tensors"]), call["dim"], call.blocks[0]
+    dims = g.dims(first)
+    if call["out"] is None and all(t.dim() == first.dim() for t in tensors):
+        size = whole_size(g, first)
+        tensors = [t if g.is_split(t) else g.marked(cut_whole(g, t, first, call.name), dims, size)
+                   for t in tensors]  # fmt: skip
     if all(g.is_split(t) and g.dims(t) == dims for t in tensors) and call["out"] is None:
-        ndim = tensors[0].dim()
+        ndim, run = tensors[0].dim(), lambda: call.func(tensors, dim)
         if call.func is not torch.stack and dim % ndim - ndim not in dims:
-            return g.marked(call.run(), dims)
+            return g.marked(run(), dims)
         if call.func is torch.stack:  # a new dimension before or after the spatial ones
             d = dim % (ndim + 1)
             if d <= ndim + min(dims):
-                return g.marked(call.run(), dims)
+                return g.marked(run(), dims)
             if d > ndim + max(dims):
-                return g.marked(call.run(), tuple(v - 1 for v in dims))
+                return g.marked(run(), tuple(v - 1 for v in dims))
     raise g.refuse(call.name, "it joins blocks with whole tensors, or along a spatial dimension")
 
 
