@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from parallelkit.spatial.rules.registry import Call, Guard, nchw, rule
+from parallelkit.spatial.rules.registry import Call, Guard, nchw, rule, whole_size
 
 
 def _group_norm(g: Guard, x: Tensor, groups: int, weight: Tensor | None, bias: Tensor | None,
@@ -86,7 +86,7 @@ def layer_norm(g: Guard, call: Call) -> Tensor:
         return g.marked(F.layer_norm(x, shape, weight, bias, call["eps"]), spatial)
     if spatial != tuple(range(-len(spatial), 0)):
         raise g.refuse(call.name, "it acts over a spatial dimension of a channels-last block")
-    size = tuple(g.size_now or g.grid.global_size(x, call.name))
+    size = whole_size(g, x)
     if shape[-len(size) :] != size:
         raise g.refuse(
             call.name, f"its normalized_shape {shape} does not end in the whole samples' {size}"

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-from parallelkit.spatial.rules.registry import Call, Guard, nchw, ops, rule
-from parallelkit.spatial.rules.shape import cut_whole, whole_shape
+from parallelkit.spatial.rules.registry import Call, Guard, nchw, ops, rule, whole_shape
+from parallelkit.spatial.rules.shape import cut_whole
 
 _POINTWISE = """
 abs absolute acos add addcdiv addcmul asin atan atan2 ceil clamp clamp_max clamp_min clip cos

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from parallelkit.spatial.rules.registry import Call, Guard, nchw, rule
+from parallelkit.spatial.rules.registry import Call, Guard, nchw, rule, whole_size
 
 _EXACT = (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, torch.dropout)
 _CHANNELS = (F.dropout1d, F.dropout2d, F.dropout3d)
@@ -30,7 +30,7 @@ def dropout(g: Guard, call: Call) -> Tensor:
     ndim = nchw(g, call, x)
     if call.func not in _EXACT or not 0 < p < 1:
         raise g.refuse(call.name, "only dropout and dropout1d/2d/3d draw masks exactly")
-    size = g.size_now or g.grid.global_size(x, call.name)
+    size = whole_size(g, x)
     channels = call.func in _CHANNELS
     whole = (*x.shape[:2], *((1,) * ndim if channels else size))
     noise = torch.empty(whole, dtype=x.dtype, device=x.device).bernoulli_(1 - p).div_(1 - p)

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from parallelkit.spatial import layout
 from parallelkit.spatial.rules.pointwise import pointwise
-from parallelkit.spatial.rules.registry import Call, Guard, ops, rule
+from parallelkit.spatial.rules.registry import Call, Guard, ops, rule, whole_size
 
 
 def _dims(x: Tensor, dim: Any) -> list[int]:
@@ -200,7 +200,7 @@ def var_std(g: Guard, call: Call) -> Tensor:
     if correction is None:
         correction = 0 if call["unbiased"] is False else 1
     spatial = _spatial(g, x)
-    size = g.size_now or g.grid.global_size(x, call.name)
+    size = whole_size(g, x)
     n = math.prod(size) * math.prod(x.shape[d] for d in dims if d not in spatial)
     with g.rules():
         mean = x.mean(dims, keepdim=True)

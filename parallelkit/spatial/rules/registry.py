@@ -25,6 +25,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -227,6 +228,24 @@ def all_(value: Any, want: int) -> bool:
 def pair(value: Any, n: int = 2) -> tuple:
     """A per-dimension argument for ``n`` spatial dimensions (an int repeated)."""
     return tuple(value) if isinstance(value, tuple | list) else (value,) * n
+
+
+def whole_size(g: Guard, x: Tensor) -> tuple[int, ...]:
+    """The whole samples' spatial size of block ``x`` (wherever its spatial dimensions are):
+    the record's, else one host all-gather of the block sizes (every rank reads it alike)."""
+    size = g.size_of(x)
+    if size is None:
+        block = [x.shape[d] for d in g.dims(x)]
+        size = g.grid.global_size(torch.empty((1, 1, *block), device="meta"), "a block's shape")
+    return tuple(size)
+
+
+def whole_shape(g: Guard, x: Tensor) -> torch.Size:
+    """Block ``x``'s shape with the whole samples' spatial sizes in place of its own."""
+    shape = list(x.shape)
+    for d, n in zip(g.dims(x), whole_size(g, x), strict=True):
+        shape[d] = n
+    return torch.Size(shape)
 
 
 def standard(x: Tensor) -> Dims:

@@ -16,7 +16,7 @@ from torch import Tensor
 from parallelkit.nn import spatial_pooling as spool
 from parallelkit.nn import spatial_resample
 from parallelkit.spatial.grid import scatter
-from parallelkit.spatial.rules.registry import Call, Guard, nchw, pair, rule
+from parallelkit.spatial.rules.registry import Call, Guard, nchw, pair, rule, whole_size
 
 Size = tuple[int, ...]
 INTERPOLATING = {"linear": 1, "bilinear": 2, "trilinear": 3}
@@ -40,7 +40,7 @@ def interpolate(g: Guard, call: Call) -> Any:
     whole_out = None
     if call["size"] is not None:
         whole_out = tuple(int(v) for v in pair(call["size"], ndim))
-        size = g.size_now or g.grid.global_size(x, call.name)
+        size = whole_size(g, x)
         factors = tuple(o / max(n, 1) for o, n in zip(whole_out, size, strict=True))
     else:
         factors = pair(call["scale_factor"], ndim)
@@ -59,7 +59,7 @@ def _resampled(g: Guard, call: Call, x: Tensor, whole_out: Size | None) -> Tenso
     """``F.interpolate`` of the block by per-dimension weights (:mod:`spatial_resample`), to
     ``whole_out`` (the whole size a ``size=`` stands for) or by ``scale_factor``."""
     ndim = x.dim() - 2
-    size = g.size_now or g.grid.global_size(x, call.name)
+    size = whole_size(g, x)
     nothing = (None,) * ndim
     outs = whole_out or nothing
     scales = nothing if whole_out else pair(call["scale_factor"], ndim)

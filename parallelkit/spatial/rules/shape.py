@@ -25,7 +25,18 @@ from torch import Tensor
 from torch.utils._pytree import tree_map
 
 from parallelkit.geometry import tensor_split_sizes
-from parallelkit.spatial.rules.registry import PROPERTY, Call, Dims, Guard, nchw, ops, prop, rule
+from parallelkit.spatial.rules.registry import (
+    PROPERTY,
+    Call,
+    Dims,
+    Guard,
+    nchw,
+    ops,
+    prop,
+    rule,
+    whole_shape,
+    whole_size,
+)
 
 
 def _positions(g: Guard, x: Tensor) -> tuple[int, ...]:
@@ -37,24 +48,6 @@ def _without(dims: Dims, removed: list[int], ndim: int) -> Dims:
     """``dims`` after the dimensions ``removed`` (from the front, none of them spatial) are
     gone: those after a spatial dimension bring it nearer the end."""
     return tuple(d + sum(r > ndim + d for r in removed) for d in dims)
-
-
-def whole_size(g: Guard, x: Tensor) -> tuple[int, ...]:
-    """The whole samples' spatial size of block ``x`` (wherever its spatial dimensions are):
-    the record's, else one host all-gather of the block sizes (every rank reads it alike)."""
-    size = g.size_of(x)
-    if size is None:
-        block = [x.shape[d] for d in g.dims(x)]
-        size = g.grid.global_size(torch.empty((1, 1, *block), device="meta"), "a block's shape")
-    return tuple(size)
-
-
-def whole_shape(g: Guard, x: Tensor) -> torch.Size:
-    """Block ``x``'s shape with the whole samples' spatial sizes in place of its own."""
-    shape = list(x.shape)
-    for d, n in zip(g.dims(x), whole_size(g, x), strict=True):
-        shape[d] = n
-    return torch.Size(shape)
 
 
 def _whole_meta(g: Guard, t: Any) -> Any:

@@ -26,8 +26,16 @@ from parallelkit.nn import spatial_parallel as sp
 from parallelkit.nn import spatial_pooling as spool
 from parallelkit.spatial.grid import gather
 from parallelkit.spatial.rules.reductions import mean_spatial
-from parallelkit.spatial.rules.registry import Call, Guard, all_, nchw, ops, pair, rule
-from parallelkit.spatial.rules.shape import whole_size
+from parallelkit.spatial.rules.registry import (
+    Call,
+    Guard,
+    all_,
+    nchw,
+    ops,
+    pair,
+    rule,
+    whole_size,
+)
 
 MAX_POOLS = {F.max_pool1d: 1, F.max_pool2d: 2, F.max_pool3d: 3, torch.max_pool1d: 1,
              torch.max_pool2d: 2, torch.max_pool3d: 3}  # fmt: skip
@@ -62,7 +70,7 @@ def conv(g: Guard, call: Call) -> Tensor:
         raise g.refuse(call.name, f"a {len(kernel)}-D kernel on a block with {ndim} spatial "
                        "dimensions")  # fmt: skip
     windows = sp.conv_windows(kernel, stride, padding, dilation)
-    size = g.size_now or g.grid.global_size(x, call.name)
+    size = whole_size(g, x)
     out = sp.conv_blocks(x, weight, bias, windows, call["groups"], g.grid, size)
     return g.marked(out, size=tuple(w.out_size(n) for w, n in zip(windows, size, strict=True)))
 
@@ -122,7 +130,7 @@ def adaptive_pool(g: Guard, call: Call) -> Tensor | tuple[Tensor, Tensor]:
     ndim = nchw(g, call, x)
     if call.func in ADAPTIVE_AVG and all_(call["output_size"], 1):
         return mean_spatial(g, x)
-    size = g.size_now or g.grid.global_size(x, call.name)
+    size = whole_size(g, x)
     asked = pair(call["output_size"], ndim)
     outs = [n if m is None else m for m, n in zip(asked, size, strict=True)]
     if call.func not in ADAPTIVE_AVG:
@@ -147,7 +155,7 @@ def pad(g: Guard, call: Call) -> Tensor:
     ndim = nchw(g, call, x)
     if mode not in ("constant", "reflect", "replicate", "circular"):
         raise g.refuse(call.name, f"mode={mode!r} has no rule")
-    size = g.size_now or g.grid.global_size(x, call.name)
+    size = whole_size(g, x)
     spatial = [*pads, *[0] * (2 * ndim)][: 2 * ndim]  # F.pad's order: the last dimension first
     rest = pads[2 * ndim :]
     if mode != "constant" and (rest or min(spatial) < 0):
