@@ -180,6 +180,9 @@ class ForwardCodeNet(nn.Module):
             self.valid, self.same_pool = nn.Conv2d(6, 6, (2, 1)), MaxPool2dSame(2, 2)
         if kind == "upcat pad":  # 11 x 10 maps: rows split 6 + 5
             self.valid = nn.Conv2d(6, 6, (2, 1))
+        if kind == "channels-last ops":
+            self.proj = nn.Parameter(torch.randn(6, 6) / 3)
+            self.dw = nn.Conv2d(6, 6, 3, padding=1, groups=6)
         if kind == "coordinates":  # a positional embedding of the whole size, a parameter
             self.pos = nn.Parameter(torch.randn(1, 6, 12, 10) / 4 + 1)
         if kind == "space to depth":  # mixes the 4 pixels of each 2 x 2 cell
@@ -283,6 +286,14 @@ class ForwardCodeNet(nn.Module):
             rows = torch.linspace(-1, 1, h, dtype=x.dtype).view(1, 1, h, 1).expand(n, 1, h, w)
             cols = torch.arange(w, dtype=x.dtype) / w  # broadcast over W: cut to the block
             return torch.cat([x[:, :5] + cols, rows], 1) * self.pos
+        if k == "channels-last ops":  # Swin's pad and unpad, matmul, einsum, slice writes
+            h, w = x.shape[-2:]
+            y = F.pad(x.permute(0, 2, 3, 1), (0, 0, 0, 2, 1, 0)) @ self.proj  # 13 x 12
+            y = self.dw(y.permute(0, 3, 1, 2))[:, :, 1:, :w]  # padded rows reach the window
+            y = y + torch.einsum("nchw,dc->ndhw", x, self.proj)
+            y = y + x[:, :, 1:-1].mean((1, 2, 3), keepdim=True)  # a crop, then a mean
+            y[:, :3] += x[:, 3:]  # ReXNet's partial shortcut
+            return y
         if k == "space to depth by 4 along H":  # 12 rows in blocks of 6: not whole groups
             n, c, h, w = x.shape
             return x.view(n, c, h // 4, 4, w).sum(3)
@@ -354,6 +365,7 @@ FORWARD_CODE = {
         "cyclic shift",
         "whole-size constants",
         "coordinates",
+        "channels-last ops",
     )
 }
 # Exact under model parallelism without a data dimension: dropout's masks are drawn for the

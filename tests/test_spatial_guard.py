@@ -127,6 +127,24 @@ BLOCKS = {
     "cat with whole coordinate maps (CoordConv)": lambda x: torch.cat(
         [x, torch.linspace(-1, 1, x.shape[2]).view(1, 1, -1, 1).expand(2, 1, -1, x.shape[3])], 1
     ),
+    "assignment to a channel slice (ReXNet's out[:, :c] += shortcut)": lambda x: (
+        lambda y: (y.__setitem__((slice(None), slice(0, 2)), y[:, :2] + x[:, 1:3]), y)[1]
+    )(x * 2),
+    "a slice to the whole size is whole (Swin's unpad x[:, :H, :W, :])": lambda x: (
+        x.permute(0, 2, 3, 1)[:, : x.shape[2], : x.shape[3], :].permute(0, 3, 1, 2)
+    ),
+    "slices of H: crops": lambda x: x[:, :, 1:, :] + x[:, :, :-1, :],
+    "slices of H and W: a crop, channels sliced too": lambda x: x[:, 1:3, :4, 1:-1],
+    "a crop of a channels-last block": lambda x: x.permute(0, 2, 3, 1)[:, 1:4, -3:],
+    "F.pad of a channels-last block (Swin's pad to a window multiple)": lambda x: F.pad(
+        x.permute(0, 2, 3, 1), (0, 1, 0, 2, 1, 0)
+    ).permute(0, 3, 1, 2),
+    "a channels-last block @ a matrix": lambda x: (
+        x.permute(0, 2, 3, 1) @ torch.linspace(-1, 1, 12).view(4, 3)
+    ).permute(0, 3, 1, 2),
+    "torch.einsum over the channels": lambda x: torch.einsum(
+        "nchw,dc->ndhw", x, torch.linspace(-1, 1, 12).view(3, 4)
+    ),
     "torch.roll along H and W, and C": lambda x: torch.roll(x, (2, -3, 1), (2, 3, 1)),
     "Tensor.roll along H, channels last": lambda x: (
         x.permute(0, 2, 3, 1).roll(4, 1).permute(0, 3, 1, 2)
@@ -198,7 +216,7 @@ REFUSED = {
     "norm over W only": (lambda x: x.norm(dim=3), "some of the spatial dimensions"),
     "norm p=3 over H and W": (lambda x: x.norm(3, dim=(2, 3)), "p=3"),
     "narrow along H": (lambda x: x.narrow(2, 0, 2), "cuts along a spatial dimension"),
-    "a slice of H spelled out": (lambda x: x[:, :, 1:, :], "reaches a spatial dimension"),
+    "a slice of H keeping no row": (lambda x: x[:, :, 7:], "keeps no row"),
     "a step over W": (lambda x: x[..., ::2], "reaches a spatial dimension"),
     "F.normalize over W": (lambda x: F.normalize(x, dim=-1), "normalizes over a spatial dimension"),
     "a whole tensor varying over W, not of its size": (
@@ -206,12 +224,22 @@ REFUSED = {
     ),
     "cat along H": (lambda x: torch.cat([x, x], 2), "along a spatial dimension"),
     "stack before C": (lambda x: torch.stack([x, x], 1).flatten(1), "merges two spatial"),
-    "F.conv2d with a split weight": (lambda x: F.conv2d(x, x[:, :, :2, :2]), "reaches a spatial"),
+    "F.conv2d with a split weight": (
+        lambda x: F.conv2d(x, x[:, :, :2, :2]), "its weight is a block"
+    ),
     "F.conv2d of a whole tensor by a block": (
         lambda x: F.conv2d(torch.ones(1, 4, 7, 8), x),
         "its weight is a block",
     ),
     "training alpha dropout": (lambda x: F.alpha_dropout(x, 0.5, True), "draw masks exactly"),
+    "torch.einsum summing over W": (
+        lambda x: torch.einsum("nchw->nch", x), "sums over a spatial dimension"
+    ),
+    "matmul over W": (lambda x: x @ torch.ones(6, 2), "it contracts a spatial dimension"),
+    "assignment to a slice of H": (
+        lambda x: x.clone().__setitem__((slice(None), slice(None), slice(0, 2)), 0.0),
+        "writes to part of a spatial dimension",
+    ),
     "F.layer_norm over W only": (lambda x: F.layer_norm(x, (6,)), "does not end in the whole"),
     "split along W": (lambda x: x.split(3, dim=3), "cuts along a spatial dimension"),
     "F.linear over W": (lambda x: F.linear(x, torch.ones(2, 6)), "acts over a spatial dimension"),

@@ -114,3 +114,41 @@ def linear(g: Guard, call: Call) -> Tensor:
         raise g.refuse(call.name, "it acts over a spatial dimension (permute the channels "
                        "last first)")  # fmt: skip
     return g.marked(F.linear(x, g.summed(call["weight"]), g.summed(call["bias"])), spatial)
+
+
+@rule(torch.matmul, Tensor.matmul, Tensor.__matmul__, params="input, other")
+def matmul(g: Guard, call: Call) -> Tensor:
+    """A block times a whole matrix over its last dimension, which is not spatial (a linear
+    map over channels-last features): local, the matrix's gradient summed."""
+    x, w = call["input"], call["other"]
+    if not g.is_split(x) or g.is_split(w) or w.dim() != 2 or max(g.dims(x)) == -1:
+        raise g.refuse(
+            call.name, "it contracts a spatial dimension, or a whole tensor with a block (only "
+            "a block times a matrix over its channels-last dimension has a rule)",
+        )  # fmt: skip
+    return g.marked(torch.matmul(x, g.summed(w)), g.dims(x))
+
+
+@rule(torch.einsum, params="equation, *operands")
+def einsum(g: Guard, call: Call) -> Tensor:
+    """Local where every spatial dimension's letter is in the output and only in blocks of
+    one layout, at their own spatial dimension (``"nchw,dc->ndhw"``: a map over channels);
+    whole operands' gradients summed."""
+    equation, operands = call["equation"], call["operands"]
+    if len(operands) == 1 and isinstance(operands[0], list | tuple):
+        operands = tuple(operands[0])
+    inputs, _, output = equation.replace(" ", "").partition("->")
+    subscripts = inputs.split(",")
+    if "." in equation or not output or len(subscripts) != len(operands):
+        raise g.refuse(call.name, "only explicit equations without '...' have a rule")
+    first = call.blocks[0]
+    letters = [subscripts[operands.index(first)][d] for d in g.dims(first)]
+    for sub, t in zip(subscripts, operands, strict=True):
+        mine = [sub[d] for d in g.dims(t)] if g.is_split(t) else []
+        if (g.is_split(t) and mine != letters) or (not g.is_split(t) and set(sub) & set(letters)):
+            raise g.refuse(call.name, f"{equation!r} mixes a spatial dimension with another")
+    if any(c not in output for c in letters):
+        raise g.refuse(call.name, f"{equation!r} sums over a spatial dimension")
+    summed = [t if g.is_split(t) else g.summed(t) for t in operands]
+    dims = tuple(output.index(c) - len(output) for c in letters)
+    return g.marked(torch.einsum(equation, *summed), dims)

@@ -314,20 +314,24 @@ def cat(g: Guard, call: Call) -> Any:
     raise g.refuse(call.name, "it joins blocks with whole tensors, or along a spatial dimension")
 
 
-def _full(entry: Any) -> bool:
+def _full(entry: Any, n: int) -> bool:
+    """Whether a slice takes all ``n`` entries of its dimension (``:``, ``0:``, ``:n``)."""
     return (
         isinstance(entry, slice)
-        and entry == slice(entry.start, None, entry.step)
-        and (entry.start in (None, 0) and entry.step in (None, 1))
+        and entry.start in (None, 0)
+        and entry.step in (None, 1)
+        and (entry.stop is None or (isinstance(entry.stop, int) and entry.stop >= n))
     )
 
 
-@rule(Tensor.__getitem__, params="input, index")
-def getitem(g: Guard, call: Call) -> Any:
-    """Local when the spatial dimensions are taken whole (``x[:, :16]``, ``x[:, :16, :, :]``,
-    ``x[:, idx]`` with a channel index tensor, ``x[..., :16]`` on a channels-last block);
-    index tensors only before the spatial dimensions."""
-    x, index = call["input"], call["index"]
+def _indexed(
+    g: Guard, x: Tensor, index: Any
+) -> tuple[Dims, Any, dict[int, tuple[int, int]]]:
+    """Where the spatial dimensions of block ``x`` are after ``x[index]``, the index to apply
+    to the block (``:`` along the spatial dimensions), and the rows each spatial dimension
+    keeps, by its place in the record, where a slice of step 1 cuts it (``x[:, :, 1:-1]``, a
+    slice to the whole size keeps them all). Refused: an integer, a step or an index tensor
+    along a spatial dimension."""
     entries = list(index) if isinstance(index, tuple) else [index]
     width = [
         0 if e is None else e.dim() if isinstance(e, Tensor) and e.dtype == torch.bool else 1
@@ -338,12 +342,22 @@ def getitem(g: Guard, call: Call) -> Any:
     if Ellipsis in entries:
         width[entries.index(Ellipsis)] = x.dim() - (sum(width) - 1)
     spatial = _positions(g, x)
+    shape = whole_shape(g, x)
     lo, hi = min(spatial), max(spatial)
-    first, out = 0, []  # the next input dimension; the input dimension of each output one
+    first, out, local, crops = 0, [], [], {}  # out: the input dimension of each output one
     for e, n in zip(entries, width, strict=True):
         consumed = range(first, first + n)
-        kept = e is Ellipsis or _full(e)
-        if not kept and any(d in spatial for d in consumed):
+        if first in spatial and n == 1 and e is not Ellipsis:
+            if not isinstance(e, slice) or e.step not in (None, 1):
+                raise g.refuse("indexing", f"the index {index!r} reaches a spatial dimension")
+            rows = range(shape[first])[e]
+            if len(rows) == 0:
+                raise g.refuse("indexing", f"the index {index!r} keeps no row of a spatial "
+                               "dimension")  # fmt: skip
+            if len(rows) != shape[first]:
+                crops[spatial.index(first)] = (rows.start, rows.stop)
+            e = slice(None)
+        elif any(d in spatial for d in consumed) and e is not Ellipsis:
             raise g.refuse("indexing", f"the index {index!r} reaches a spatial dimension")
         if e is None and lo < first <= hi:
             raise g.refuse("indexing", f"the index {index!r} adds a dimension among the spatial")
@@ -354,9 +368,46 @@ def getitem(g: Guard, call: Call) -> Any:
             out.append(None)  # a new dimension, or an index tensor's (before the spatial ones)
         elif not isinstance(e, int):
             out += list(consumed)
+        local.append(e)
         first += n
     out += list(range(first, x.dim()))  # dimensions left unindexed
-    return g.marked(call.run(), tuple(out.index(d) - len(out) for d in spatial))
+    dims = tuple(out.index(d) - len(out) for d in spatial)
+    return dims, tuple(local) if isinstance(index, tuple) else local[0], crops
+
+
+@rule(Tensor.__getitem__, params="input, index")
+def getitem(g: Guard, call: Call) -> Any:
+    """Local when the spatial dimensions are taken whole (``x[:, :16]``, ``x[:, :16, :, :]``,
+    ``x[:, idx]`` with a channel index tensor, ``x[..., :16]`` on a channels-last block);
+    index tensors only before the spatial dimensions. A slice of step 1 along a spatial
+    dimension (Swin's unpad ``x[:, :H, :W, :]``, ``x[..., 1:-1]``) is a crop: ``F.pad`` by
+    negative pads, whose rule fetches each rank's new rows."""
+    x = call["input"]
+    dims, index, crops = _indexed(g, x, call["index"])
+    y = g.marked(x[index], dims, whole_size(g, x))
+    if not crops:
+        return y
+    whole, pads = whole_size(g, x), [0] * (2 * -min(dims))
+    for k, (start, stop) in crops.items():
+        at = 2 * (-dims[k] - 1)  # F.pad's order: the last dimension first
+        pads[at : at + 2] = [-start, stop - whole[k]]
+    with g.rules():
+        return F.pad(y, pads)
+
+
+@rule(Tensor.__setitem__, params="input, index, value")
+def setitem(g: Guard, call: Call) -> None:
+    """Assignment to a part that takes the spatial dimensions whole (ReXNet's
+    ``out[:, :c] += shortcut``): local, a whole value cut to the block as in pointwise."""
+    x, index, value = call["input"], call["index"], call["value"]
+    if not g.is_split(x):
+        raise g.refuse(call.name, "it writes a block into a whole tensor")
+    _, index, crops = _indexed(g, x, index)
+    if crops:
+        raise g.refuse("indexing", "it writes to part of a spatial dimension")
+    if isinstance(value, Tensor) and not g.is_split(value):
+        value = cut_whole(g, value, x, call.name)
+    x[index] = value
 
 
 _METADATA = """

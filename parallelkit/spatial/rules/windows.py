@@ -14,6 +14,8 @@ group (:mod:`parallelkit.nn.spatial_adaptive_max`): ties and NaNs pick torch's o
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -34,6 +36,7 @@ from parallelkit.spatial.rules.registry import (
     ops,
     pair,
     rule,
+    standard,
     whole_size,
 )
 
@@ -152,6 +155,8 @@ def pad(g: Guard, call: Call) -> Tensor:
     of a patch size, MONAI's pad to a skip connection's size)."""
     x, pads = call["input"], list(call["pad"])
     mode, value = call["mode"], call["value"] or 0.0
+    if g.dims(x) != standard(x):  # channels last (Swin's pads): the same on (N, C, *spatial)
+        return _pad_moved(g, x, pads, mode, call["value"])
     ndim = nchw(g, call, x)
     if mode not in ("constant", "reflect", "replicate", "circular"):
         raise g.refuse(call.name, f"mode={mode!r} has no rule")
@@ -175,6 +180,19 @@ def pad(g: Guard, call: Call) -> Tensor:
     if rest:  # leading dimensions: local
         y = F.pad(y, [0, 0] * ndim + rest, value=value)
     return g.marked(y, size=tuple(new_size))
+
+
+def _pad_moved(g: Guard, x: Tensor, pads: list[int], mode: str, value: Any) -> Tensor:
+    """``F.pad`` of a block whose spatial dimensions are not last: moved last (the others
+    keep their order), padded with the pads moved alike, and moved back."""
+    at = tuple(x.dim() + d for d in g.dims(x))
+    order = [d for d in range(x.dim()) if d not in at] + list(at)
+    per = {x.dim() - 1 - i: pads[2 * i : 2 * i + 2] for i in range(len(pads) // 2)}
+    moved_pads = [v for d in reversed(order) for v in per.get(d, (0, 0))]
+    last = tuple(range(x.dim() - len(at), x.dim()))
+    with g.rules():
+        y = F.pad(x.movedim(at, last), moved_pads, mode, value)
+        return y.movedim(last, at)
 
 
 def _source_row(i: int, n: int, mode: str) -> int:
