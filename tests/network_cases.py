@@ -574,15 +574,18 @@ def se_without_gradient_sum(comm: Communicator) -> list[str]:
     return bad
 
 
-class _Resize(nn.Module):
+class _TokenSoftmax(nn.Module):
+    """A softmax over the H x W tokens: flattening H and W together is refused on blocks."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.interpolate(x, size=(7, 5), mode="bilinear")
+        return x.flatten(2).softmax(-1).view_as(x)
 
 
 def keep_dense_way_out(comm: Communicator) -> list[Triple | str]:
     """A module the guard refuses is named in the message; keep_dense=[it] runs it whole."""
     torch.manual_seed(0)
-    dense = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), _Resize(), nn.Conv2d(4, 2, 1)).double()
+    dense = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), _TokenSoftmax(), nn.Conv2d(4, 2, 1))
+    dense = dense.double()
     x = torch.randn(2, 3, 10, 8, dtype=torch.float64)
     try:
         pk.parallelize(copy.deepcopy(dense), comm, "spatial")(x)

@@ -26,19 +26,21 @@ from fallback_cases import hybrid_parity, hybrid_refused
 def test_refused_modules_run_on_whole_images_exactly(ranks, size, grid):
     for triples, warned in ranks(size).run(hybrid_parity, grid, timeout=300):
         assert_triples(triples)
-        # One warning per module, for the region's life: its path, class and memory.
-        assert len(warned) == 2, warned
+        # One warning per module, for the region's life: its path, class and memory. The
+        # space-to-depth view is exact on blocks of 6 rows, and gathered on columns of 5 or 3.
+        assert len(warned) == (2 if "cols" in grid else 1), warned
         assert "'mixer' (TokenMixer) runs on the whole images" in warned[0], warned
-        assert "'down' (SpaceToDepth)" in warned[1] and "MiB per rank" in warned[1], warned
+        if "cols" in grid:
+            assert "'down' (SpaceToDepth)" in warned[1] and "MiB per rank" in warned[1], warned
 
 
 @pytest.mark.parametrize(
     ("size", "grid"), [(2, dict(rows=2)), (3, dict(rows=3)), (2, dict(cols=2))]
 )
 def test_a_module_that_asserts_on_its_blocks_shape_runs_on_whole_images(ranks, size, grid):
-    """Windowed attention asserting that the window divides the height it reads: on blocks of
-    8 rows the assertion holds and its view is refused; on 6 and 5 rows (or 6 columns) the
-    assertion fails on every rank, which agree, and the module is gathered all the same."""
+    """Windowed attention asserting that the window divides the height it reads (the whole
+    height, 16, on every block): its partition merges the windows into the batch, which is
+    refused on blocks of any size, and the module is gathered."""
     for triples, warned in ranks(size).run(hybrid_parity, grid, net="windows", timeout=300):
         assert_triples(triples)
         assert len(warned) == 1 and "'mixer' (WindowMixer)" in warned[0], warned
@@ -65,8 +67,10 @@ def test_a_modules_own_error_on_a_block_is_a_refusal(ranks):
         assert "keep_dense=['mixer']" in message and 'fallback="gather"' in message, message
     for message in ranks(3).run(hybrid_refused, "windows"):  # its partition merges rows
         assert message.startswith("spatial parallelism: Tensor.view in 'mixer' (WindowMixer) "
-                                  "touches a block of split images, and (2, 4, H, W) -> 6 "
-                                  "dimensions merges or splits"), message  # fmt: skip
+                                  "touches a block of split images, and (2, 4, H, W) -> (2, "
+                                  "4, 4, 4, 3, 4) regroups a dimension of 16 split into blocks "
+                                  "of [6, 5, 5], which do not become blocks of its 4 (each "
+                                  "block a multiple of 4 rows would)"), message  # fmt: skip
 
 
 def test_errors_raised_by_parallelkit_itself_are_not_dressed_as_refusals():

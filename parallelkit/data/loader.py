@@ -49,6 +49,7 @@ from parallelkit.data.config import (
     block_format,
     block_root,
     check_config,
+    crop_key,
     crop_shape,
     has_masks,
     own,
@@ -292,13 +293,17 @@ def block_dataset(
         if dims == 2 and block[0] > 1:
             window(crop_shape(cfg), block)  # raises: a depth split of images
         rank_block = RankBlock(tuple(counts), tuple(coords))
-    data = BlockDataset(
-        root, split, block=rank_block, dims=dims, crop=crop_shape(cfg), flip=tuple(cfg.flips),
-        rotate=tuple(cfg.rotate), normalize=normalizer(cfg), num_classes=cfg.num_classes,
-        seed=seed, level=cfg.level,
-        foreground=cfg.foreground, channels=cfg.channels, layout=cfg.layout or None,
-        measure=measure, crops=cfg.crops_per_sample,
-    )  # fmt: skip
+    try:
+        data = BlockDataset(
+            root, split, block=rank_block, dims=dims, crop=crop_shape(cfg), flip=tuple(cfg.flips),
+            rotate=tuple(cfg.rotate), normalize=normalizer(cfg), num_classes=cfg.num_classes,
+            seed=seed, level=cfg.level, foreground=cfg.foreground, channels=cfg.channels,
+            layout=cfg.layout or None, measure=measure, crops=cfg.crops_per_sample,
+        )  # fmt: skip
+    except ValueError as e:  # a crop that does not fit: name the key that set it
+        if str(e).startswith("crop "):
+            raise ValueError(f"{crop_key(cfg)}: {e}") from e
+        raise
     kind, found = block_format(cfg.name), format_of(data.images[0].path)
     if found != kind:
         raise ValueError(f"data.name={cfg.name!r}: {data.images[0].path} is {found}, not {kind}")

@@ -661,6 +661,40 @@ ARCHS: dict[str, Arch] = {
     ),
 }
 
+# A wider sweep, kept out of the tier (SWEEP): networks of the same libraries that the tier
+# does not hold, each under the spatial strategy a user would pick first (rows for images,
+# depth for volumes), to find what still fails: survey.py --arch NAME --strategy rows.
+SWEEP_ARCHS: dict[str, Arch] = {
+    **{f"timm {n}": Arch("timm", _timm(n), what="sweep") for n in (
+        "rexnet_100", "resnest14d", "res2net50_14w_8s", "dla34", "hrnet_w18_small", "nf_resnet26",
+        "repvgg_a0", "ese_vovnet19b_dw", "cspresnet50", "mixnet_s", "fbnetv3_b", "lcnet_050",
+        "gernet_s", "resnetv2_50", "gcresnet33ts", "skresnet18", "dpn48b", "selecsls42b",
+        "xception41", "bat_resnext26ts",
+    )},
+    **{f"tv {n}": Arch("torchvision", _tv(n, num_classes=5), what="sweep") for n in (
+        "resnext50_32x4d", "mobilenet_v3_large", "efficientnet_v2_s", "alexnet", "vgg11",
+        "regnet_y_800mf", "swin_t",
+    )},
+    "monai EfficientNetBN 3-D": Arch(
+        "monai", _monai("EfficientNetBN", "efficientnet-b0", spatial_dims=3, in_channels=1,
+                        num_classes=3, pretrained=False), (1, 32, 32, 32), what="sweep",
+    ),
+    "monai DenseNet121 3-D": Arch(
+        "monai", _monai("DenseNet121", spatial_dims=3, in_channels=1, out_channels=3),
+        (1, 32, 32, 32), what="sweep",
+    ),
+    "monai SegResNetVAE": Arch(
+        "monai", _monai("SegResNetVAE", input_image_size=(32, 32, 32), spatial_dims=3,
+                        init_filters=4, in_channels=1, out_channels=2), (1, 32, 32, 32),
+        what="sweep",
+    ),
+    "monai LocalNet": Arch(
+        "monai", _monai("LocalNet", spatial_dims=3, in_channels=1, num_channel_initial=4,
+                        extract_levels=(0, 1, 2), out_channels=3), (1, 16, 16, 16), what="sweep",
+    ),
+}  # fmt: skip
+ARCHS.update(SWEEP_ARCHS)
+
 STRATEGIES: dict[str, tuple[int, dict]] = {
     # name -> (ranks, Grid dimensions)
     "data": (2, dict(data=2)),
@@ -741,10 +775,12 @@ SPATIAL = tuple(
 (a data group's unused parameters, or a channel split, are not about blocks)."""
 
 
-SLOW = ("monai VNet", "monai BasicUNetPlusPlus", "smp PAN resnet18", "smp DeepLabV3Plus resnet18")
+SLOW = ("monai VNet", "monai BasicUNetPlusPlus", "smp PAN resnet18", "smp DeepLabV3Plus resnet18",
+        *SWEEP_ARCHS)
 """Architectures kept out of the test tier for their cost (VNet's 45M weights, U-Net++'s
 nested decoder at 32^3 in float64, PAN at 256 x 256, DeepLabV3+ whose ASPP and skip the tier's
-DeepLabV3 and U-Nets already cover), run by hand: ``survey.py --arch 'monai VNet'``."""
+DeepLabV3 and U-Nets already cover) and the wider sweep (SWEEP_ARCHS), run by hand:
+``survey.py --arch 'monai VNet'``."""
 
 
 def applies(arch: str, strategy: str) -> bool:
