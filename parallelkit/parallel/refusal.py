@@ -67,8 +67,8 @@ def model_failure(
     message = str(exc).splitlines()[0] if str(exc) else ""
     refused = refusal(
         names, module, "the forward", f"raised {type(exc).__name__} ({message}) on this rank's "
-        "block of split images: its code may decide on the block's own height or width (a "
-        "window or patch size that must divide it, a tensor sized for the whole image)",
+        "block of split images: its code may need more of the sample than the block (the "
+        "block's own data where it expects the whole image's, a size check of its own)",
     )  # fmt: skip
     refused.same_everywhere = False
     return refused
