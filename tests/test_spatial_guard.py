@@ -243,6 +243,10 @@ REFUSED = {
     "F.layer_norm over W only": (lambda x: F.layer_norm(x, (6,)), "does not end in the whole"),
     "split along W": (lambda x: x.split(3, dim=3), "cuts along a spatial dimension"),
     "F.linear over W": (lambda x: F.linear(x, torch.ones(2, 6)), "acts over a spatial dimension"),
+    "F.pad of a block with two dimensions before its spatial ones and C after": (
+        lambda x: F.pad(x.permute(0, 2, 3, 1).unsqueeze(1), (0, 0, 1, 1)),
+        "wants an (N, C, L), (N, C, H, W) or (N, C, D, H, W) block",
+    ),
     "channels-last block into max pooling": (
         lambda x: F.max_pool2d(x.permute(0, 2, 3, 1), 2),
         "wants an (N, C, L), (N, C, H, W) or (N, C, D, H, W) block",

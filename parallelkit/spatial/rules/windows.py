@@ -36,7 +36,6 @@ from parallelkit.spatial.rules.registry import (
     ops,
     pair,
     rule,
-    standard,
     whole_size,
 )
 
@@ -155,7 +154,8 @@ def pad(g: Guard, call: Call) -> Tensor:
     of a patch size, MONAI's pad to a skip connection's size)."""
     x, pads = call["input"], list(call["pad"])
     mode, value = call["mode"], call["value"] or 0.0
-    if g.dims(x) != standard(x):  # channels last (Swin's pads): the same on (N, C, *spatial)
+    last = tuple(range(-len(g.dims(x)), 0))
+    if g.dims(x) != last:  # channels last (Swin's pads): the same on (N, C, *spatial)
         return _pad_moved(g, x, pads, mode, call["value"])
     ndim = nchw(g, call, x)
     if mode not in ("constant", "reflect", "replicate", "circular"):
