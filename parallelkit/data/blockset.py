@@ -48,7 +48,7 @@ import torch
 from torch.utils.data import Dataset
 
 from parallelkit.data import datalist, samplecache
-from parallelkit.data.errors import DataError
+from parallelkit.data.errors import CropError, DataError
 from parallelkit.data.foreground import MOST, centred_start, foreground_positions
 from parallelkit.data.intensity import SAMPLE_STATS_FILE, Intensity, Normalizer
 from parallelkit.data.readers import Block, SampleReader, format_of, slab_blocks, stem_of
@@ -122,6 +122,16 @@ class View:
         return np.flip(data, flipped) if flipped else data
 
 
+def extent(crop: Sequence[int], axes: Sequence[int]) -> tuple[int, ...]:
+    """The region a view of ``crop`` whose axis ``d`` shows the sample's axis ``axes[d]``
+    reads, in the sample's axis order (a crop turned an odd number of quarter turns reads its
+    extent in the plane swapped)."""
+    out = list(crop)
+    for d, axis in enumerate(axes):
+        out[axis] = crop[d]
+    return tuple(out)
+
+
 def turned(dims: int, plane: Sequence[int], turns: int) -> tuple[tuple[int, ...], set[int]]:
     """``np.rot90(x, turns, plane)`` as a view: the sample's axis that each axis shows, and the
     view's axes that are reversed."""
@@ -148,24 +158,22 @@ def draw_view(
     size = tuple(size)
     crop = size if crop is None else tuple(int(c) for c in crop)
     if len(crop) != len(size) or any(not 0 < c <= n for c, n in zip(crop, size, strict=True)):
-        raise ValueError(f"crop {crop} does not fit in samples of size {size}")
+        raise CropError(f"crop {crop} does not fit in samples of size {size}")
     if rng is None:
         return View(
             tuple((n - c) // 2 for n, c in zip(size, crop, strict=True)), crop, (False,) * len(size)
         )
     axes, reversed_ = turned(len(size), rotate, int(rng.integers(0, 4))) if rotate else ((), set())
-    extent = list(crop)  # the region read, in the sample's axis order
-    for d, axis in enumerate(axes):
-        extent[axis] = crop[d]
-    if any(e > n for e, n in zip(extent, size, strict=True)):
-        raise ValueError(
-            f"crop {crop} turned in the plane of axes {tuple(rotate)} is {tuple(extent)}, which "
+    region = extent(crop, axes)
+    if any(e > n for e, n in zip(region, size, strict=True)):
+        raise CropError(
+            f"crop {crop} turned in the plane of axes {tuple(rotate)} is {region}, which "
             f"does not fit in a sample of size {size}"
         )
     if centre is not None:
-        start = centred_start(centre, size, extent)
+        start = centred_start(centre, size, region)
     else:
-        start = tuple(int(rng.integers(0, n - e + 1)) for n, e in zip(size, extent, strict=True))
+        start = tuple(int(rng.integers(0, n - e + 1)) for n, e in zip(size, region, strict=True))
     flips = tuple((bool(rng.integers(0, 2)) if d in flip else False) != (d in reversed_)
                   for d in range(len(size)))  # fmt: skip
     return View(start, crop, flips, axes if axes != tuple(range(len(size))) else ())
@@ -351,14 +359,12 @@ class BlockDataset(Dataset):
         if crop is not None:  # from the headers: before any sample is read
             shapes = [tuple(crop)]
             if rotate:  # the crop turned a quarter: its extent in the sample
-                a, b = rotate
-                shapes.append(tuple(crop[b] if d == a else crop[a] if d == b else c
-                                    for d, c in enumerate(crop)))  # fmt: skip
+                shapes.append(extent(crop, turned(len(crop), rotate, 1)[0]))
             small = [r for r in self.images if len(crop) != len(r.size) or any(
                 c > n for s in shapes for c, n in zip(s, r.size, strict=True))]  # fmt: skip
             if small:
                 turned_ = f" or turned, {shapes[-1]}," if shapes[-1] != shapes[0] else ""
-                raise ValueError(
+                raise CropError(
                     f"crop {tuple(crop)}{turned_} does not fit in {small[0].path}, of size "
                     f"{small[0].size} ({len(small)} of the {len(self.images)} {split} samples "
                     "are smaller): choose a crop within every sample"

@@ -261,26 +261,16 @@ def check_blocks(cfg: DataConfig) -> None:
             "0 <= low < high <= 100 (default [0.5, 99.5])"
         )
     dims = 3 if volumes(cfg) else 2
-    flips = list(cfg.flips) if isinstance(cfg.flips, Sequence) else None
-    if (
-        flips is None
-        or len(set(flips)) != len(flips)
-        or not all(isinstance(a, Integral) and 0 <= a < dims for a in flips)
-    ):
+    named = f"in 0..{dims - 1} ({'D, H, W' if dims == 3 else 'H, W'})"
+    if _distinct_axes(cfg.flips, dims) is None:
         raise ValueError(
             f"data.flips={_show(cfg.flips)} must list distinct spatial axes of the {dims}-D "
-            f"samples, each in 0..{dims - 1} ({'D, H, W' if dims == 3 else 'H, W'}), or be []"
+            f"samples, each {named}, or be []"
         )
-    rotate = list(cfg.rotate) if isinstance(cfg.rotate, Sequence) else None
-    if rotate is None or (rotate and (
-        len(rotate) != 2
-        or len(set(rotate)) != 2
-        or not all(isinstance(a, Integral) and 0 <= a < dims for a in rotate)
-    )):  # fmt: skip
+    if (rotate := _distinct_axes(cfg.rotate, dims)) is None or len(rotate) not in (0, 2):
         raise ValueError(
             f"data.rotate={_show(cfg.rotate)} must name the plane of the quarter turns, two "
-            f"distinct spatial axes in 0..{dims - 1} ({'D, H, W' if dims == 3 else 'H, W'}), "
-            "or be []"
+            f"distinct spatial axes {named}, or be []"
         )
     if not isinstance(cfg.level, Integral) or cfg.level < 0:
         raise ValueError(f"data.level={cfg.level} must be a pyramid level, 0 or more")
@@ -291,6 +281,15 @@ def check_blocks(cfg: DataConfig) -> None:
     if not isinstance(cfg.crops_per_sample, Integral) or cfg.crops_per_sample < 1:
         raise ValueError(f"data.crops_per_sample={cfg.crops_per_sample} must be 1 or more")
     crop_shape(cfg)  # data.crop's length and sizes
+
+
+def _distinct_axes(value: object, dims: int) -> list[int] | None:
+    """``value`` as a list of distinct spatial axes of ``dims``-D samples, or None where it is
+    not one."""
+    axes = list(value) if isinstance(value, Sequence) else None
+    if axes is None or len(set(axes)) != len(axes):
+        return None
+    return axes if all(isinstance(a, Integral) and 0 <= a < dims for a in axes) else None
 
 
 def _numbers(value: object) -> list[float] | None:

@@ -10,6 +10,11 @@ class DataError(ValueError):
     """A data file that cannot be used as it is; the message names the file."""
 
 
+class CropError(ValueError):
+    """A crop that does not fit in a sample; callers that know the key that set the crop name
+    it (:func:`parallelkit.data.loader.block_dataset`)."""
+
+
 def one_line(error: BaseException) -> str:
     """``error``'s message on one line. A DataLoader worker's exception comes back re-raised
     with the worker's traceback in its message: its last line holds the original message."""

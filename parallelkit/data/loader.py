@@ -56,6 +56,7 @@ from parallelkit.data.config import (
     volumes,
 )
 from parallelkit.data.datasets import load_dataset
+from parallelkit.data.errors import CropError
 from parallelkit.data.intensity import Normalizer
 from parallelkit.data.readers import SampleReader, format_of
 from parallelkit.data.sampler import RankSampler
@@ -300,10 +301,8 @@ def block_dataset(
             seed=seed, level=cfg.level, foreground=cfg.foreground, channels=cfg.channels,
             layout=cfg.layout or None, measure=measure, crops=cfg.crops_per_sample,
         )  # fmt: skip
-    except ValueError as e:  # a crop that does not fit: name the key that set it
-        if str(e).startswith("crop "):
-            raise ValueError(f"{crop_key(cfg)}: {e}") from e
-        raise
+    except CropError as e:  # name the key that set the crop
+        raise CropError(f"{crop_key(cfg)}: {e}") from e
     kind, found = block_format(cfg.name), format_of(data.images[0].path)
     if found != kind:
         raise ValueError(f"data.name={cfg.name!r}: {data.images[0].path} is {found}, not {kind}")

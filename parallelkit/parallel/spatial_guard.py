@@ -121,9 +121,10 @@ class SpatialGuard(TorchFunctionMode):
         self.mark(out, dims=dims, size=size or self.size_now)
         return out
 
-    def note_sized(self, x: Tensor, size: Size) -> None:
-        """Remember that forward code read the whole spatial ``size`` of block ``x``: a whole
-        tensor interpolated to it is cut into blocks (:mod:`parallelkit.spatial.rules.resize`)."""
+    def note_sized(self, size: Size) -> None:
+        """Remember that forward code read the whole spatial ``size`` of a block: a whole
+        tensor interpolated to it, or a constant made in it, is cut into blocks
+        (:mod:`parallelkit.spatial.rules.resize`, ``.pointwise``)."""
         self.read_sizes.add(tuple(size))
 
     @property

@@ -55,7 +55,7 @@ class Guard(Protocol):
     def refuse(self, op: str, why: str) -> ValueError: ...
     def rules(self) -> AbstractContextManager[None]: ...
     def module(self) -> nn.Module | None: ...
-    def note_sized(self, x: Tensor, size: Size) -> None: ...
+    def note_sized(self, size: Size) -> None: ...
     def warn_once(self, key: Any, message: str) -> None: ...
 
 
@@ -240,10 +240,11 @@ def whole_size(g: Guard, x: Tensor) -> tuple[int, ...]:
     return tuple(size)
 
 
-def whole_shape(g: Guard, x: Tensor) -> torch.Size:
-    """Block ``x``'s shape with the whole samples' spatial sizes in place of its own."""
+def whole_shape(g: Guard, x: Tensor, size: tuple[int, ...] | None = None) -> torch.Size:
+    """Block ``x``'s shape with the whole samples' spatial sizes (``size``, where the caller
+    has them already) in place of its own."""
     shape = list(x.shape)
-    for d, n in zip(g.dims(x), whole_size(g, x), strict=True):
+    for d, n in zip(g.dims(x), size or whole_size(g, x), strict=True):
         shape[d] = n
     return torch.Size(shape)
 

@@ -285,8 +285,7 @@ def cut_whole(g: Guard, t: Tensor, block: Tensor, op: str) -> Tensor:
             raise g.refuse(op, f"a whole tensor of shape {tuple(t.shape)} varies over a spatial "
                            f"dimension, whose whole size is {n}")  # fmt: skip
         index[t.dim() + d] = rows
-    cut = tuple(index) != (slice(None),) * t.dim()
-    return g.summed(t)[tuple(index)] if cut else g.summed(t)
+    return g.summed(t)[tuple(index)]
 
 
 @rule(torch.cat, torch.concat, torch.concatenate, torch.stack,
@@ -314,24 +313,14 @@ def cat(g: Guard, call: Call) -> Any:
     raise g.refuse(call.name, "it joins blocks with whole tensors, or along a spatial dimension")
 
 
-def _full(entry: Any, n: int) -> bool:
-    """Whether a slice takes all ``n`` entries of its dimension (``:``, ``0:``, ``:n``)."""
-    return (
-        isinstance(entry, slice)
-        and entry.start in (None, 0)
-        and entry.step in (None, 1)
-        and (entry.stop is None or (isinstance(entry.stop, int) and entry.stop >= n))
-    )
-
-
 def _indexed(
-    g: Guard, x: Tensor, index: Any
+    g: Guard, x: Tensor, index: Any, size: tuple[int, ...]
 ) -> tuple[Dims, Any, dict[int, tuple[int, int]]]:
     """Where the spatial dimensions of block ``x`` are after ``x[index]``, the index to apply
     to the block (``:`` along the spatial dimensions), and the rows each spatial dimension
     keeps, by its place in the record, where a slice of step 1 cuts it (``x[:, :, 1:-1]``, a
     slice to the whole size keeps them all). Refused: an integer, a step or an index tensor
-    along a spatial dimension."""
+    along a spatial dimension. ``size``: ``x``'s whole spatial size."""
     entries = list(index) if isinstance(index, tuple) else [index]
     width = [
         0 if e is None else e.dim() if isinstance(e, Tensor) and e.dtype == torch.bool else 1
@@ -342,7 +331,7 @@ def _indexed(
     if Ellipsis in entries:
         width[entries.index(Ellipsis)] = x.dim() - (sum(width) - 1)
     spatial = _positions(g, x)
-    shape = whole_shape(g, x)
+    shape = whole_shape(g, x, size)
     lo, hi = min(spatial), max(spatial)
     first, out, local, crops = 0, [], [], {}  # out: the input dimension of each output one
     for e, n in zip(entries, width, strict=True):
@@ -383,14 +372,15 @@ def getitem(g: Guard, call: Call) -> Any:
     dimension (Swin's unpad ``x[:, :H, :W, :]``, ``x[..., 1:-1]``) is a crop: ``F.pad`` by
     negative pads, whose rule fetches each rank's new rows."""
     x = call["input"]
-    dims, index, crops = _indexed(g, x, call["index"])
-    y = g.marked(x[index], dims, whole_size(g, x))
+    size = whole_size(g, x)
+    dims, index, crops = _indexed(g, x, call["index"], size)
+    y = g.marked(x[index], dims, size)
     if not crops:
         return y
-    whole, pads = whole_size(g, x), [0] * (2 * -min(dims))
+    pads = [0] * (2 * -min(dims))
     for k, (start, stop) in crops.items():
         at = 2 * (-dims[k] - 1)  # F.pad's order: the last dimension first
-        pads[at : at + 2] = [-start, stop - whole[k]]
+        pads[at : at + 2] = [-start, stop - size[k]]
     with g.rules():
         return F.pad(y, pads)
 
@@ -402,7 +392,7 @@ def setitem(g: Guard, call: Call) -> None:
     x, index, value = call["input"], call["index"], call["value"]
     if not g.is_split(x):
         raise g.refuse(call.name, "it writes a block into a whole tensor")
-    _, index, crops = _indexed(g, x, index)
+    _, index, crops = _indexed(g, x, index, whole_size(g, x))
     if crops:
         raise g.refuse("indexing", "it writes to part of a spatial dimension")
     if isinstance(value, Tensor) and not g.is_split(value):
@@ -425,13 +415,14 @@ def metadata(g: Guard, call: Call) -> Any:
     if call.func not in _SHAPE or call.args[0] is not call.blocks[0]:
         return call.run()
     x = call.blocks[0]
-    shape = whole_shape(g, x)
+    size = whole_size(g, x)
+    shape = whole_shape(g, x, size)
     if call.func in (Tensor.numel, Tensor.nelement):
         return math.prod(shape)
     if call.func is Tensor.__len__:
         return shape[0]
     dim = call.args[1] if len(call.args) > 1 else call.kwargs.get("dim")
-    g.note_sized(x, whole_size(g, x))
+    g.note_sized(size)
     if dim is None:
         return shape
     if isinstance(dim, int):
