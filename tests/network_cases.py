@@ -183,6 +183,9 @@ class ForwardCodeNet(nn.Module):
         if kind == "channels-last ops":
             self.proj = nn.Parameter(torch.randn(6, 6) / 3)
             self.dw = nn.Conv2d(6, 6, 3, padding=1, groups=6)
+        if kind == "window attention":  # qkv weights and a relative position bias
+            self.qkv = nn.Parameter(torch.randn(18, 6) / 3)
+            self.rel = nn.Parameter(torch.randn(9, 9) / 4)
         if kind == "coordinates":  # a positional embedding of the whole size, a parameter
             self.pos = nn.Parameter(torch.randn(1, 6, 12, 10) / 4 + 1)
         if kind == "space to depth":  # mixes the 4 pixels of each 2 x 2 cell
@@ -278,6 +281,11 @@ class ForwardCodeNet(nn.Module):
             return x + torch.roll(y.permute(0, 2, 3, 1), shifts=(3, -4), dims=(1, 2)).permute(
                 0, 3, 1, 2
             )
+        if k == "window attention":  # Swin: windows of 3 on 12 x 12 (blocks of 6), merging
+            y = F.pad(x, (0, -x.shape[-1] % 6)).permute(0, 2, 3, 1)
+            y = y + shifted_window_attention(y, self.qkv, self.rel, 3, 1)
+            y = torch.cat([y[:, 0::2, 0::2], y[:, 1::2, 1::2]], -1).permute(0, 3, 1, 2)
+            return y[:, :6] * y[:, 6:]  # (N, 6, 6, 6)
         if k == "whole-size constants":  # made from x.shape: this rank's block of each
             mask = torch.ones(x.shape[0], 1, *x.shape[2:], dtype=x.dtype)
             return x * mask + x.new_full(x.shape, 0.5) + torch.zeros_like(x)
@@ -324,6 +332,32 @@ def _forward_code_loss(out, t):
     return F.cross_entropy(out, t % 5, reduction="sum")
 
 
+def shifted_window_attention(
+    x: torch.Tensor, qkv: torch.Tensor, bias: torch.Tensor, ws: int, shift: int
+) -> torch.Tensor:
+    """torchvision's ``shifted_window_attention`` written small (one head, no padding): a
+    cyclic shift, the windows folded into the batch, attention within each window with a
+    relative position bias and the shifted windows' mask (made whole, of every window), and
+    the reverse."""
+    b, h, w, c = x.shape
+    x = torch.roll(x, (-shift, -shift), (1, 2))
+    x = x.view(b, h // ws, ws, w // ws, ws, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, ws * ws, c)
+    q, k, v = F.linear(x, qkv).reshape(x.size(0), x.size(1), 3, c).permute(2, 0, 1, 3).unbind(0)
+    attn = q.matmul(k.transpose(-2, -1)) * c**-0.5 + bias
+    mask = x.new_zeros((h, w))
+    count = 0
+    for rows in ((0, -ws), (-ws, -shift), (-shift, None)):
+        for cols in ((0, -ws), (-ws, -shift), (-shift, None)):
+            mask[rows[0] : rows[1], cols[0] : cols[1]] = count
+            count += 1
+    mask = mask.view(h // ws, ws, w // ws, ws).permute(0, 2, 1, 3).reshape(-1, ws * ws)
+    mask = (mask.unsqueeze(1) - mask.unsqueeze(2)).ne(0) * -100.0
+    attn = attn.view(x.size(0) // mask.shape[0], mask.shape[0], ws * ws, ws * ws) + mask
+    y = attn.view(-1, ws * ws, ws * ws).softmax(-1) @ v
+    y = y.view(b, h // ws, w // ws, ws, ws, c).permute(0, 1, 3, 2, 4, 5).reshape(b, h, w, c)
+    return torch.roll(y, (shift, shift), (1, 2))
+
+
 # Exact under every strategy.
 FORWARD_CODE = {
     f"forward code: {kind}": (
@@ -363,6 +397,7 @@ FORWARD_CODE = {
         "upcat pad",
         "space to depth",
         "cyclic shift",
+        "window attention",
         "whole-size constants",
         "coordinates",
         "channels-last ops",
@@ -418,7 +453,7 @@ SWAPS = {
 
 # Refused under spatial parallelism (kind -> what the message names).
 REFUSED = {
-    "flatten": "Tensor.flatten",
+    "flatten": "the output",  # (N, C * H * W): the spatial dimensions folded with C
     "space to depth by 4 along H": "Tensor.view",
 }
 

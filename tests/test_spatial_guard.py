@@ -45,6 +45,10 @@ BLOCKS = {
     "F.pad cropping W, padding C": lambda x: F.pad(x, (-1, 0, 0, 1, 1, 0)),
     "transpose of the leading dims": lambda x: x.transpose(0, 1),
     "flatten of the leading dims": lambda x: x.flatten(0, 1),
+    "a step over W": lambda x: x[..., 1::2],
+    "a window partition folding H with N and back": lambda x: (
+        x.permute(0, 2, 3, 1).reshape(10, 6, 4).relu() * torch.ones(10, 1, 1)
+    ).view(2, 5, 6, 4).permute(0, 3, 1, 2),
     "mean over channels": lambda x: x.mean(1, keepdim=True),
     "softmax over channels": lambda x: x.softmax(1),
     "1x1 F.conv2d": lambda x: F.conv2d(x, torch.ones(3, 4, 1, 1)),
@@ -207,9 +211,19 @@ REFUSED = {
     "a whole tensor varying over H expanded to the block": (
         lambda x: torch.ones(1, 1, 5, 1).expand_as(x), "varies over a spatial dimension"
     ),
-    "flatten(1)": (lambda x: x.flatten(1), "(2, 4, H, W) -> (2, 120) merges two spatial"),
-    "view(N, -1)": (lambda x: x.view(2, -1), "merges two spatial dimensions"),
-    "flatten(1, 2): C with H": (lambda x: x.flatten(1, 2), "merges a spatial dimension with one"),
+    # Merging spatial dimensions with others folds them: what treats the fold as a batch
+    # takes it; what reads across it is refused.
+    "flatten(1), then a linear map over it": (
+        lambda x: F.linear(x.flatten(1), torch.ones(2, 120)), "acts over a spatial dimension"
+    ),
+    "view(N, -1), then a sum over it": (
+        lambda x: x.view(2, -1).sum(1), "Tensor.sum in the model's forward touches a block of "
+        "split images, and it is given a window partition",
+    ),
+    "flatten(1, 2): C with H, then a slice of it": (
+        lambda x: x.flatten(1, 2)[:, :3], "reaches into windows folded into one dimension"
+    ),
+
     "index along W": (lambda x: x[..., 0], "reaches a spatial dimension"),
     "max over W, with indices": (lambda x: x.max(3), "reduces over a spatial dimension"),
     "argmax over H": (lambda x: x.argmax(2), "reduces over a spatial dimension"),
@@ -217,13 +231,14 @@ REFUSED = {
     "norm p=3 over H and W": (lambda x: x.norm(3, dim=(2, 3)), "p=3"),
     "narrow along H": (lambda x: x.narrow(2, 0, 2), "cuts along a spatial dimension"),
     "a slice of H keeping no row": (lambda x: x[:, :, 7:], "keeps no row"),
-    "a step over W": (lambda x: x[..., ::2], "reaches a spatial dimension"),
     "F.normalize over W": (lambda x: F.normalize(x, dim=-1), "normalizes over a spatial dimension"),
     "a whole tensor varying over W, not of its size": (
         lambda x: x + torch.ones(5), "varies over a spatial dimension, whose whole size is 6"
     ),
     "cat along H": (lambda x: torch.cat([x, x], 2), "along a spatial dimension"),
-    "stack before C": (lambda x: torch.stack([x, x], 1).flatten(1), "merges two spatial"),
+    "stack before C, flattened, then a softmax over it": (
+        lambda x: torch.stack([x, x], 1).flatten(1).softmax(1), "reduces over a spatial dimension"
+    ),
     "F.conv2d with a split weight": (
         lambda x: F.conv2d(x, x[:, :, :2, :2]), "its weight is a block"
     ),

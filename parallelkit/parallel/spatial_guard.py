@@ -19,7 +19,9 @@ refusal. docs/parallelism.md has the table of every rule (generated from the reg
 Legend: a *block* is this rank's (N, C, *spatial) part of split samples (signals, images,
 volumes); a *whole* tensor is the same on every rank of the spatial group. ``dims`` is where a
 block's spatial dimensions are, counted from the end: (-2, -1) for (N, C, H, W), (-3, -2) after
-ConvNeXt's permute to (N, H, W, C), (-3, -2, -1) for (N, C, D, H, W).
+ConvNeXt's permute to (N, H, W, C), (-3, -2, -1) for (N, C, D, H, W). A window partition
+folds spatial dimensions into one (Swin's (B * nH * nW, ws * ws, C)): several share a place,
+and the record keeps the fold's factors (``folds``; :mod:`parallelkit.spatial.rules.shape`).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from parallelkit.parallel.spatial_fallback import gather_inputs, gathered_messag
 from parallelkit.spatial import layout
 from parallelkit.spatial.grid import SpatialGrid, grid_of
 from parallelkit.spatial.rules import Call, lookup, op_name
-from parallelkit.spatial.rules.registry import Dims, standard
+from parallelkit.spatial.rules.registry import Dims, Fold, standard
 
 # Layers that handle blocks themselves (and whole inputs); modules with a true class attribute
 # ``ends_spatial_region`` (global pooling, keep_dense modules) also take blocks, return whole.
@@ -84,9 +86,10 @@ class SpatialGuard(TorchFunctionMode):
         self.warned: set[Any] = set()  # what warn_once warned of (a region keeps one set)
         self.layers: dict[tuple, Any] = {}  # spatial layers and weights for functional calls
         self.names = {m: name for name, m in model.named_modules()}
-        # id -> (the block, where its spatial dimensions are, the whole size if known)
-        self._blocks: dict[int, tuple[weakref.ref, Dims, Size | None]] = {}
+        # id -> (the block, where its spatial dimensions are, the whole size if known, folds)
+        self._blocks: dict[int, tuple[weakref.ref, Dims, Size | None, tuple[Fold, ...]]] = {}
         self.size_now: Size | None = None  # the whole size of the call being ruled on
+        self.folds_now: tuple[Fold, ...] = ()  # and its folds
         self.read_sizes: set[Size] = set()  # whole sizes of blocks whose shape code read
         self._stack: list[tuple[nn.Module, bool, bool, Size | None, Any] | None] = []
         self._restore: dict[int, tuple[Any, Any]] = {}
@@ -108,17 +111,36 @@ class SpatialGuard(TorchFunctionMode):
         all-gather."""
         return self._blocks[id(t)][2] if self.is_split(t) else None
 
-    def mark(self, *tensors: Any, dims: Dims | None = None, size: Size | None = None) -> None:
+    def folds(self, t: Tensor) -> tuple[Fold, ...]:
+        """The spatial dimensions of block ``t`` folded with others into one dimension (a
+        window partition), each fold's factors outermost first; () for none."""
+        return self._blocks[id(t)][3] if self.is_split(t) else ()
+
+    def mark(
+        self,
+        *tensors: Any,
+        dims: Dims | None = None,
+        size: Size | None = None,
+        folds: tuple[Fold, ...] = (),
+    ) -> None:
         """Record ``tensors`` as blocks whose spatial dimensions are ``dims`` (default: every
-        one after N and C)."""
+        one after N and C), folded as ``folds`` says."""
         for t in tree_leaves(tensors):
             if isinstance(t, Tensor) and t.dim() >= (-min(dims) if dims else 3):
-                self._blocks[id(t)] = (weakref.ref(t), dims or standard(t), size)
+                self._blocks[id(t)] = (weakref.ref(t), dims or standard(t), size, folds)
 
-    def marked(self, out: Any, dims: Dims | None = None, size: Size | None = None) -> Any:
-        """``out`` (any nesting) recorded as blocks, of the whole size of the call's first
-        block unless ``size`` says otherwise."""
-        self.mark(out, dims=dims, size=size or self.size_now)
+    def marked(
+        self,
+        out: Any,
+        dims: Dims | None = None,
+        size: Size | None = None,
+        folds: tuple[Fold, ...] | None = None,
+    ) -> Any:
+        """``out`` (any nesting) recorded as blocks, of the whole size and folds of the call's
+        first block unless ``size`` and ``folds`` say otherwise (folds name spatial
+        dimensions, not places: a rule that moves the places in ``dims`` moves the folds)."""
+        folds = self.folds_now if folds is None else folds
+        self.mark(out, dims=dims, size=size or self.size_now, folds=folds)
         return out
 
     def note_sized(self, size: Size) -> None:
@@ -197,12 +219,15 @@ class SpatialGuard(TorchFunctionMode):
             return None
         whole = None  # a gathered module's input blocks' layout: (dims, ndim)
         if module in self.gathered and (blocks := self._blocks_in(args, {})):
+            if any(self.folds(b) for b in blocks):
+                raise self.refuse(type(module).__name__, "it is to be gathered, and is given "
+                                  "a window partition", module)  # fmt: skip
             whole, args = (self.dims(blocks[0]), blocks[0].dim()), gather_inputs(self, args)
             self._gathering += 1
         ends = getattr(module, "ends_spatial_region", False)
         trusted = ends or isinstance(module, (*_SPATIAL, *_NORMS))
         blocks = self._blocks_in(args, {})
-        if trusted and any(self.dims(b) != standard(b) for b in blocks):
+        if trusted and any(self.dims(b) != standard(b) or self.folds(b) for b in blocks):
             raise self.refuse(type(module).__name__, "it wants (N, C, *spatial) blocks", module)
         if trusted and isinstance(module, _NORMS) and not blocks and self.comm.size > 1:
             self._normalize_whole(module)
@@ -252,11 +277,17 @@ class SpatialGuard(TorchFunctionMode):
             return func(*args, **kwargs)
         if entry is None:
             raise self.refuse(op_name(func), "it has no exact rule for blocks of split images")
-        before, self.size_now = self.size_now, self.size_of(blocks[0]) if blocks else None
+        if not entry.folds and any(self.folds(b) for b in blocks):
+            raise self.refuse(op_name(func), "it is given a window partition (spatial "
+                              "dimensions folded into one), which only reshapes, permutes, "
+                              "pointwise, linear and attention operations take")  # fmt: skip
+        before = self.size_now, self.folds_now
+        self.size_now = self.size_of(blocks[0]) if blocks else None
+        self.folds_now = self.folds(blocks[0]) if blocks else ()
         try:
             return entry.fn(self, entry.normalize(self, Call(func, args, kwargs, blocks)))
         finally:
-            self.size_now = before
+            self.size_now, self.folds_now = before
 
     def _blocks_in(self, args: tuple, kwargs: dict) -> list[Tensor]:
         """The blocks among the arguments (tensors, and tensors in lists and tuples: what

@@ -99,6 +99,9 @@ class SpatialRegion(nn.Module):
             guard, y = attempt()
 
         def out(t: Any) -> Any:
+            if guard.is_split(t) and guard.folds(t):
+                raise guard.refuse("the output", "it has spatial dimensions folded with others "
+                                   "into one (a flatten, a window partition)", self.module)
             if guard.is_split(t):
                 if self.output == "blocks":
                     return t

@@ -190,6 +190,30 @@ def _tv_maxvit() -> nn.Module:
     )  # fmt: skip
 
 
+def _tv_swin() -> nn.Module:
+    """torchvision's Swin Transformer (swin_t's code) built small: 4 x 4 patches, two stages in
+    4 x 4 windows, each a window block and a shifted-window block (torch.roll and the
+    attention mask), with patch merging between (x[..., 0::2, 0::2, :])."""
+    from torchvision.models.swin_transformer import SwinTransformer
+
+    return SwinTransformer(
+        patch_size=[4, 4], embed_dim=16, depths=[2, 2], num_heads=[2, 4], window_size=[4, 4],
+        stochastic_depth_prob=0.0, num_classes=5,
+    )  # fmt: skip
+
+
+def _tv_swin3d() -> nn.Module:
+    """torchvision's video Swin Transformer (swin3d_t's code) built small: 2 x 4 x 4 patches,
+    two stages in 4 x 2 x 2 windows, shifted every other block (a roll over T, H and W and the
+    3-D attention mask), patch merging over H and W between them."""
+    from torchvision.models.video.swin_transformer import SwinTransformer3d
+
+    return SwinTransformer3d(
+        patch_size=[2, 4, 4], embed_dim=16, depths=[2, 2], num_heads=[2, 4],
+        window_size=[4, 2, 2], stochastic_depth_prob=0.0, num_classes=4,
+    )  # fmt: skip
+
+
 def _timm_maxvit() -> nn.Module:
     """timm's MaxxVit code (MaxViT) built small: two stages of MBConv + window attention in 4 x
     4 blocks + grid attention over a 4 x 4 grid (its partition/reverse reshapes of NHWC)."""
@@ -434,6 +458,10 @@ ARCHS: dict[str, Arch] = {
     # Hybrids first: attention over windows, grids or every position, and patch reshapes.
     # Under rows and cols most are refused today (attention over a whole map cannot run on
     # blocks); under fallback="gather" each must be exact (test_exact_under_gather).
+    "tv swin": Arch(
+        "torchvision", _tv_swin, what="shifted-window attention: windows folded into the "
+        "batch, a cyclic roll, the attention mask, strided patch merging",
+    ),
     "tv maxvit": Arch(
         "torchvision", _tv_maxvit,
         what="hybrid: window and grid attention (partition reshapes), relative position bias",
@@ -563,6 +591,29 @@ ARCHS: dict[str, Arch] = {
         _monai("UNet", 3, 1, 2, channels=(4, 8, 16), strides=(2, 2), num_res_units=1),
         (1, 16, 16, 16),
         what="residual units, InstanceNorm3d (no affine), PReLU, strided and transposed convs",
+    ),
+    "monai SwinUNETR 2-D": Arch(
+        "monai", _monai("SwinUNETR", in_channels=1, out_channels=2, feature_size=12,
+                        window_size=2, spatial_dims=2), (1, 64, 64),
+        what="MONAI's Swin U-Net: window attention on channels-last maps folded by "
+        "window_partition, the mask made of every window, strided patch merging",
+    ),
+    "monai SwinUNETR": Arch(
+        "monai", _monai("SwinUNETR", in_channels=1, out_channels=2, feature_size=12,
+                        window_size=2, spatial_dims=3), (1, 64, 64, 64),
+        what="the same in 3-D: windows of 2 x 2 x 2 down to a 4^3 map, split in two",
+    ),
+    "tv swin3d": Arch(
+        "torchvision", _tv_swin3d, (3, 16, 32, 32),
+        what="video Swin: 3-D shifted windows folded into the batch, the 3-D attention mask",
+    ),
+    "tv swin_t": Arch(
+        "torchvision", _tv("swin_t", num_classes=5), (3, 448, 224),
+        what="swin_t itself: windows of 7 down to a 14 x 7 map, two blocks of 7 rows",
+    ),
+    "tv swin3d_t": Arch(
+        "torchvision", _tv("swin3d_t", num_classes=4), (3, 32, 64, 64),
+        what="swin3d_t itself: 8 x 7 x 7 windows over 16 frames, two blocks of 8",
     ),
     "monai BasicUNet": Arch(
         "monai", _monai("BasicUNet", 3, 1, 2, features=(4, 4, 8, 8, 16, 4)), (1, 32, 32, 32),
@@ -754,7 +805,8 @@ COLS = (
     "timm tf_efficientnet_lite0",  # 'same' padding computed per dimension from the size
     "timm resnetblur18",  # F.pad in reflect mode, then a strided blur
     # hybrids: attention and patch reshapes, refused on blocks, gathered under gather
-    "tv maxvit", "timm maxvit", "timm coatnet", "timm mobilevit_xxs", "timm mobilevitv2_050",
+    "tv swin", "tv maxvit", "timm maxvit", "timm coatnet", "timm mobilevit_xxs",
+    "timm mobilevitv2_050",
     "timm edgenext_xx_small", "timm efficientformerv2_s0", "smp Segformer mit_b0",
     "smp MAnet mobilenetv3", "timm tresnet",
     # sub-pixel upsampling regroups W with its factor

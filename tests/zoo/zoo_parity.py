@@ -360,3 +360,40 @@ class _NoHalo(nn.Module):
 
     def to_dense(self) -> nn.Module:
         return self.module
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def largest_saved(comm: Communicator, arch: str, strategy: str) -> dict[str, Any]:
+    """The largest tensor (elements) that one forward saves for backward on this rank, of the
+    dense model on the whole batch and of ``pk.parallelize``'s under ``strategy``, and the
+    modules it gathered: what a block of split samples costs against a whole sample.
+    Parameters (saved by linear maps) are left out: they are whole on every rank anyway."""
+    comm = _first_ranks(comm, STRATEGIES[strategy][0])
+    if comm is None:
+        return {"outcome": "idle"}
+    torch.manual_seed(0)
+    dense = ARCHS[arch].build().to(torch.float64).train()
+    grid = pk.Grid(comm, **STRATEGIES[strategy][1])
+    model = pk.parallelize(copy.deepcopy(dense), grid, grid)
+    x = torch.randn(BATCH, *ARCHS[arch].shape, generator=torch.Generator().manual_seed(1),
+                    dtype=torch.float64)  # fmt: skip
+    report: dict[str, Any] = {"outcome": "measured"}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for name, net in (("dense", dense), ("split", model)):
+            params = {p.data_ptr() for p in net.parameters()}
+            largest = [0]
+
+            def pack(t: torch.Tensor, params: set = params, largest: list = largest) -> Any:
+                if t.data_ptr() not in params:
+                    largest[0] = max(largest[0], t.numel())
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = net(x.clone().requires_grad_())
+            sum(v.sum() for v in _leaves(out, "output").values()).backward()
+            report[name] = largest[0]
+    report["gathered"] = [g for w in seen if (g := gathered(str(w.message))) is not None]
+    return report

@@ -73,7 +73,8 @@ def instance_norm(g: Guard, call: Call) -> Tensor:
     return _group_norm(g, x, c, call["weight"], call["bias"], eps)
 
 
-@rule(F.layer_norm, params="input, normalized_shape, weight=None, bias=None, eps=1e-5")
+@rule(F.layer_norm, params="input, normalized_shape, weight=None, bias=None, eps=1e-5",
+      folds=True)  # fmt: skip
 def layer_norm(g: Guard, call: Call) -> Tensor:
     """Over the channels of a channels-last block (ConvNeXt): local, weights' gradients
     summed. Over (C,) and the spatial dimensions (a WGAN-GP critic's
@@ -84,7 +85,7 @@ def layer_norm(g: Guard, call: Call) -> Tensor:
     if -len(shape) > max(spatial):  # trailing dimensions after the spatial ones
         weight, bias = g.summed(call["weight"]), g.summed(call["bias"])
         return g.marked(F.layer_norm(x, shape, weight, bias, call["eps"]), spatial)
-    if spatial != tuple(range(-len(spatial), 0)):
+    if spatial != tuple(range(-len(spatial), 0)) or g.folds(x):
         raise g.refuse(call.name, "it acts over a spatial dimension of a channels-last block")
     size = whole_size(g, x)
     if shape[-len(size) :] != size:
@@ -104,7 +105,7 @@ def layer_norm(g: Guard, call: Call) -> Tensor:
     return g.marked(y, spatial)
 
 
-@rule(F.linear, params="input, weight, bias=None")
+@rule(F.linear, params="input, weight, bias=None", folds=True)
 def linear(g: Guard, call: Call) -> Tensor:
     """Over the channels of a channels-last block (ConvNeXt's MLP): local, weights' gradients
     summed; over a spatial dimension refused (permute the channels last first)."""
@@ -116,11 +117,18 @@ def linear(g: Guard, call: Call) -> Tensor:
     return g.marked(F.linear(x, g.summed(call["weight"]), g.summed(call["bias"])), spatial)
 
 
-@rule(torch.matmul, Tensor.matmul, Tensor.__matmul__, params="input, other")
+@rule(torch.matmul, Tensor.matmul, Tensor.__matmul__, params="input, other", folds=True)
 def matmul(g: Guard, call: Call) -> Tensor:
     """A block times a whole matrix over its last dimension, which is not spatial (a linear
-    map over channels-last features): local, the matrix's gradient summed."""
+    map over channels-last features): local, the matrix's gradient summed. Two blocks of one
+    layout whose spatial dimensions are all batch dimensions (attention within windows,
+    ``q @ k.transpose(-2, -1)`` on a window partition): local."""
     x, w = call["input"], call["other"]
+    if g.is_split(x) and g.is_split(w) and x.dim() == w.dim() > 2:
+        if (g.dims(x), g.folds(x)) == (g.dims(w), g.folds(w)) and max(g.dims(x)) < -2:
+            return g.marked(torch.matmul(x, w), g.dims(x))
+        raise g.refuse(call.name, "it multiplies blocks over a spatial dimension, or blocks "
+                       "of different layouts")  # fmt: skip
     if not g.is_split(x) or g.is_split(w) or w.dim() != 2 or max(g.dims(x)) == -1:
         raise g.refuse(
             call.name, "it contracts a spatial dimension, or a whole tensor with a block (only "

@@ -40,13 +40,14 @@ requires_grad_ cpu cuda retain_grad zero_ fill_ copy_ __deepcopy__
 @rule(
     *ops(_POINTWISE, torch, Tensor, F, torch.special, inplace=True),
     *ops(" ".join(f"__{n}__" for n in _DUNDERS.split()), Tensor),
+    folds=True,
 )
 def pointwise(g: Guard, call: Call) -> Any:
     """Local. Blocks must share one layout; a whole tensor must have size 1 or the whole
     samples' size in each spatial dimension, and is then cut to the block."""
-    dims = g.dims(call.blocks[0])
+    dims, folds = g.dims(call.blocks[0]), g.folds(call.blocks[0])
     sizes = {tuple(b.shape[d] for d in dims) for b in call.blocks}
-    if len(sizes) > 1 or any(g.dims(b) != dims for b in call.blocks):
+    if len(sizes) > 1 or any(g.dims(b) != dims or g.folds(b) != folds for b in call.blocks):
         raise g.refuse(call.name, f"its blocks have different layouts {sorted(sizes)}")
 
     def replicate(t: Any) -> Any:
@@ -58,7 +59,7 @@ def pointwise(g: Guard, call: Call) -> Any:
     return g.marked(call.func(*args, **kwargs), dims)
 
 
-@rule(*ops(_LOCAL, Tensor), torch.as_tensor)
+@rule(*ops(_LOCAL, Tensor), torch.as_tensor, folds=True)
 def local(g: Guard, call: Call) -> Any:
     """Local: type, device and memory-format changes, copies, detaching; `torch.as_tensor`
     of a block (MONAI's HighResBlock wraps its branches in it)."""
@@ -78,13 +79,13 @@ def _size(args: tuple) -> tuple[int, ...] | None:
     return tuple(size) if all(isinstance(n, int) for n in size) else None
 
 
-@rule(*ops("zeros_like ones_like full_like empty_like", torch))
+@rule(*ops("zeros_like ones_like full_like empty_like", torch), folds=True)
 def constant_like(g: Guard, call: Call) -> Tensor:
     """Local: a constant block of the block's shape."""
     return g.marked(call.run(), g.dims(call.blocks[0]))
 
 
-@rule(*ops("new_zeros new_ones new_full new_empty", Tensor))
+@rule(*ops("new_zeros new_ones new_full new_empty", Tensor), folds=True)
 def new_constant(g: Guard, call: Call) -> Tensor:
     """Asked for the whole shape of the block it is called on (``x.new_zeros(x.shape)``):
     this rank's block of that constant; any other size: a whole tensor, as asked."""

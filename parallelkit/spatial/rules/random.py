@@ -19,7 +19,7 @@ _CHANNELS = (F.dropout1d, F.dropout2d, F.dropout3d)
 
 @rule(F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
       F.feature_alpha_dropout, torch.dropout, torch.alpha_dropout, torch.feature_dropout,
-      params="input, p=0.5, training=True, inplace=False")  # fmt: skip
+      params="input, p=0.5, training=True, inplace=False", folds=True)  # fmt: skip
 def dropout(g: Guard, call: Call) -> Tensor:
     """In training, ``F.dropout`` and ``F.dropout1d/2d/3d``: the mask drawn for the whole
     samples (or channels) and cut to the block. In eval (or p = 0): local. Other kinds in
@@ -27,6 +27,8 @@ def dropout(g: Guard, call: Call) -> Tensor:
     x, p, inplace = call["input"], call["p"], call["inplace"]
     if not call["training"] or p == 0:
         return g.marked(call.run(), g.dims(x))
+    if g.folds(x):
+        raise g.refuse(call.name, "in training, on windows folded into one dimension")
     ndim = nchw(g, call, x)
     if call.func not in _EXACT or not 0 < p < 1:
         raise g.refuse(call.name, "only dropout and dropout1d/2d/3d draw masks exactly")

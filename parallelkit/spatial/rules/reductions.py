@@ -153,8 +153,9 @@ def max_min(g: Guard, call: Call) -> Any:
 
 
 @rule(*ops("argmax argmin prod all any", torch, Tensor),
-      params="input, dim=None, keepdim=False, *_, **__")  # fmt: skip
-@rule(*ops("softmax log_softmax", torch, Tensor, F), params="input, dim=None, *_, **__")
+      params="input, dim=None, keepdim=False, *_, **__", folds=True)  # fmt: skip
+@rule(*ops("softmax log_softmax", torch, Tensor, F), params="input, dim=None, *_, **__",
+      folds=True)  # fmt: skip
 def along_others(g: Guard, call: Call) -> Any:
     """Local over channels or the batch (``argmax(1)``, ``softmax(1)``, ``prod(1)``);
     refused over a spatial dimension, or over everything."""
@@ -253,7 +254,7 @@ def vector_norm(g: Guard, call: Call) -> Tensor:
     return _norm(g, call, call["ord"])
 
 
-@rule(F.normalize, params="input, p=2.0, dim=1, eps=1e-12, out=None")
+@rule(F.normalize, params="input, p=2.0, dim=1, eps=1e-12, out=None", folds=True)
 def normalize(g: Guard, call: Call) -> Tensor:
     """Over channels (or any dimension but the spatial ones): local; over a spatial one
     refused."""

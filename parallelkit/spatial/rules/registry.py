@@ -20,6 +20,7 @@ The docs table of operations (docs/parallelism.md) is generated from these regis
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -36,6 +37,12 @@ Dims = tuple[int, ...]
 """Where a block's spatial dimensions (L; H, W; or D, H, W) are, counted from the end:
 (-2, -1) for (N, C, H, W), (-3, -2) for a channels-last (N, H, W, C), (-3, -2, -1) for a
 volume (N, C, D, H, W)."""
+Fold = tuple[tuple[int, int | None], ...]
+"""A dimension that a window partition folded spatial dimensions into (Swin's B * nH * nW):
+its factors, outermost first, as (whole size, the spatial dimension it is, by its place in
+the record, or None for another). A block's fold has the same factors with this rank's rows
+of each spatial one: a box in the whole fold's index space, so a rule that treats the folded
+dimension as a batch (pointwise, linear maps, attention within windows) is local."""
 
 
 class Guard(Protocol):
@@ -50,7 +57,11 @@ class Guard(Protocol):
     def is_split(self, t: Any) -> bool: ...
     def dims(self, t: Tensor) -> Dims: ...
     def size_of(self, t: Tensor) -> Size | None: ...
-    def marked(self, out: Any, dims: Dims | None = None, size: Size | None = None) -> Any: ...
+    def folds(self, t: Tensor) -> tuple[Fold, ...]: ...
+    def marked(
+        self, out: Any, dims: Dims | None = None, size: Size | None = None,
+        folds: tuple[Fold, ...] | None = None,
+    ) -> Any: ...
     def summed(self, t: Any) -> Any: ...
     def refuse(self, op: str, why: str) -> ValueError: ...
     def rules(self) -> AbstractContextManager[None]: ...
@@ -89,13 +100,15 @@ class Call:
 class Rule:
     """One registration: the rule function, the signature its calls are normalized by, the
     torch functions it serves, its docs-table verdict, and whether the guard asks it about
-    calls without a block too (a whole tensor resized to a block's size)."""
+    calls without a block too (a whole tensor resized to a block's size), and whether it
+    takes folded blocks (window partitions; the guard refuses them to the others)."""
 
     fn: Callable[[Guard, Call], Any]
     params: inspect.Signature | None
     funcs: tuple[Callable, ...]
     exact: str  # the docs table's last column: "yes", "refused", ...
     whole: bool  # also asked about calls without a block (a whole tensor resized to blocks)
+    folds: bool  # takes blocks with folds
 
     @property
     def family(self) -> str:
@@ -117,17 +130,22 @@ PROPERTY = object()  # the key of the rule for attribute reads without one of th
 
 
 def rule(
-    *funcs: Any, params: str | None = None, exact: str = "yes", whole: bool = False
+    *funcs: Any,
+    params: str | None = None,
+    exact: str = "yes",
+    whole: bool = False,
+    folds: bool = False,
 ) -> Callable[[Callable], Callable]:
     """Register the decorated function as the rule of ``funcs`` (None entries are skipped:
     functions this torch does not have). ``params``: the signature its arguments are
-    normalized by, as Python writes one (``"input, dim=None, keepdim=False"``)."""
+    normalized by, as Python writes one (``"input, dim=None, keepdim=False"``); ``folds``:
+    it takes folded blocks too (it treats the folded dimension as a batch)."""
     signature = None
     if params is not None:
         signature = inspect.signature(eval(f"lambda {params}: None"))  # our own text
 
     def register(fn: Callable) -> Callable:
-        entry = Rule(fn, signature, tuple(f for f in funcs if f is not None), exact, whole)
+        entry = Rule(fn, signature, tuple(f for f in funcs if f is not None), exact, whole, folds)
         for f in entry.funcs:
             if f in _RULES and _RULES[f].fn is not fn:
                 raise AssertionError(f"{op_name(f)} has two rules: {_RULES[f].fn} and {fn}")
@@ -242,11 +260,29 @@ def whole_size(g: Guard, x: Tensor) -> tuple[int, ...]:
 
 def whole_shape(g: Guard, x: Tensor, size: tuple[int, ...] | None = None) -> torch.Size:
     """Block ``x``'s shape with the whole samples' spatial sizes (``size``, where the caller
-    has them already) in place of its own."""
+    has them already) in place of its own; a fold's, the product of its whole factors."""
     shape = list(x.shape)
     for d, n in zip(g.dims(x), size or whole_size(g, x), strict=True):
         shape[d] = n
+    for fold in g.folds(x):
+        shape[fold_place(g, x, fold)] = math.prod(n for n, _ in fold)
     return torch.Size(shape)
+
+
+def fold_place(g: Guard, x: Tensor, fold: Fold) -> int:
+    """Where ``fold`` is in block ``x``, counted from the end."""
+    return g.dims(x)[next(k for _, k in fold if k is not None)]
+
+
+def fold_index(g: Guard, x: Tensor, fold: Fold) -> Tensor:
+    """The whole fold's indices of block ``x``'s fold, in the block's order: its box of
+    this rank's rows of each spatial factor, all of each other."""
+    rows = [g.grid.block(*(n if j == k else 1 for j in range(len(g.dims(x)))))[k]
+            if k is not None else slice(0, n) for n, k in fold]  # fmt: skip
+    flat = torch.zeros((), dtype=torch.long)
+    for (n, _), r in zip(fold, rows, strict=True):
+        flat = (flat * n).unsqueeze(-1) + torch.arange(r.start, r.stop)
+    return flat.reshape(-1).to(x.device)
 
 
 def standard(x: Tensor) -> Dims:

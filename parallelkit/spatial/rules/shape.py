@@ -24,12 +24,15 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-from parallelkit.geometry import tensor_split_sizes
+from parallelkit.geometry import starts, tensor_split_sizes
 from parallelkit.spatial.rules.registry import (
     PROPERTY,
     Call,
     Dims,
+    Fold,
     Guard,
+    fold_index,
+    fold_place,
     nchw,
     ops,
     prop,
@@ -62,14 +65,16 @@ _VIEWS = (Tensor.view, Tensor.view_as)
 
 
 @rule(*ops("view reshape flatten unflatten view_as reshape_as squeeze unsqueeze", torch, Tensor),
-      params="input, *_, **__")  # fmt: skip
+      params="input, *_, **__", folds=True)  # fmt: skip
 def reshape(g: Guard, call: Call) -> Any:
     """Local where each spatial dimension comes out whole in a place of its own, or split
     into (outer, inner ...) with the blocks' rows in whole groups of the inner size (a
     space-to-depth view), or merged with the dimensions after it (depth-to-space), the blocks
-    then in tensor_split layout of the new size; the other dimensions regroup freely. Sizes
-    given are the whole samples' (read from ``x.shape``): the call is worked out on the whole
-    shape, and the block reshaped to the result with its own spatial sizes."""
+    then in tensor_split layout of the new size; merged with others (a window partition,
+    Swin's (B * nH * nW, ws * ws, C)), it is folded: rules that treat the fold as a batch take
+    it, and a reshape unfolds it again. The other dimensions regroup freely. Sizes given are
+    the whole samples' (read from ``x.shape``): the call is worked out on the whole shape,
+    and the block reshaped to the result with its own spatial sizes."""
     x = call["input"]
     dims = g.dims(x)
     if any(isinstance(a, torch.dtype) for a in call.args[1:]):  # a view as another dtype
@@ -90,82 +95,113 @@ def reshape(g: Guard, call: Call) -> Any:
     if isinstance(regrouped, str):
         raise g.refuse(call.name, f"{_named(g, x, whole_in.shape)} -> {tuple(whole.shape)} "
                        f"{regrouped}")  # fmt: skip
-    shape, out_dims, size = regrouped
+    shape, out_dims, size, folds = regrouped
     y = x.view(shape) if call.func in _VIEWS else x.reshape(shape)
-    return g.marked(y, out_dims, size)
+    return g.marked(y, out_dims, size, folds)
 
 
 def _named(g: Guard, x: Tensor, shape: Any) -> str:
     """``shape`` with the spatial sizes by name, so that a refusal reads the same on every
     rank (a block's sizes differ by rank)."""
     named = list(map(str, shape))
+    letters: dict[int, str] = {}
     for name, at in zip({1: "L", 2: "HW", 3: "DHW"}[len(g.dims(x))], _positions(g, x),
                         strict=True):  # fmt: skip
-        named[at] = name
+        letters[at] = letters.get(at, "") + name
+    for at, name in letters.items():
+        named[at] = name if len(name) == 1 else f"{shape[at]} ({name} folded)"
     return f"({', '.join(named)})"
+
+
+Factor = tuple[int, int | None]  # (whole size, spatial dimension by its place in the record)
+
+
+def _factors(g: Guard, x: Tensor, a: tuple[int, ...]) -> list[Factor]:
+    """Block ``x``'s whole shape ``a`` as a list of factors, outermost first: a fold's
+    factors, a spatial dimension's (size, its place in the record), another's (size, None);
+    other dimensions of size 1 are left out."""
+    per: list[list[Factor]] = [[(n, None)] if n != 1 else [] for n in a]
+    dims, folded = g.dims(x), set()
+    for fold in g.folds(x):
+        per[x.dim() + fold_place(g, x, fold)] = list(fold)
+        folded |= {k for _, k in fold}
+    for k, d in enumerate(dims):
+        if k not in folded:
+            per[x.dim() + d] = [(a[x.dim() + d], k)]
+    return [f for dim in per for f in dim]
 
 
 def _regroup(
     g: Guard, x: Tensor, a: tuple[int, ...], b: tuple[int, ...]
-) -> tuple[tuple[int, ...], Dims, tuple[int, ...]] | str:
+) -> tuple[tuple[int, ...], Dims, tuple[int, ...], tuple[Fold, ...]] | str:
     """How block ``x`` of whole shape ``a`` reshapes to whole shape ``b``: this rank's shape,
-    the spatial dimensions' places (from the end) and their whole sizes; or why it cannot."""
-    spatial = _positions(g, x)
-    first, k = min(spatial), len(b) - len(a)
-    # Per spatial dimension of the record: (its place in b, its new whole size, the inner
-    # size it is split by, the size of what is merged after it).
-    moves: list[tuple[int, int, int, int]] = []
-    if k + first >= 0 and a[first:] == b[k + first :]:  # only leading dimensions regrouped
-        moves = [(k + d, a[d], 1, 1) for d in spatial]
-    elif any(a[d] == 1 for d in spatial):
-        return "moves a spatial dimension of size 1"
-    else:
-        found = {}
-        for ins, outs in _runs(a, b):
-            mine = [d for d in ins if d in spatial]
-            if len(mine) > 1:
-                return "merges two spatial dimensions"
-            if not mine:
+    the spatial dimensions' places (from the end), their whole sizes and the folds; or why it
+    cannot.
+
+    Both shapes are read as factors (:func:`_factors`), and each dimension of ``b`` takes the
+    next ones whose product it is. A spatial factor may be split into (outer, inner) where
+    every block's rows are whole groups of the inner size (space-to-depth, a window
+    partition's ``(H / ws, ws)``): the outer part stays spatial, its blocks in tensor_split
+    layout. A dimension that takes one spatial factor and others after it is that spatial
+    dimension again where the blocks are in tensor_split layout of the product
+    (depth-to-space, a window reverse); any other with a spatial factor is a fold, which
+    only rules that treat it as a batch take."""
+    ndim = len(g.dims(x))
+    axes = g.grid.axes(ndim)
+
+    def rows(n: int, k: int) -> list[int]:
+        return tensor_split_sizes(n, axes[k][1])
+
+    flat, i, groups = _factors(g, x, a), 0, []
+    for at, n in enumerate(b):
+        group, prod = [], 1
+        while prod < n:
+            m, k = flat[i]
+            if n % (prod * m) == 0:
+                group.append(flat[i])
+                prod, i = prod * m, i + 1
                 continue
-            if len(ins) == 1:  # whole, or split into (outer, inner ...)
-                found[mine[0]] = (outs[0], b[outs[0]], math.prod(b[o] for o in outs[1:]), 1)
-            elif ins[0] == mine[0] and len(outs) == 1:  # merged with the dimensions after it
-                found[mine[0]] = (outs[0], b[outs[0]], 1, math.prod(a[d] for d in ins[1:]))
-            else:
-                return "merges a spatial dimension with one before it"
-        moves = [found[d] for d in spatial]
-    shape, size = list(b), []
-    for d, (o, n, inner, merged), (_, parts, _) in zip(
-        spatial, moves, g.grid.axes(len(spatial)), strict=True
-    ):
-        have, want = tensor_split_sizes(a[d], parts), tensor_split_sizes(n, parts)
-        if any(h % inner or h // inner * merged != w for h, w in zip(have, want, strict=True)):
-            return (f"regroups a dimension of {a[d]} split into blocks of {list(have)}, which "
-                    f"do not become blocks of its {n} (each block a multiple of "
-                    f"{inner * merged} rows would)")  # fmt: skip
-        shape[o] = x.shape[d] // inner * merged
-        size.append(n)
-    return tuple(shape), tuple(o - len(b) for o, *_ in moves), tuple(size)
-
-
-def _runs(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
-    """The dimensions of ``a`` and ``b`` (of equal products) in runs of equal products, as a
-    reshape regroups them; dimensions of size 1 are left out."""
-    ia = [d for d, n in enumerate(a) if n != 1]
-    ib = [d for d, n in enumerate(b) if n != 1]
-    runs, i, j = [], 0, 0
-    while i < len(ia) and j < len(ib):
-        ins, outs, pa, pb = [ia[i]], [ib[j]], a[ia[i]], b[ib[j]]
-        i, j = i + 1, j + 1
-        while pa != pb:
-            if pa < pb:
-                ins.append(ia[i])
-                pa, i = pa * a[ia[i]], i + 1
-            else:
-                outs.append(ib[j])
-                pb, j = pb * b[ib[j]], j + 1
-        runs.append((ins, outs))
-    return runs
+            outer = n // prod
+            if n % prod or m % outer:
+                return "regroups across a spatial dimension" if k is not None or any(
+                    f[1] is not None for f in group) else "regroups dimensions unevenly"
+            if k is not None:
+                have, inner = rows(m, k), m // outer
+                if any(h % inner or h // inner != w for h, w in zip(have, rows(outer, k),
+                                                                    strict=True)):
+                    return (f"cuts a dimension of {m} split into blocks of {have} into "
+                            f"({outer}, {inner}) (each block a multiple of {inner} rows "
+                            f"would do)")  # fmt: skip
+            group.append((outer, k))
+            flat[i] = (m // outer, None)
+            prod = n
+        # a spatial factor of size 1 goes with the dimension before it, or one of size 1
+        while (i < len(flat) and flat[i][0] == 1 and flat[i][1] is not None
+               and (at + 1 == len(b) or b[at + 1] != 1 or n == 1)):  # fmt: skip
+            group.append(flat[i])
+            i += 1
+        groups.append(group)
+    if i != len(flat):
+        return "leaves a spatial dimension of size 1 out"
+    shape, places, size, folds = [], [0] * ndim, [0] * ndim, []
+    for at, group in enumerate(groups):
+        spatial = [(m, k) for m, k in group if k is not None]
+        local = [rows(m, k)[axes[k][2]] if k is not None else m for m, k in group]
+        shape.append(math.prod(local))
+        for _, k in spatial:
+            places[k] = at - len(b)
+        if not spatial:
+            continue
+        (m, k), rest = group[0], math.prod(f[0] for f in group[1:])
+        if len(spatial) == 1 and group[0][1] is not None and all(
+            h * rest == w for h, w in zip(rows(m, k), rows(m * rest, k), strict=True)
+        ):
+            size[k] = m * rest  # one spatial dimension, merged with what follows it
+            continue
+        folds.append(tuple(group))
+        for m, k in spatial:
+            size[k] = m
+    return tuple(shape), tuple(places), tuple(size), tuple(folds)
 
 
 @rule(F.pixel_shuffle, F.pixel_unshuffle, params="input, factor")
@@ -185,7 +221,7 @@ def pixel_shuffle(g: Guard, call: Call) -> Any:
 
 
 @rule(*ops("permute transpose swapaxes swapdims movedim moveaxis", torch, Tensor),
-      params="input, *_, **__")  # fmt: skip
+      params="input, *_, **__", folds=True)  # fmt: skip
 def permute(g: Guard, call: Call) -> Any:
     """Local; the record follows the spatial dimensions to their new places (channels last
     and back)."""
@@ -240,7 +276,7 @@ def _along(g: Guard, call: Call, dim: int) -> int:
 
 
 @rule(*ops("split chunk tensor_split split_with_sizes", torch, Tensor),
-      params="input, sections=None, dim=0, *_, **__")  # fmt: skip
+      params="input, sections=None, dim=0, *_, **__", folds=True)  # fmt: skip
 def split(g: Guard, call: Call) -> Any:
     """Local along channels or the batch (or the channels of a channels-last block)."""
     _along(g, call, call["dim"])
@@ -262,7 +298,7 @@ def along(g: Guard, call: Call) -> Any:
     return g.marked(call.run(), g.dims(call["input"]))
 
 
-@rule(*ops("unbind select", torch, Tensor), params="input, dim=0, index=None")
+@rule(*ops("unbind select", torch, Tensor), params="input, dim=0, index=None", folds=True)
 def unbind(g: Guard, call: Call) -> Any:
     """Local along channels or the batch: the dimension goes away."""
     x = call["input"]
@@ -277,15 +313,23 @@ def cut_whole(g: Guard, t: Tensor, block: Tensor, op: str) -> Tensor:
     embedding); its gradient is then each rank's share, summed as a gate's. Any other size
     over a spatial dimension is refused."""
     dims, whole = g.dims(block), whole_size(g, block)
+    folds = {fold_place(g, block, fold): fold for fold in g.folds(block)}
     index: list[Any] = [slice(None)] * t.dim()
     for d, n, rows in zip(dims, whole, g.grid.block(*whole), strict=True):
+        if d in folds:
+            n = math.prod(m for m, _ in folds[d])
         if t.dim() < -d or t.shape[d] == 1:
             continue
         if t.shape[d] != n:
             raise g.refuse(op, f"a whole tensor of shape {tuple(t.shape)} varies over a spatial "
                            f"dimension, whose whole size is {n}")  # fmt: skip
-        index[t.dim() + d] = rows
-    return g.summed(t)[tuple(index)]
+        if d not in folds:
+            index[t.dim() + d] = rows
+    t = g.summed(t)[tuple(index)]
+    for d, fold in folds.items():  # a window partition's mask: this rank's windows
+        if t.dim() >= -d and t.shape[d] != 1:
+            t = t.index_select(d, fold_index(g, block, fold))
+    return t
 
 
 @rule(torch.cat, torch.concat, torch.concatenate, torch.stack,
@@ -315,12 +359,14 @@ def cat(g: Guard, call: Call) -> Any:
 
 def _indexed(
     g: Guard, x: Tensor, index: Any, size: tuple[int, ...]
-) -> tuple[Dims, Any, dict[int, tuple[int, int]]]:
+) -> tuple[Dims, Any, dict[int, tuple[int, int]], tuple[int, ...]]:
     """Where the spatial dimensions of block ``x`` are after ``x[index]``, the index to apply
-    to the block (``:`` along the spatial dimensions), and the rows each spatial dimension
-    keeps, by its place in the record, where a slice of step 1 cuts it (``x[:, :, 1:-1]``, a
-    slice to the whole size keeps them all). Refused: an integer, a step or an index tensor
-    along a spatial dimension. ``size``: ``x``'s whole spatial size."""
+    to the block, the rows each spatial dimension keeps, by its place in the record, where a
+    slice of step 1 cuts it (``x[:, :, 1:-1]``; a slice to the whole size keeps them all),
+    and the whole spatial size after the index. A slice with a step (patch merging's
+    ``x[..., 0::2, 0::2, :]``) is local where every rank's rows it keeps are its block of the
+    kept rows. Refused: an integer or an index tensor along a spatial dimension, or any index
+    into a window partition's fold but ``:``. ``size``: ``x``'s whole spatial size."""
     entries = list(index) if isinstance(index, tuple) else [index]
     width = [
         0 if e is None else e.dim() if isinstance(e, Tensor) and e.dtype == torch.bool else 1
@@ -331,21 +377,31 @@ def _indexed(
     if Ellipsis in entries:
         width[entries.index(Ellipsis)] = x.dim() - (sum(width) - 1)
     spatial = _positions(g, x)
-    shape = whole_shape(g, x, size)
+    folded = {x.dim() + fold_place(g, x, fold) for fold in g.folds(x)}
+    shape, new_size = whole_shape(g, x, size), list(size)
     lo, hi = min(spatial), max(spatial)
     first, out, local, crops = 0, [], [], {}  # out: the input dimension of each output one
     for e, n in zip(entries, width, strict=True):
         consumed = range(first, first + n)
-        if first in spatial and n == 1 and e is not Ellipsis:
-            if not isinstance(e, slice) or e.step not in (None, 1):
+        if first in folded and n == 1 and e is not Ellipsis:
+            if not (isinstance(e, slice) and e == slice(None)):
+                raise g.refuse("indexing", f"the index {index!r} reaches into windows folded "
+                               "into one dimension")  # fmt: skip
+        elif first in spatial and n == 1 and e is not Ellipsis:
+            if not isinstance(e, slice):
                 raise g.refuse("indexing", f"the index {index!r} reaches a spatial dimension")
+            k = spatial.index(first)
             rows = range(shape[first])[e]
             if len(rows) == 0:
                 raise g.refuse("indexing", f"the index {index!r} keeps no row of a spatial "
                                "dimension")  # fmt: skip
-            if len(rows) != shape[first]:
-                crops[spatial.index(first)] = (rows.start, rows.stop)
-            e = slice(None)
+            if rows.step != 1:
+                e = _strided(g, x, k, rows)
+                new_size[k] = len(rows)
+            else:
+                if len(rows) != shape[first]:
+                    crops[k] = (rows.start, rows.stop)
+                e = slice(None)
         elif any(d in spatial for d in consumed) and e is not Ellipsis:
             raise g.refuse("indexing", f"the index {index!r} reaches a spatial dimension")
         if e is None and lo < first <= hi:
@@ -361,20 +417,44 @@ def _indexed(
         first += n
     out += list(range(first, x.dim()))  # dimensions left unindexed
     dims = tuple(out.index(d) - len(out) for d in spatial)
-    return dims, tuple(local) if isinstance(index, tuple) else local[0], crops
+    if crops and new_size != list(size):
+        raise g.refuse("indexing", f"the index {index!r} both steps over and cuts spatial "
+                       "dimensions")  # fmt: skip
+    index = tuple(local) if isinstance(index, tuple) else local[0]
+    return dims, index, crops, tuple(new_size)
 
 
-@rule(Tensor.__getitem__, params="input, index")
+def _strided(g: Guard, x: Tensor, k: int, rows: range) -> slice:
+    """This rank's slice of block ``x`` along spatial dimension ``k`` for the whole sample's
+    ``rows`` (a step > 1), where the rows every rank keeps are its block of them in
+    tensor_split layout (blocks of even sizes for a step of 2 from row 0 or 1)."""
+    n, (_, parts, mine) = whole_size(g, x)[k], g.grid.axes(len(g.dims(x)))[k]
+    have, want = tensor_split_sizes(n, parts), tensor_split_sizes(len(rows), parts)
+    firsts = [max(0, -(-(a - rows.start) // rows.step)) for a in starts(have)]
+    kept = [min(len(rows), max(0, -(-(a + m - rows.start) // rows.step))) - j
+            for a, m, j in zip(starts(have), have, firsts, strict=True)]  # fmt: skip
+    if kept != want:
+        raise g.refuse("indexing", f"rows {rows.start}::{rows.step} of a dimension of {n} split "
+                       f"into blocks of {have} keep {kept} rows of each, not blocks of "
+                       f"{want} (blocks of multiples of {rows.step} rows would)")  # fmt: skip
+    if not kept[mine]:
+        return slice(0, 0)
+    begin = rows.start + firsts[mine] * rows.step - starts(have)[mine]
+    return slice(begin, begin + (kept[mine] - 1) * rows.step + 1, rows.step)
+
+
+@rule(Tensor.__getitem__, params="input, index", folds=True)
 def getitem(g: Guard, call: Call) -> Any:
     """Local when the spatial dimensions are taken whole (``x[:, :16]``, ``x[:, :16, :, :]``,
     ``x[:, idx]`` with a channel index tensor, ``x[..., :16]`` on a channels-last block);
-    index tensors only before the spatial dimensions. A slice of step 1 along a spatial
-    dimension (Swin's unpad ``x[:, :H, :W, :]``, ``x[..., 1:-1]``) is a crop: ``F.pad`` by
-    negative pads, whose rule fetches each rank's new rows."""
+    index tensors only before the spatial dimensions. A slice with a step is local where the
+    blocks are whole groups of it (patch merging's ``x[..., 0::2, 0::2, :]``). A slice of
+    step 1 along a spatial dimension (Swin's unpad ``x[:, :H, :W, :]``, ``x[..., 1:-1]``) is
+    a crop: ``F.pad`` by negative pads, whose rule fetches each rank's new rows."""
     x = call["input"]
     size = whole_size(g, x)
-    dims, index, crops = _indexed(g, x, call["index"], size)
-    y = g.marked(x[index], dims, size)
+    dims, index, crops, new_size = _indexed(g, x, call["index"], size)
+    y = g.marked(x[index], dims, new_size)
     if not crops:
         return y
     pads = [0] * (2 * -min(dims))
@@ -392,7 +472,7 @@ def setitem(g: Guard, call: Call) -> None:
     x, index, value = call["input"], call["index"], call["value"]
     if not g.is_split(x):
         raise g.refuse(call.name, "it writes a block into a whole tensor")
-    _, index, crops = _indexed(g, x, index, whole_size(g, x))
+    _, index, crops, _ = _indexed(g, x, index, whole_size(g, x))
     if crops:
         raise g.refuse("indexing", "it writes to part of a spatial dimension")
     if isinstance(value, Tensor) and not g.is_split(value):
@@ -407,7 +487,7 @@ stride storage_offset __repr__ __format__ __hash__ register_hook
 _SHAPE = (Tensor.size, prop("shape"), Tensor.numel, Tensor.nelement, Tensor.__len__)
 
 
-@rule(PROPERTY, *ops(_METADATA, Tensor), *_SHAPE)
+@rule(PROPERTY, *ops(_METADATA, Tensor), *_SHAPE, folds=True)
 def metadata(g: Guard, call: Call) -> Any:
     """Answered from the block, but for its shape (``x.shape``, ``x.size()``, ``x.numel()``,
     ``len(x)``): the whole samples', as DTensor reports its global shape, so that sizes the
@@ -422,7 +502,8 @@ def metadata(g: Guard, call: Call) -> Any:
     if call.func is Tensor.__len__:
         return shape[0]
     dim = call.args[1] if len(call.args) > 1 else call.kwargs.get("dim")
-    g.note_sized(size)
+    if not g.folds(x):
+        g.note_sized(size)
     if dim is None:
         return shape
     if isinstance(dim, int):
@@ -430,7 +511,7 @@ def metadata(g: Guard, call: Call) -> Any:
     return tuple(shape[d] for d in dim)
 
 
-@rule(prop("data"))
+@rule(prop("data"), folds=True)
 def data(g: Guard, call: Call) -> Any:
     """The same block, without its history."""
     return g.marked(call.run(), g.dims(call.blocks[0]))
