@@ -337,8 +337,8 @@ def shifted_window_attention(
 ) -> torch.Tensor:
     """torchvision's ``shifted_window_attention`` written small (one head, no padding): a
     cyclic shift, the windows folded into the batch, attention within each window with a
-    relative position bias and the shifted windows' mask (made whole, of every window), and
-    the reverse."""
+    relative position bias and the shifted windows' mask (made whole, of every window), again
+    by ``F.scaled_dot_product_attention``, and the reverse."""
     b, h, w, c = x.shape
     x = torch.roll(x, (-shift, -shift), (1, 2))
     x = x.view(b, h // ws, ws, w // ws, ws, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, ws * ws, c)
@@ -354,6 +354,8 @@ def shifted_window_attention(
     mask = (mask.unsqueeze(1) - mask.unsqueeze(2)).ne(0) * -100.0
     attn = attn.view(x.size(0) // mask.shape[0], mask.shape[0], ws * ws, ws * ws) + mask
     y = attn.view(-1, ws * ws, ws * ws).softmax(-1) @ v
+    # timm's and MONAI's way: F.scaled_dot_product_attention, a whole mask of every window
+    y = y + F.scaled_dot_product_attention(q, k, v, (bias + mask).repeat(b, 1, 1))
     y = y.view(b, h // ws, w // ws, ws, ws, c).permute(0, 1, 3, 2, 4, 5).reshape(b, h, w, c)
     return torch.roll(y, (shift, shift), (1, 2))
 

@@ -9,6 +9,7 @@ test_parallelize.py.
 
 from __future__ import annotations
 
+import math
 import copy
 import warnings
 
@@ -414,3 +415,27 @@ def test_every_rule_has_a_docstring_and_one_family():
     for family, ops, what, exact in docs_rows():
         assert family in families and what and exact in ("yes", "refused"), (family, ops)
 
+
+
+@pytest.mark.parametrize(
+    ("size", "window", "grid"),
+    [((14, 7), (7, 7), (2, 1)), ((7, 14), (7, 7), (1, 2)), ((16, 4, 4), (8, 4, 4), (2, 1, 1))],
+)
+def test_a_window_partition_folds_the_window_grid_and_its_reverse_unfolds_it(size, window, grid):
+    """Swin's partition of a channels-last map (torchvision's views and permutes, 2-D and
+    3-D): the window grid, one window wide along some dimensions, is folded into the batch,
+    the windows' own rows are not spatial, and the reverse gives the map back, unfolded."""
+    n, c, k = 2, 3, len(size)
+    guard = SpatialGuard(nn.Identity(), LocalCommunicator())
+    x = torch.randn(n, *size, c)
+    guard.mark(x, dims=tuple(range(-k - 1, -1)), size=size)
+    split = [v for s, w in zip(size, window, strict=True) for v in (s // w, w)]
+    order = [0, *range(1, 2 * k, 2), *range(2, 2 * k + 1, 2), 2 * k + 1]
+    back = [0, *(v for d in range(k) for v in (1 + d, 1 + k + d)), 2 * k + 1]
+    with guard:
+        y = x.view(n, *split, c).permute(order).reshape(-1, math.prod(window), c)
+        assert guard.folds(y) == (((n, None), *((g, d) for d, g in enumerate(grid))),)
+        assert guard.dims(y) == (-3,) * k
+        z = y.view(n, *grid, *window, c).permute(back).reshape(n, *size, c)
+    assert guard.dims(z) == tuple(range(-k - 1, -1)) and guard.folds(z) == ()
+    torch.testing.assert_close(z, x)

@@ -91,7 +91,8 @@ class SpatialGuard(TorchFunctionMode):
         self.size_now: Size | None = None  # the whole size of the call being ruled on
         self.folds_now: tuple[Fold, ...] = ()  # and its folds
         self.read_sizes: set[Size] = set()  # whole sizes of blocks whose shape code read
-        self._stack: list[tuple[nn.Module, bool, bool, Size | None, Any] | None] = []
+        # (module, trusted, given blocks, their size, a gathered one's layout, given folds)
+        self._stack: list[tuple[nn.Module, bool, bool, Size | None, Any, bool] | None] = []
         self._restore: dict[int, tuple[Any, Any]] = {}
         self._trusted = 0
         self._hooks: list[Any] = []
@@ -219,9 +220,12 @@ class SpatialGuard(TorchFunctionMode):
             return None
         whole = None  # a gathered module's input blocks' layout: (dims, ndim)
         if module in self.gathered and (blocks := self._blocks_in(args, {})):
-            if any(self.folds(b) for b in blocks):
+            if any(self.folds(b) for b in blocks):  # gather the module that folded them
+                outer = next((e[0] for e in reversed(self._stack) if e and e[2] and not e[5]),
+                             None)  # fmt: skip
                 raise self.refuse(type(module).__name__, "it is to be gathered, and is given "
-                                  "a window partition", module)  # fmt: skip
+                                  "spatial dimensions folded with others (a flatten, a window "
+                                  "partition)", outer)  # fmt: skip
             whole, args = (self.dims(blocks[0]), blocks[0].dim()), gather_inputs(self, args)
             self._gathering += 1
         ends = getattr(module, "ends_spatial_region", False)
@@ -233,14 +237,15 @@ class SpatialGuard(TorchFunctionMode):
             self._normalize_whole(module)
         self._trusted += trusted
         size = self.size_of(blocks[0]) if blocks else None
-        self._stack.append((module, trusted, bool(blocks) and not ends, size, whole))
+        folded = any(self.folds(b) for b in blocks)
+        self._stack.append((module, trusted, bool(blocks) and not ends, size, whole, folded))
         return args if whole else None
 
     def _leave_module(self, module: nn.Module, args: tuple, out: Any) -> Any:
         entry = self._stack.pop()
         if entry is None:
             return None
-        _, trusted, blocks_out, size, whole = entry
+        _, trusted, blocks_out, size, whole, _ = entry
         if id(module) in self._restore:
             _set_comms(module, *self._restore.pop(id(module)))
         if trusted:

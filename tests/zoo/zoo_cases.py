@@ -728,7 +728,7 @@ SWEEP_ARCHS: dict[str, Arch] = {
        for n in ("rexnet_100", "selecsls42b")},
     **{f"tv {n}": Arch("torchvision", _tv(n, num_classes=5), what="sweep") for n in (
         "resnext50_32x4d", "mobilenet_v3_large", "efficientnet_v2_s", "alexnet", "vgg11",
-        "regnet_y_800mf", "swin_t",
+        "regnet_y_800mf",
     )},
     "monai EfficientNetBN 3-D": Arch(
         "monai", _monai("EfficientNetBN", "efficientnet-b0", spatial_dims=3, in_channels=1,
@@ -832,10 +832,12 @@ SPATIAL = tuple(
 
 
 SLOW = ("monai VNet", "monai BasicUNetPlusPlus", "smp PAN resnet18", "smp DeepLabV3Plus resnet18",
-        *SWEEP_ARCHS)
+        "tv swin_t", "tv swin3d_t", "monai SwinUNETR", *SWEEP_ARCHS)
 """Architectures kept out of the test tier for their cost (VNet's 45M weights, U-Net++'s
 nested decoder at 32^3 in float64, PAN at 256 x 256, DeepLabV3+ whose ASPP and skip the tier's
-DeepLabV3 and U-Nets already cover) and the wider sweep (SWEEP_ARCHS), run by hand:
+DeepLabV3 and U-Nets already cover; swin_t at 448 x 224, swin3d_t at 32 x 64^2 and SwinUNETR
+at 64^3, the sizes whose blocks are whole windows at every stage, whose code the tier's small
+"tv swin", "tv swin3d" and "monai SwinUNETR 2-D" run) and the wider sweep (SWEEP_ARCHS), by hand:
 ``survey.py --arch 'monai VNet'``."""
 
 
@@ -1014,6 +1016,10 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
+    ('tv swin', 'data'): (
+        'exact',
+        '',
+    ),
     ('tv maxvit', 'data'): (
         'exact',
         '',
@@ -1111,6 +1117,14 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('monai UNet', 'data'): (
+        'exact',
+        '',
+    ),
+    ('monai SwinUNETR 2-D', 'data'): (
+        'exact',
+        '',
+    ),
+    ('tv swin3d', 'data'): (
         'exact',
         '',
     ),
@@ -1302,74 +1316,78 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
+    ('tv swin', 'rows'): (
+        'exact',
+        '',
+    ),
     ('tv maxvit', 'rows'): (
         'refused',
-        "spatial parallelism: Tensor.reshape in 'blocks.0.layers.0.layers.window_"
-        "attention.partition_op' (Win ... .window_attention.partition_op'] to run"
+        "spatial parallelism: torch.einsum in 'blocks.0.layers.0.layers.grid_atte"
+        "ntion.attn_layer.1' (Relativ ... rs.grid_attention.attn_layer.1'] to run"
         ' that module on whole images from there on, or fallback="gather" to run '
         'it on gathered whole images and split again after it, or use the data or'
         ' channel ...',
     ),
     ('timm maxvit', 'rows'): (
         'refused',
-        "spatial parallelism: Tensor.view in 'stages.0.blocks.0.attn_block' (Part"
-        "itionAttentionCl) touches a  ... ['stages.0.blocks.0.attn_block'] to run"
+        "spatial parallelism: F.scaled_dot_product_attention in 'stages.0.blocks."
+        "0.attn_grid.attn' (Attention ... ages.0.blocks.0.attn_grid.attn'] to run"
         ' that module on whole images from there on, or fallback="gather" to run '
         'it on gathered whole images and split again after it, or use the data or'
         ' channel ...',
     ),
     ('timm coatnet', 'rows'): (
         'refused',
-        "spatial parallelism: Tensor.view in 'stages.2.blocks.0.attn' (Attention2"
-        "d) touches a block of split  ... dense=['stages.2.blocks.0.attn'] to run"
+        "spatial parallelism: F.scaled_dot_product_attention in 'stages.2.blocks."
+        "0.attn' (Attention2d) touche ... dense=['stages.2.blocks.0.attn'] to run"
         ' that module on whole images from there on, or fallback="gather" to run '
         'it on gathered whole images and split again after it, or use the data or'
         ' channel ...',
     ),
     ('timm mobilevit_xxs', 'rows'): (
         'refused',
-        "spatial parallelism: Tensor.reshape in 'stages.2.1' (MobileVitBlock) tou"
-        "ches a block of split images ... ; pass keep_dense=['stages.2.1'] to run"
+        "spatial parallelism: F.scaled_dot_product_attention in 'stages.2.1.trans"
+        "former.0.attn' (Attention) t ... 'stages.2.1.transformer.0.attn'] to run"
         ' that module on whole images from there on, or fallback="gather" to run '
         'it on gathered whole images and split again after it, or use the data or'
         ' channel ...',
     ),
     ('timm mobilevitv2_050', 'rows'): (
         'refused',
-        "spatial parallelism: Tensor.reshape in 'stages.2.1' (MobileVitV2Block) t"
-        "ouches a block of split imag ... ; pass keep_dense=['stages.2.1'] to run"
+        "spatial parallelism: F.group_norm in 'stages.2.1.transformer.0.norm1' (G"
+        "roupNorm1) touches a block o ... stages.2.1.transformer.0.norm1'] to run"
         ' that module on whole images from there on, or fallback="gather" to run '
         'it on gathered whole images and split again after it, or use the data or'
         ' channel ...',
     ),
     ('timm edgenext_xx_small', 'rows'): (
         'refused',
-        "spatial parallelism: Tensor.reshape in 'stages.1.blocks.1' (SplitTranspo"
-        "seBlock) touches a block of  ... keep_dense=['stages.1.blocks.1'] to run"
+        "spatial parallelism: F.normalize in 'stages.1.blocks.1.xca' (CrossCovari"
+        "anceAttn) touches a block of ... _dense=['stages.1.blocks.1.xca'] to run"
         ' that module on whole images from there on, or fallback="gather" to run '
         'it on gathered whole images and split again after it, or use the data or'
         ' channel ...',
     ),
     ('timm efficientformerv2_s0', 'rows'): (
         'refused',
-        "spatial parallelism: Tensor.reshape in 'stages.2.blocks.1.token_mixer' ("
-        "Attention2d) touches a block ... 'stages.2.blocks.1.token_mixer'] to run"
+        "spatial parallelism: Tensor.matmul in 'stages.2.blocks.1.token_mixer' (A"
+        "ttention2d) touches a block  ... 'stages.2.blocks.1.token_mixer'] to run"
         ' that module on whole images from there on, or fallback="gather" to run '
         'it on gathered whole images and split again after it, or use the data or'
         ' channel ...',
     ),
     ('smp Segformer mit_b0', 'rows'): (
         'refused',
-        "spatial parallelism: Tensor.view in 'encoder.patch_embed1.norm' (LayerNo"
-        "rm) touches a block of split ... se=['encoder.patch_embed1.norm'] to run"
+        "spatial parallelism: Tensor.matmul in 'encoder.block1.0.attn' (Attention"
+        ") touches a block of split i ... _dense=['encoder.block1.0.attn'] to run"
         ' that module on whole images from there on, or fallback="gather" to run '
         'it on gathered whole images and split again after it, or use the data or'
         ' channel ...',
     ),
     ('smp MAnet mobilenetv3', 'rows'): (
         'refused',
-        "spatial parallelism: Tensor.flatten in 'decoder.center' (PABBlock) touch"
-        "es a block of split images,  ... ss keep_dense=['decoder.center'] to run"
+        "spatial parallelism: torch.matmul in 'decoder.center' (PABBlock) touches"
+        " a block of split images, an ... ss keep_dense=['decoder.center'] to run"
         ' that module on whole images from there on, or fallback="gather" to run '
         'it on gathered whole images and split again after it, or use the data or'
         ' channel ...',
@@ -1430,6 +1448,14 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
+    ('monai SwinUNETR 2-D', 'rows'): (
+        'exact',
+        '',
+    ),
+    ('tv swin3d', 'rows'): (
+        'exact',
+        '',
+    ),
     ('monai BasicUNet', 'rows'): (
         'exact',
         '',
@@ -1452,8 +1478,8 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
     ),
     ('monai UNETR', 'rows'): (
         'refused',
-        "spatial parallelism: Tensor.flatten in 'vit.patch_embedding' (PatchEmbed"
-        "dingBlock) touches a block o ... ep_dense=['vit.patch_embedding'] to run"
+        "spatial parallelism: torch.einsum in 'vit.blocks.0.attn' (SABlock) touch"
+        "es a block of split images,  ... keep_dense=['vit.blocks.0.attn'] to run"
         ' that module on whole images from there on, or fallback="gather" to run '
         'it on gathered whole images and split again after it, or use the data or'
         ' channel ...',
@@ -1514,74 +1540,78 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
+    ('tv swin', 'cols'): (
+        'exact',
+        '',
+    ),
     ('tv maxvit', 'cols'): (
         'refused',
-        "spatial parallelism: Tensor.reshape in 'blocks.0.layers.0.layers.window_"
-        "attention.partition_op' (Win ... .window_attention.partition_op'] to run"
+        "spatial parallelism: torch.einsum in 'blocks.0.layers.0.layers.grid_atte"
+        "ntion.attn_layer.1' (Relativ ... rs.grid_attention.attn_layer.1'] to run"
         ' that module on whole images from there on, or fallback="gather" to run '
         'it on gathered whole images and split again after it, or use the data or'
         ' channel ...',
     ),
     ('timm maxvit', 'cols'): (
         'refused',
-        "spatial parallelism: Tensor.view in 'stages.0.blocks.0.attn_block' (Part"
-        "itionAttentionCl) touches a  ... ['stages.0.blocks.0.attn_block'] to run"
+        "spatial parallelism: F.scaled_dot_product_attention in 'stages.0.blocks."
+        "0.attn_grid.attn' (Attention ... ages.0.blocks.0.attn_grid.attn'] to run"
         ' that module on whole images from there on, or fallback="gather" to run '
         'it on gathered whole images and split again after it, or use the data or'
         ' channel ...',
     ),
     ('timm coatnet', 'cols'): (
         'refused',
-        "spatial parallelism: Tensor.view in 'stages.2.blocks.0.attn' (Attention2"
-        "d) touches a block of split  ... dense=['stages.2.blocks.0.attn'] to run"
+        "spatial parallelism: F.scaled_dot_product_attention in 'stages.2.blocks."
+        "0.attn' (Attention2d) touche ... dense=['stages.2.blocks.0.attn'] to run"
         ' that module on whole images from there on, or fallback="gather" to run '
         'it on gathered whole images and split again after it, or use the data or'
         ' channel ...',
     ),
     ('timm mobilevit_xxs', 'cols'): (
         'refused',
-        "spatial parallelism: Tensor.reshape in 'stages.2.1' (MobileVitBlock) tou"
-        "ches a block of split images ... ; pass keep_dense=['stages.2.1'] to run"
+        "spatial parallelism: F.scaled_dot_product_attention in 'stages.2.1.trans"
+        "former.0.attn' (Attention) t ... 'stages.2.1.transformer.0.attn'] to run"
         ' that module on whole images from there on, or fallback="gather" to run '
         'it on gathered whole images and split again after it, or use the data or'
         ' channel ...',
     ),
     ('timm mobilevitv2_050', 'cols'): (
         'refused',
-        "spatial parallelism: Tensor.reshape in 'stages.2.1' (MobileVitV2Block) t"
-        "ouches a block of split imag ... ; pass keep_dense=['stages.2.1'] to run"
+        "spatial parallelism: F.group_norm in 'stages.2.1.transformer.0.norm1' (G"
+        "roupNorm1) touches a block o ... stages.2.1.transformer.0.norm1'] to run"
         ' that module on whole images from there on, or fallback="gather" to run '
         'it on gathered whole images and split again after it, or use the data or'
         ' channel ...',
     ),
     ('timm edgenext_xx_small', 'cols'): (
         'refused',
-        "spatial parallelism: Tensor.reshape in 'stages.1.blocks.1' (SplitTranspo"
-        "seBlock) touches a block of  ... keep_dense=['stages.1.blocks.1'] to run"
+        "spatial parallelism: F.normalize in 'stages.1.blocks.1.xca' (CrossCovari"
+        "anceAttn) touches a block of ... _dense=['stages.1.blocks.1.xca'] to run"
         ' that module on whole images from there on, or fallback="gather" to run '
         'it on gathered whole images and split again after it, or use the data or'
         ' channel ...',
     ),
     ('timm efficientformerv2_s0', 'cols'): (
         'refused',
-        "spatial parallelism: Tensor.reshape in 'stages.2.blocks.1.token_mixer' ("
-        "Attention2d) touches a block ... 'stages.2.blocks.1.token_mixer'] to run"
+        "spatial parallelism: Tensor.matmul in 'stages.2.blocks.1.token_mixer' (A"
+        "ttention2d) touches a block  ... 'stages.2.blocks.1.token_mixer'] to run"
         ' that module on whole images from there on, or fallback="gather" to run '
         'it on gathered whole images and split again after it, or use the data or'
         ' channel ...',
     ),
     ('smp Segformer mit_b0', 'cols'): (
         'refused',
-        "spatial parallelism: Tensor.view in 'encoder.patch_embed1.norm' (LayerNo"
-        "rm) touches a block of split ... se=['encoder.patch_embed1.norm'] to run"
+        "spatial parallelism: Tensor.matmul in 'encoder.block1.0.attn' (Attention"
+        ") touches a block of split i ... _dense=['encoder.block1.0.attn'] to run"
         ' that module on whole images from there on, or fallback="gather" to run '
         'it on gathered whole images and split again after it, or use the data or'
         ' channel ...',
     ),
     ('smp MAnet mobilenetv3', 'cols'): (
         'refused',
-        "spatial parallelism: Tensor.flatten in 'decoder.center' (PABBlock) touch"
-        "es a block of split images,  ... ss keep_dense=['decoder.center'] to run"
+        "spatial parallelism: torch.matmul in 'decoder.center' (PABBlock) touches"
+        " a block of split images, an ... ss keep_dense=['decoder.center'] to run"
         ' that module on whole images from there on, or fallback="gather" to run '
         'it on gathered whole images and split again after it, or use the data or'
         ' channel ...',
@@ -1742,6 +1772,10 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
+    ('tv swin', 'channel'): (
+        'exact',
+        '',
+    ),
     ('tv maxvit', 'channel'): (
         'exact',
         '',
@@ -1834,6 +1868,14 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
+    ('monai SwinUNETR 2-D', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('tv swin3d', 'channel'): (
+        'exact',
+        '',
+    ),
     ('monai BasicUNet', 'channel'): (
         'exact',
         '',
@@ -1896,13 +1938,17 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
     ),
     ('timm mobilevit_xxs', 'data x rows'): (
         'refused',
-        "spatial parallelism: Tensor.reshape in 'stages.2.1' (MobileVitBlock) tou"
-        "ches a block of split images ... ; pass keep_dense=['stages.2.1'] to run"
+        "spatial parallelism: F.scaled_dot_product_attention in 'stages.2.1.trans"
+        "former.0.attn' (Attention) t ... 'stages.2.1.transformer.0.attn'] to run"
         ' that module on whole images from there on, or fallback="gather" to run '
         'it on gathered whole images and split again after it, or use the data or'
         ' channel ...',
     ),
     ('monai UNet', 'depth'): (
+        'exact',
+        '',
+    ),
+    ('tv swin3d', 'depth'): (
         'exact',
         '',
     ),
@@ -1928,8 +1974,8 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
     ),
     ('monai UNETR', 'depth'): (
         'refused',
-        "spatial parallelism: Tensor.flatten in 'vit.patch_embedding' (PatchEmbed"
-        "dingBlock) touches a block o ... ep_dense=['vit.patch_embedding'] to run"
+        "spatial parallelism: torch.einsum in 'vit.blocks.0.attn' (SABlock) touch"
+        "es a block of split images,  ... keep_dense=['vit.blocks.0.attn'] to run"
         ' that module on whole images from there on, or fallback="gather" to run '
         'it on gathered whole images and split again after it, or use the data or'
         ' channel ...',
@@ -1966,6 +2012,10 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
+    ('tv swin3d', 'depth x cols'): (
+        'exact',
+        '',
+    ),
     ('monai BasicUNet', 'depth x cols'): (
         'exact',
         '',
@@ -1988,8 +2038,8 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
     ),
     ('monai UNETR', 'depth x cols'): (
         'refused',
-        "spatial parallelism: Tensor.flatten in 'vit.patch_embedding' (PatchEmbed"
-        "dingBlock) touches a block o ... ep_dense=['vit.patch_embedding'] to run"
+        "spatial parallelism: torch.einsum in 'vit.blocks.0.attn' (SABlock) touch"
+        "es a block of split images,  ... keep_dense=['vit.blocks.0.attn'] to run"
         ' that module on whole images from there on, or fallback="gather" to run '
         'it on gathered whole images and split again after it, or use the data or'
         ' channel ...',

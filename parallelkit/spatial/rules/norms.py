@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from parallelkit.spatial.rules.registry import Call, Guard, nchw, rule, whole_size
+from parallelkit.spatial.rules.shape import cut_whole
 
 
 def _group_norm(g: Guard, x: Tensor, groups: int, weight: Tensor | None, bias: Tensor | None,
@@ -137,7 +138,32 @@ def matmul(g: Guard, call: Call) -> Tensor:
     return g.marked(torch.matmul(x, g.summed(w)), g.dims(x))
 
 
-@rule(torch.einsum, params="equation, *operands")
+@rule(F.scaled_dot_product_attention,
+      params="query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, "
+      "enable_gqa=False", folds=True)  # fmt: skip
+def attention(g: Guard, call: Call) -> Tensor:
+    """Attention within windows folded into the batch (timm's and MONAI's window attention):
+    local where query, key and value are blocks of one layout whose spatial dimensions are
+    all batch dimensions; a whole mask of every window is cut to this rank's windows. Over a
+    spatial dimension (global attention over H x W tokens), or with dropout: refused."""
+    q, k, v, mask = call["query"], call["key"], call["value"], call["attn_mask"]
+    layout = (g.dims(q), g.folds(q))
+    blocks = (q, k, v, mask) if g.is_split(mask) else (q, k, v)
+    if any(not g.is_split(t) or (g.dims(t), g.folds(t)) != layout for t in blocks) or max(
+        layout[0]
+    ) >= -2:
+        raise g.refuse(call.name, "it attends over a spatial dimension, or over blocks of "
+                       "different layouts")  # fmt: skip
+    if call["dropout_p"]:
+        raise g.refuse(call.name, "dropout_p > 0 draws a mask of its own per rank")
+    if isinstance(mask, Tensor) and not g.is_split(mask):
+        mask = cut_whole(g, mask, q, call.name)
+    y = F.scaled_dot_product_attention(q, k, v, mask, 0.0, call["is_causal"], scale=call["scale"],
+                                       enable_gqa=call["enable_gqa"])  # fmt: skip
+    return g.marked(y, layout[0])
+
+
+@rule(torch.einsum, params="equation, *operands", folds=True)
 def einsum(g: Guard, call: Call) -> Tensor:
     """Local where every spatial dimension's letter is in the output and only in blocks of
     one layout, at their own spatial dimension (``"nchw,dc->ndhw"``: a map over channels);
@@ -150,6 +176,8 @@ def einsum(g: Guard, call: Call) -> Tensor:
     if "." in equation or not output or len(subscripts) != len(operands):
         raise g.refuse(call.name, "only explicit equations without '...' have a rule")
     first = call.blocks[0]
+    if any(g.folds(b) != g.folds(first) for b in call.blocks):
+        raise g.refuse(call.name, "its blocks are folded differently")
     letters = [subscripts[operands.index(first)][d] for d in g.dims(first)]
     for sub, t in zip(subscripts, operands, strict=True):
         mine = [sub[d] for d in g.dims(t)] if g.is_split(t) else []

@@ -17,6 +17,7 @@ interpolation to a skip connection's size, a mean divided by ``H * W``, the size
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -152,37 +153,13 @@ def _regroup(
     def rows(n: int, k: int) -> list[int]:
         return tensor_split_sizes(n, axes[k][1])
 
-    flat, i, groups = _factors(g, x, a), 0, []
-    for at, n in enumerate(b):
-        group, prod = [], 1
-        while prod < n:
-            m, k = flat[i]
-            if n % (prod * m) == 0:
-                group.append(flat[i])
-                prod, i = prod * m, i + 1
-                continue
-            outer = n // prod
-            if n % prod or m % outer:
-                return "regroups across a spatial dimension" if k is not None or any(
-                    f[1] is not None for f in group) else "regroups dimensions unevenly"
-            if k is not None:
-                have, inner = rows(m, k), m // outer
-                if any(h % inner or h // inner != w for h, w in zip(have, rows(outer, k),
-                                                                    strict=True)):
-                    return (f"cuts a dimension of {m} split into blocks of {have} into "
-                            f"({outer}, {inner}) (each block a multiple of {inner} rows "
-                            f"would do)")  # fmt: skip
-            group.append((outer, k))
-            flat[i] = (m // outer, None)
-            prod = n
-        # a spatial factor of size 1 goes with the dimension before it, or one of size 1
-        while (i < len(flat) and flat[i][0] == 1 and flat[i][1] is not None
-               and (at + 1 == len(b) or b[at + 1] != 1 or n == 1)):  # fmt: skip
-            group.append(flat[i])
-            i += 1
-        groups.append(group)
-    if i != len(flat):
-        return "leaves a spatial dimension of size 1 out"
+    flat = _factors(g, x, a)
+    found = _group(list(flat), b, rows, ones=False)
+    if not isinstance(found, str) and found[1]:  # a partition: one-window grids are spatial
+        found = _group(list(flat), b, rows, ones=True)
+    if isinstance(found, str):
+        return found
+    groups = found[0]
     shape, places, size, folds = [], [0] * ndim, [0] * ndim, []
     for at, group in enumerate(groups):
         spatial = [(m, k) for m, k in group if k is not None]
@@ -202,6 +179,64 @@ def _regroup(
         for m, k in spatial:
             size[k] = m
     return tuple(shape), tuple(places), tuple(size), tuple(folds)
+
+
+def _group(
+    flat: list[Factor], b: tuple[int, ...], rows: Callable[[int, int], list[int]], ones: bool
+) -> tuple[list[list[Factor]], bool] | str:
+    """The factors ``flat`` of a block's whole shape taken by the dimensions of ``b`` in
+    turn (:func:`_regroup`), and whether a spatial factor was cut into (outer > 1, inner): a
+    partition. ``ones``: a dimension of size 1 just before one of a spatial factor's size
+    takes that factor as its outer part, (1, size): a window grid of one window along it
+    (Swin's ``view(B, 2, 7, 1, 7, C)`` of a 14 x 7 map), as the others' grids are spatial."""
+    i, groups, partition = 0, [], False
+
+    def cut(m: int, k: int | None, outer: int) -> str | None:
+        if k is None:
+            return None
+        have, inner = rows(m, k), m // outer
+        if any(h % inner or h // inner != w for h, w in zip(have, rows(outer, k), strict=True)):
+            return (f"cuts a dimension of {m} split into blocks of {have} into ({outer}, "
+                    f"{inner}) (each block a multiple of {inner} rows would do)")  # fmt: skip
+        return None
+
+    for at, n in enumerate(b):
+        group, prod = [], 1
+        if (ones and n == 1 and i < len(flat) and flat[i][1] is not None
+                and at + 1 < len(b) and b[at + 1] == flat[i][0] > 1):  # fmt: skip
+            if why := cut(*flat[i], 1):
+                return why
+            group, flat[i] = [(1, flat[i][1])], (flat[i][0], None)
+        while prod < n:
+            m, k = flat[i]
+            if n % (prod * m) == 0:
+                group.append(flat[i])
+                prod, i = prod * m, i + 1
+                continue
+            outer = n // prod
+            if n % prod or m % outer:
+                return "regroups across a spatial dimension" if k is not None or any(
+                    f[1] is not None for f in group) else "regroups dimensions unevenly"
+            if why := cut(m, k, outer):
+                return why
+            partition |= k is not None and outer > 1
+            group.append((outer, k))
+            flat[i] = (m // outer, None)
+            prod = n
+        # A spatial factor of size 1 goes with a window grid just before it (Swin's (nH, 1)),
+        # else with the next dimension (a window's row of it, in the reverse), or into one
+        # of size 1.
+        while i < len(flat) and flat[i][0] == 1 and flat[i][1] is not None:
+            free = b[at + 1 : at + 2] != (1,)  # no dimension of size 1 next to take it
+            grid = bool(group) and group[-1][1] is not None and free
+            if not (grid or at + 1 == len(b) or (n == 1 and (not group or free))):
+                break
+            group.append(flat[i])
+            i += 1
+        groups.append(group)
+    if i != len(flat):
+        return "leaves a spatial dimension of size 1 out"
+    return groups, partition
 
 
 @rule(F.pixel_shuffle, F.pixel_unshuffle, params="input, factor")
