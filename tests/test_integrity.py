@@ -194,3 +194,32 @@ def test_a_full_disk_during_a_save_names_the_file_and_keeps_the_previous_checkpo
     state = torch.load(run_dir / "checkpoints" / "step-000000002" / "shard-0.pt",
                        weights_only=True)  # fmt: skip
     assert state["step"] == 2
+
+
+class _Payload:
+    """A pickle that runs code when loaded: it would leave a file named ``path``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+def test_a_pickle_with_code_is_refused_in_one_line_without_torchs_warnings(tmp_path):
+    """A shard that passes its SHA-256 but is a pickle of code (not torch.save's format, so
+    torch also warns of its protocol): refused with one line, nothing run, no warning."""
+    import pickle
+    import warnings
+
+    from parallelkit.train.checkpoint import Unreadable, load_shard
+
+    ran = tmp_path / "ran"
+    data = pickle.dumps({"step": 2, "task": _Payload(ran)}, protocol=4)
+    (tmp_path / "shard-0.pt").write_bytes(data)
+    manifest = {"sha256": {"shard-0.pt": files.sha256(data)}}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with pytest.raises(Unreadable, match=r"shard-0.pt holds pickled objects other than"):
+            load_shard(tmp_path, manifest, "shard-0.pt")
+    assert seen == [] and not ran.exists()

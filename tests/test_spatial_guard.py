@@ -9,8 +9,8 @@ test_parallelize.py.
 
 from __future__ import annotations
 
-import math
 import copy
+import math
 import warnings
 
 import pytest

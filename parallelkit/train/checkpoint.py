@@ -36,8 +36,10 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
 import shutil
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -256,7 +258,12 @@ def load_shard(folder: Path, manifest: dict[str, Any], name: str) -> dict[str, A
     if sha256(data) != want:
         raise Unreadable(f"checkpoint shard {path} is damaged: its SHA-256 is not the manifest's")
     try:
-        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's notes on a pickle it refuses: the line says it
+            warnings.simplefilter("ignore")
+            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise Unreadable(f"checkpoint shard {path} holds pickled objects other than tensors and "
+                         "containers: refused, loading it could run code") from None
     except Exception as e:  # any unpickling failure means the same: not usable
         what = " ".join(str(e).split())[:300]
         raise Unreadable(f"checkpoint shard {path} cannot be read: {what}") from None
