@@ -743,6 +743,21 @@ SWEEP_ARCHS: dict[str, Arch] = {
                         init_filters=8, in_channels=1, out_channels=2), (1, 32, 32, 32),
         what="sweep",
     ),
+    # Window attention the tier holds only small (issue 32), at sizes of whole windows per block.
+    "tv swin_v2_t": Arch("torchvision", _tv("swin_v2_t", num_classes=5), (3, 512, 256),
+                         what="sweep"),
+    "timm swin_tiny": Arch(
+        "timm", _timm("swin_tiny_patch4_window7_224", img_size=(448, 224)), (3, 448, 224),
+        what="sweep",
+    ),
+    **{f"timm {n}": Arch("timm", _timm(n, img_size=(448, 224)), (3, 448, 224), what="sweep")
+       for n in ("twins_svt_small", "gcvit_xxtiny")},
+    **{f"timm {n}": Arch("timm", _timm(n), (3, 448, 224), what="sweep")
+       for n in ("davit_tiny", "focalnet_tiny_srf")},
+    "monai SwinUNETR v2 2-D": Arch(
+        "monai", _monai("SwinUNETR", in_channels=1, out_channels=2, feature_size=12,
+                        window_size=2, spatial_dims=2, use_v2=True), (1, 64, 64), what="sweep",
+    ),
     "monai LocalNet": Arch(
         "monai", _monai("LocalNet", spatial_dims=3, in_channels=1, num_channel_initial=4,
                         extract_levels=(0, 1, 2), out_channels=3), (1, 16, 16, 16), what="sweep",
