@@ -819,9 +819,10 @@ COLS = (
     "timm inception_next_atto",  # square, 1 x k and k x 1 depthwise branches
     "timm tf_efficientnet_lite0",  # 'same' padding computed per dimension from the size
     "timm resnetblur18",  # F.pad in reflect mode, then a strided blur
+    # window attention on blocks: the window grid of columns folded into the batch
+    "tv swin",
     # hybrids: attention and patch reshapes, refused on blocks, gathered under gather
-    "tv swin", "tv maxvit", "timm maxvit", "timm coatnet", "timm mobilevit_xxs",
-    "timm mobilevitv2_050",
+    "tv maxvit", "timm maxvit", "timm coatnet", "timm mobilevit_xxs", "timm mobilevitv2_050",
     "timm edgenext_xx_small", "timm efficientformerv2_s0", "smp Segformer mit_b0",
     "smp MAnet mobilenetv3", "timm tresnet",
     # sub-pixel upsampling regroups W with its factor
