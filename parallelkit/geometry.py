@@ -9,6 +9,9 @@ output block needs; ranges may reach past the ends of the input (padding rows).
 Legend: ``n`` input rows, ``m`` output rows, ``[o0, o1)`` an output block, ``(start, stop)``
 a half-open range of global input rows.
 
+A rank's block of a sample is a :class:`BlockLayout`: made once from the grid, it travels from
+the loader and the block data set to the first convolution (``SpatialGrid.block`` cuts by it).
+
 Nothing here imports the rest of parallelkit: communicators, layers and loaders all split
 sizes with :func:`tensor_split_sizes` and read per-dimension arguments with :func:`pair`.
 """
@@ -20,6 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 Range = tuple[int, int]
+GRID_AXES = ("depth", "rows", "cols")
+"""A spatial grid's dimensions, in the order of a volume's (D, H, W) that they split."""
 
 
 def tensor_split_sizes(total: int, parts: int) -> list[int]:
@@ -47,6 +52,90 @@ def blocks(total: int, parts: int) -> list[Range]:
     """The ``(start, stop)`` of each rank's block of ``total`` rows."""
     sizes = tensor_split_sizes(total, parts)
     return [(a, a + s) for a, s in zip(starts(sizes), sizes, strict=True)]
+
+
+def split_axes(grid: Sequence[int], ndim: int, first: bool = False) -> tuple[int, ...]:
+    """Which axis of a ``(depth, rows, cols)`` grid splits each spatial dimension of a sample
+    with ``ndim`` of them: a volume's (D, H, W) all three, an image's (H, W) rows and cols, a
+    signal's L rows. ``first``: the grid of a plain communicator, whose depth axis holds every
+    rank and splits the first spatial dimension whatever the sample (L, D, or H). A grid that
+    splits along an axis the sample lacks is a ``ValueError``."""
+    if first or ndim == 3:
+        return (0, 1, 2)[:ndim]
+    if ndim == 2 and grid[0] == 1:
+        return (1, 2)
+    if ndim == 1 and grid[0] == 1 and grid[2] == 1:
+        return (1,)
+    split = " x ".join(f"{v} {n}" for n, v in zip(GRID_AXES, grid, strict=True) if v > 1)
+    why = {
+        1: "signals (N, C, L) are split by rows only",
+        2: "images (N, C, H, W) have no depth: depth splits the D of volumes",
+    }
+    raise ValueError(
+        f"a spatial grid of {split} cannot split samples with {ndim} spatial dimensions: "
+        + why.get(ndim, "samples are (N, C, L), (N, C, H, W) or (N, C, D, H, W)")
+    )
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """The block of a sample that one rank holds, for samples of any size: ``counts[d]`` parts
+    along spatial dimension ``d`` (``torch.tensor_split`` layout, as ``pk.spatial.scatter``
+    cuts), of which this rank holds part ``coords[d]``.
+
+    Made once from the grid's shape (:meth:`of_grid`, ``SpatialGrid.block_layout``) and the
+    one description of a block from the loader and the block data set to the spatial region.
+    Plain numbers, no communicator: it pickles into DataLoader workers.
+    """
+
+    counts: tuple[int, ...]
+    coords: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "counts", tuple(int(p) for p in self.counts))
+        object.__setattr__(self, "coords", tuple(int(i) for i in self.coords))
+        if len(self.counts) != len(self.coords) or not all(
+            0 <= i < p for p, i in zip(self.counts, self.coords, strict=True)
+        ):
+            raise ValueError(
+                f"BlockLayout: coords {self.coords} do not name a block of a grid of "
+                f"{self.counts} (one coordinate per count, each in [0, count))"
+            )
+
+    @classmethod
+    def of_grid(
+        cls, grid: Sequence[int], coords: Sequence[int], ndim: int, first: bool = False
+    ) -> BlockLayout:
+        """The layout of the rank at ``coords`` ``(z, row, col)`` of a ``(depth, rows, cols)``
+        grid for samples with ``ndim`` spatial dimensions (:func:`split_axes` says which grid
+        axis splits each)."""
+        axes = split_axes(grid, ndim, first)
+        return cls(tuple(int(grid[a]) for a in axes), tuple(int(coords[a]) for a in axes))
+
+    @property
+    def ndim(self) -> int:
+        """The spatial dimensions of the samples it splits."""
+        return len(self.counts)
+
+    @property
+    def split(self) -> bool:
+        """Whether any dimension is split (else this rank's block is the whole sample)."""
+        return any(p > 1 for p in self.counts)
+
+    def slices(self, *size: int) -> tuple[slice, ...]:
+        """This rank's slice along each spatial dimension of a sample of ``size``."""
+        if len(size) != self.ndim:
+            raise ValueError(
+                f"a grid of {self.counts} splits samples of {self.ndim} "
+                f"spatial dimensions, not {size}"
+            )
+        return tuple(
+            slice(*blocks(n, p)[i]) for n, p, i in zip(size, self.counts, self.coords, strict=True)
+        )
+
+    def shape(self, *size: int) -> tuple[int, ...]:
+        """This rank's block size along each spatial dimension of a sample of ``size``."""
+        return tuple(s.stop - s.start for s in self.slices(*size))
 
 
 @dataclass(frozen=True)

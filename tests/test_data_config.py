@@ -10,7 +10,7 @@ import pytest
 
 from parallelkit.data import DataConfig, check_config
 from parallelkit.data.config import crop_shape
-from parallelkit.data.loader import normalizer, window
+from parallelkit.data.loader import block_layout, normalizer
 from parallelkit.train.config import load
 
 
@@ -52,12 +52,14 @@ def test_other_sources_refuse_a_list_in_one_line():
         check_config(DataConfig(name="digits", image_size=[16, 16]), "train")
 
 
-def test_the_loaders_window_splits_each_dimension_by_its_own_size():
+def test_the_loaders_layout_splits_each_dimension_by_its_own_size():
     # rows of 10 into 2 (5, 5), columns of 7 into 2 (4, 3): rank (1, 1)
-    assert window((10, 7), (2, 2, 1, 1)) == (slice(5, 10), slice(4, 7))
-    assert window(10, (2, 2, 1, 1)) == (slice(5, 10), slice(5, 10))  # a square, as before
-    assert window((4, 10, 7), (2, 1, 1, 1, 0, 0), volume=True) == (slice(2, 4), slice(0, 10),
-                                                                   slice(0, 7))  # fmt: skip
+    image = block_layout(blocks(), (1, 2, 2), (0, 1, 1))
+    assert image.slices(10, 7) == (slice(5, 10), slice(4, 7))
+    volume = block_layout(blocks(dims=3), (2, 1, 1), (1, 0, 0))
+    assert volume.slices(4, 10, 7) == (slice(2, 4), slice(0, 10), slice(0, 7))
+    with pytest.raises(ValueError, match=r"parallel.depth=2 splits the D of volumes"):
+        block_layout(blocks(), (2, 1, 1), (0, 0, 0))
 
 
 def test_channels_any_count_for_blocks_one_or_three_elsewhere():

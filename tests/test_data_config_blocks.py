@@ -20,10 +20,11 @@ from test_readers import assemble
 
 from parallelkit.data import DataConfig, build_loader
 from parallelkit.data import intensity as intensity_module
-from parallelkit.data.blockset import BlockDataset, RankBlock, draw_view
+from parallelkit.data.blockset import BlockDataset, draw_view
 from parallelkit.data.config import crop_shape
 from parallelkit.data.intensity import Normalizer, sample_values
 from parallelkit.data.readers import format_of, stem_of
+from parallelkit.geometry import BlockLayout
 
 zarr = pytest.importorskip("zarr")
 tifffile = pytest.importorskip("tifffile")
@@ -56,10 +57,7 @@ def config(root, image_size, dims=2, channels=1, **kw) -> DataConfig:
 
 def dataset(cfg, split, grid=None, coords=None) -> BlockDataset:
     """The loader's data set, for the rank at ``coords`` of a spatial ``grid`` (None: 1 rank)."""
-    block = None
-    if grid is not None:
-        grid3, coords3 = (1,) * (3 - len(grid)) + grid, (0,) * (3 - len(grid)) + coords
-        block = (*grid3, *coords3)
+    block = None if grid is None else BlockLayout(grid, coords)
     loader = build_loader(cfg, split, rank=0, size=1, batch_size=1, seed=0, block=block)
     return loader.dataloader.dataset
 
@@ -218,7 +216,7 @@ def test_percentile_of_a_large_sample_is_taken_on_a_grid_of_every_s_th_voxel(tmp
     assert np.array_equal(sample_values(reader, 50), image[:, ::3, ::3].reshape(1, -1))
     small = Normalizer("percentile", max_values=50)
     grid = [BlockDataset(tmp_path, "train", crop=(20, 15), normalize=small,
-                         block=RankBlock((2, 1), (r, 0))) for r in range(2)]  # fmt: skip
+                         block=BlockLayout((2, 1), (r, 0))) for r in range(2)]  # fmt: skip
     one = BlockDataset(tmp_path, "train", crop=(20, 15), normalize=small)
     lo, hi, mean, std = percentile_by_hand(image[:, ::3, ::3])
     view = one.view(0)

@@ -2,6 +2,7 @@
 and against brute force."""
 
 import itertools
+import pickle
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 
 from parallelkit.comm import tensor_split_sizes
 from parallelkit.geometry import (
+    BlockLayout,
     Window,
     blocks,
     conv_padding,
@@ -28,6 +30,36 @@ def test_tensor_split_sizes_match_torch():
 def test_blocks_tile_the_rows():
     assert blocks(10, 3) == [(0, 4), (4, 7), (7, 10)]
     assert blocks(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
+
+
+def test_a_block_layout_cuts_what_tensor_split_cuts():
+    x = torch.arange(7 * 11 * 9).reshape(7, 11, 9)
+    for counts in [(2, 1, 1), (1, 2, 2), (2, 2, 1), (1, 3, 4)]:
+        want = [c for a in torch.tensor_split(x, counts[0], 0)
+                for b in torch.tensor_split(a, counts[1], 1)
+                for c in torch.tensor_split(b, counts[2], 2)]  # fmt: skip
+        for got, coords in zip(want, itertools.product(*map(range, counts)), strict=True):
+            layout = BlockLayout(counts, coords)
+            assert torch.equal(x[layout.slices(7, 11, 9)], got)
+            assert layout.shape(7, 11, 9) == tuple(got.shape)
+            assert pickle.loads(pickle.dumps(layout)) == layout  # into DataLoader workers
+    assert not BlockLayout((1, 1), (0, 0)).split and BlockLayout([2, 1], [1, 0]).split
+    with pytest.raises(ValueError, match=r"splits samples of 2 spatial dimensions, not \(4,\)"):
+        BlockLayout((2, 1), (0, 0)).slices(4)
+    with pytest.raises(ValueError, match=r"coords \(2, 0\) do not name a block"):
+        BlockLayout((2, 1), (2, 0))
+
+
+def test_a_block_layout_of_a_grid_takes_the_axes_a_sample_has():
+    grid, at = (2, 3, 4), (1, 2, 3)  # (depth, rows, cols), (z, row, col)
+    assert BlockLayout.of_grid(grid, at, 3) == BlockLayout(grid, at)
+    assert BlockLayout.of_grid((1, 3, 4), at, 2) == BlockLayout((3, 4), (2, 3))  # H, W
+    assert BlockLayout.of_grid((1, 3, 1), at, 1) == BlockLayout((3,), (2,))  # L by rows
+    assert BlockLayout.of_grid((6, 1, 1), (5, 0, 0), 2, first=True) == BlockLayout((6, 1), (5, 0))
+    with pytest.raises(ValueError, match=r"images .* have no depth"):
+        BlockLayout.of_grid(grid, at, 2)
+    with pytest.raises(ValueError, match=r"signals .* are split by rows only"):
+        BlockLayout.of_grid((1, 3, 4), at, 1)
 
 
 WINDOWS = [

@@ -3,9 +3,9 @@
 Small files are written in each format with its own package; every rank's block, for grids of
 1-4 ranks with uneven splits, 2-D and 3-D, must equal the same slices of a whole read. A
 spatial group's ranks are simulated in one process: each rank's block is the
-``torch.tensor_split`` layout (``parallelkit.geometry.blocks``) that ``SpatialGrid.block``
-gives, and the blocks of every rank, put together, must make the whole (cropped, flipped)
-sample.
+``torch.tensor_split`` layout (``parallelkit.geometry.blocks``) that its ``BlockLayout`` (and
+``SpatialGrid.block``) gives, and the blocks of every rank, put together, must make the whole
+(cropped, flipped) sample.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from parallelkit.data import blockset
-from parallelkit.data.blockset import BlockDataset, RankBlock, View, channel_stats, draw_view
+from parallelkit.data.blockset import BlockDataset, View, channel_stats, draw_view
 from parallelkit.data.readers import Layout, SampleReader, open_array
-from parallelkit.geometry import blocks
+from parallelkit.geometry import BlockLayout, blocks
 
 zarr = pytest.importorskip("zarr")
 tifffile = pytest.importorskip("tifffile")
@@ -65,7 +65,7 @@ def test_rank_blocks_are_tensor_split():
         got = [x[s] for s in rank_blocks(SIZE_3D, counts)]
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
         coords = itertools.product(*[range(p) for p in counts])  # rank order
-        mine = [x[RankBlock(counts, c)(*SIZE_3D)] for c in coords]
+        mine = [x[BlockLayout(counts, c).slices(*SIZE_3D)] for c in coords]
         assert all(torch.equal(a, b) for a, b in zip(mine, got, strict=True))
         assert np.array_equal(assemble(got, counts), x.numpy())
 
@@ -453,7 +453,7 @@ def test_every_rank_gets_its_block_of_the_same_crop_and_flip(spec, tmp_path):
             assert np.array_equal(x.numpy(), want_x) and np.array_equal(y.numpy(), want_y)
             for counts in grids:
                 coords = list(itertools.product(*[range(p) for p in counts]))
-                ranks = [BlockDataset(tmp_path, "train", block=RankBlock(counts, c), **kw)
+                ranks = [BlockDataset(tmp_path, "train", block=BlockLayout(counts, c), **kw)
                          for c in coords]
                 for r in ranks:
                     r.set_epoch(epoch)
@@ -488,7 +488,7 @@ def test_normalization_statistics_computed_once_and_cached(tmp_path, monkeypatch
     images, _ = write_set(tmp_path, "train", 3, SIZE_2D, 3, ".tif", ".npy")
     write_set(tmp_path, "test", 1, SIZE_2D, 3, ".tif", ".npy", seed=1)
     values = np.concatenate([i.reshape(3, -1) for i in images], 1).astype(np.float64)
-    data = BlockDataset(tmp_path, "train", block=RankBlock((2, 2), (1, 0)))
+    data = BlockDataset(tmp_path, "train", block=BlockLayout((2, 2), (1, 0)))
     saved = json.loads((tmp_path / blockset.STATS_FILE).read_text())
     assert np.allclose(saved["mean"], values.mean(1)) and np.allclose(saved["std"], values.std(1))
     x, _ = data[0]
@@ -523,9 +523,11 @@ def test_mask_labels_checked(tmp_path):
 
 def test_data_loader_workers_read_blocks(tmp_path):
     """Readers reopen their files in each worker (zarr's I/O loop and tifffile's handles are
-    not shared across a fork); a RankBlock pickles into spawned workers too."""
+    not shared across a fork); a BlockLayout pickles into spawned workers too."""
     write_set(tmp_path, "train", 4, SIZE_2D, 3, ".zarr", ".tif")
-    data = BlockDataset(tmp_path, "train", block=RankBlock((2, 1), (1, 0)), crop=(30, 20),
+    layout = BlockLayout((2, 1), (1, 0))
+    assert pickle.loads(pickle.dumps(layout)) == layout
+    data = BlockDataset(tmp_path, "train", block=layout, crop=(30, 20),
                         flip=(1,), normalize=None)
     want = [data[i] for i in range(4)]
     loader = torch.utils.data.DataLoader(data, batch_size=2, num_workers=1,

@@ -17,8 +17,8 @@ from PIL import Image
 import parallelkit as pk
 from parallelkit.comm.local import LocalCommunicator
 from parallelkit.data import DataConfig, build_loader, load_dataset, shard_main, write_shards
-from parallelkit.data.loader import window
 from parallelkit.data.shapes import ShapesDataset
+from parallelkit.geometry import BlockLayout
 
 
 def shapes_cfg(**kw) -> DataConfig:
@@ -67,11 +67,11 @@ def test_loader_blocks_tile_the_mask_as_scatter_cuts(grid):
     for r in range(rows):
         for c in range(cols):
             loader = build_loader(
-                cfg, "train", rank=0, size=1, batch_size=4, block=(rows, cols, r, c)
+                cfg, "train", rank=0, size=1, batch_size=4, block=BlockLayout((rows, cols), (r, c))
             )
             x, m = next(iter(loader))
             assert loader.masks and torch.equal(x, whole_x)
-            h, w = window(25, (rows, cols, r, c))
+            h, w = BlockLayout((rows, cols), (r, c)).slices(25, 25)
             assert torch.equal(m, whole_m[:, h, w])
     # The same layout as pk.spatial.scatter on a single rank's view of the grid.
     comm = LocalCommunicator()
@@ -81,7 +81,8 @@ def test_loader_blocks_tile_the_mask_as_scatter_cuts(grid):
 def test_classification_labels_ignore_the_block():
     cfg = DataConfig(name="synthetic", image_size=8, train_samples=8)
     a = next(iter(build_loader(cfg, "train", rank=0, size=1, batch_size=4)))
-    b = next(iter(build_loader(cfg, "train", rank=0, size=1, batch_size=4, block=(2, 1, 1, 0))))
+    block = BlockLayout((2, 1), (1, 0))
+    b = next(iter(build_loader(cfg, "train", rank=0, size=1, batch_size=4, block=block)))
     assert torch.equal(a[1], b[1]) and a[1].shape == (4,)
 
 
@@ -106,7 +107,8 @@ def test_segfolder_reads_images_and_masks(tmp_path):
     x, m = ds[1]
     want = np.asarray(Image.open(tmp_path / "test/masks/im1.png"))
     assert x.shape == (3, 12, 12) and torch.equal(m, torch.from_numpy(want.astype(np.int64)))
-    loader = build_loader(cfg, "train", rank=0, size=1, batch_size=3, block=(2, 2, 1, 1))
+    block = BlockLayout((2, 2), (1, 1))
+    loader = build_loader(cfg, "train", rank=0, size=1, batch_size=3, block=block)
     assert next(iter(loader))[1].shape == (3, 6, 6)
 
 
@@ -157,7 +159,8 @@ def test_shards_round_trip_with_masks(tmp_path):
         assert (xi - xj).abs().max() <= 1 / 255 + 1e-6  # 8-bit PNG
         assert torch.equal(mi, mj)  # masks are exact
     cropped = build_loader(
-        cfg, "test", rank=0, size=1, batch_size=6, drop_last=False, block=(2, 1, 1, 0)
+        cfg, "test", rank=0, size=1, batch_size=6, drop_last=False,
+        block=BlockLayout((2, 1), (1, 0)),
     )
     assert torch.equal(next(iter(cropped))[1], m[:, 12:])
 

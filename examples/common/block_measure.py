@@ -76,7 +76,8 @@ from torch.utils._pytree import tree_leaves
 import parallelkit as pk
 import parallelkit.functional as pkf
 from parallelkit import models
-from parallelkit.data.blockset import BlockDataset, RankBlock
+from parallelkit.data.blockset import BlockDataset
+from parallelkit.geometry import BlockLayout
 from parallelkit.testing import RankError, Ranks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -248,7 +249,7 @@ def read_block(setup: Setup, store: str, p: int, rank: int) -> tuple[torch.Tenso
     """This rank's block of sample 0 of ``store``: ``(1, C, *block)`` and ``(1, *block)``, the
     first spatial dimension split over ``p`` ranks (the whole sample on one rank)."""
     lead = (1,) * (setup.dims - 1)
-    block = RankBlock((p, *lead), (rank,) + (0,) * (setup.dims - 1)) if p > 1 else None
+    block = BlockLayout((p, *lead), (rank,) + (0,) * (setup.dims - 1)) if p > 1 else None
     data = BlockDataset(store, "train", block=block, dims=setup.dims, augment=False,
                         num_classes=setup.classes)  # fmt: skip
     image, mask = data[0]

@@ -10,8 +10,8 @@ name, in any of them. A folder with the Medical Segmentation Decathlon's layout
 instead (:mod:`parallelkit.data.datalist`).
 
     grid = pk.spatial.grid_of(spatial_comm, (rows, cols))
-    data = BlockDataset(root, "train", block=grid.block, crop=(512, 512), flip=(0, 1),
-                        rotate=(0, 1))
+    data = BlockDataset(root, "train", block=grid.block_layout(2), crop=(512, 512),
+                        flip=(0, 1), rotate=(0, 1))
     data.set_epoch(epoch)
     image, mask = data[i]    # (C, *block) float32 and (*block) int64: this rank's block only
 
@@ -54,33 +54,13 @@ from parallelkit.data.intensity import SAMPLE_STATS_FILE, Intensity, Normalizer
 from parallelkit.data.readers import Block, SampleReader, format_of, slab_blocks, stem_of
 from parallelkit.data.samplecache import per_sample
 from parallelkit.data.segfolder import check_labels
-from parallelkit.geometry import blocks
+from parallelkit.geometry import BlockLayout
 
 Normalize = str | tuple[Sequence[float], Sequence[float]] | Normalizer | None
 """What ``BlockDataset(normalize=)`` takes: ``"stats"``, ``(mean, std)``, a Normalizer, None."""
 STATS_FILE = "channel_stats.json"
 FOREGROUND_FILE = "foreground.json"
 _STATS: dict[str, tuple[list[float], list[float]]] = {}  # in memory, by the files' key
-
-
-@dataclass(frozen=True)
-class RankBlock:
-    """The block of a sample that the rank at ``coords`` of a grid of ``counts`` holds, for
-    samples of any size: ``SpatialGrid.block``'s layout (``torch.tensor_split`` along each
-    dimension) without its communicators, so that it pickles into DataLoader workers."""
-
-    counts: tuple[int, ...]
-    coords: tuple[int, ...]
-
-    def __call__(self, *size: int) -> Block:
-        if len(size) != len(self.counts):
-            raise ValueError(
-                f"a grid of {self.counts} splits samples of {len(self.counts)} "
-                f"spatial dimensions, not {size}"
-            )
-        return tuple(
-            slice(*blocks(n, p)[i]) for n, p, i in zip(size, self.counts, self.coords, strict=True)
-        )
 
 
 @dataclass(frozen=True)
@@ -286,9 +266,9 @@ def pairs(root: str | Path, split: str) -> list[tuple[Path, Path]]:
 class BlockDataset(Dataset):
     """This rank's block of each image ``(C, *block)`` float32 and mask ``(*block)`` int64.
 
-    ``block``: called as ``block(*size)`` with the view's spatial size, it returns this rank's
-    slices (``SpatialGrid.block``, or :class:`RankBlock` for DataLoader workers that do not
-    fork); None reads whole samples. ``dims``: spatial dimensions (2,
+    ``block``: this rank's :class:`~parallelkit.geometry.BlockLayout` (``SpatialGrid.block_layout``;
+    plain numbers, so it pickles into DataLoader workers that do not fork), which cuts each
+    view; None reads whole samples. ``dims``: spatial dimensions (2,
     or 3 for volumes; default 3 for NIfTI, else 2). ``crop``: the view's size (None: whole
     samples, which must then all have the same size to be batched). ``flip``: the spatial axes
     flipped at random. ``rotate``: two spatial axes, the plane of random quarter turns (the
@@ -314,7 +294,7 @@ class BlockDataset(Dataset):
         self,
         root: str | Path,
         split: str,
-        block: Callable[..., Block] | None = None,
+        block: BlockLayout | None = None,
         dims: int | None = None,
         crop: Sequence[int] | None = None,
         flip: Sequence[int] = (),
@@ -434,7 +414,8 @@ class BlockDataset(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         view, index = self.view(index), index // self.crops  # the sample's from here
-        block = self.block(*view.size) if self.block else tuple(slice(0, n) for n in view.size)
+        block = (self.block.slices(*view.size) if self.block
+                 else tuple(slice(0, n) for n in view.size))  # fmt: skip
         image = view.read(self.images[index], block).astype(np.float32)  # a copy: ours
         if (intensity := self.intensity[index]) is not None:  # in place
             intensity(image)

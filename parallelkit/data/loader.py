@@ -32,12 +32,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from parallelkit.comm import tensor_split_sizes
 from parallelkit.data import userdata
 from parallelkit.data.blockset import (
     STATS_FILE,
     BlockDataset,
-    RankBlock,
     cached_stats,
     file_stats,
     pairs,
@@ -62,40 +60,20 @@ from parallelkit.data.readers import SampleReader, format_of
 from parallelkit.data.sampler import RankSampler
 from parallelkit.data.shardio import check_shards, load_split
 from parallelkit.data.shardstream import ShardStream
-
-Block = tuple[int, ...]
-"""(depth, rows, cols, z, row, col), or (rows, cols, row, col): a spatial grid's shape and
-this rank's place in it."""
+from parallelkit.geometry import BlockLayout
 
 
-def window(
-    image_size: int | Sequence[int], block: Block | None, volume: bool = False
-) -> tuple[slice, ...] | None:
-    """This rank's slices of an ``image_size`` image (rows, columns) or volume (depth, rows,
-    columns): a side (a square, a cube) or one size per dimension, split as
-    ``pk.spatial.scatter`` splits it (``torch.tensor_split`` along each); None where nothing is
-    split. A depth split of images is a ``ValueError``."""
-    if block is None:
-        return None
-    if len(block) == 4:
-        block = (1, block[0], block[1], 0, block[2], block[3])
-    counts, coords = block[:3], block[3:]
-    if not volume:
-        if counts[0] > 1:
-            raise ValueError(
-                f"parallel.depth={counts[0]} splits the D of volumes, and this data set has "
-                "images (volumes: data.name=shapes3d or segfolder3d)"
-            )
-        counts, coords = counts[1:], coords[1:]
-    if all(parts == 1 for parts in counts):
-        return None
-    shape = (image_size,) * len(counts) if isinstance(image_size, int) else tuple(image_size)
-    out = []
-    for n, parts, index in zip(shape, counts, coords, strict=True):
-        sizes = tensor_split_sizes(n, parts)
-        first = sum(sizes[:index])
-        out.append(slice(first, first + sizes[index]))
-    return tuple(out)
+def block_layout(cfg: DataConfig, grid: Sequence[int], coords: Sequence[int]) -> BlockLayout:
+    """The :class:`BlockLayout` of ``cfg``'s samples held by the rank at ``coords`` ``(z, row,
+    col)`` of a ``(depth, rows, cols)`` spatial ``grid``: a volume's (D, H, W) split along all
+    three, an image's (H, W) along rows and columns, as ``pk.spatial.scatter`` splits them. A
+    depth split of images is a ``ValueError`` naming the key."""
+    if not volumes(cfg) and grid[0] > 1:
+        raise ValueError(
+            f"parallel.depth={grid[0]} splits the D of volumes, and this data set has "
+            "images (volumes: data.name=shapes3d or segfolder3d)"
+        )
+    return BlockLayout.of_grid(grid, coords, 3 if volumes(cfg) else 2)
 
 
 class Loader:
@@ -181,15 +159,16 @@ def build_loader(
     seed: int = 0,
     drop_last: bool | None = None,
     shuffle_buffer: int = 512,
-    block: Block | None = None,
+    block: BlockLayout | None = None,
     measure: bool = True,
 ) -> Loader:
     """Data rank ``rank`` of ``size``'s loader of ``split``, ``batch_size`` images per batch.
 
     Shuffles (``cfg.shuffle``) only the "train" split. ``shuffle_buffer`` is how many samples
     a WebDataset worker holds (compressed) to shuffle within; map-style datasets shuffle
-    globally. ``block``: under spatial parallelism, this rank's place in the grid; sources with
-    masks then yield only this rank's block of each mask (images stay whole). Raises
+    globally. ``block``: under spatial parallelism, this rank's :class:`BlockLayout`
+    (:func:`block_layout`); sources with masks then yield only this rank's block of each mask
+    (images stay whole), block folders this rank's block of the images too. Raises
     ``ValueError`` when the arguments or the data cannot work, e.g. a training split too small
     to give every rank one full batch. ``measure=False``: a block folder's headers only
     (:class:`BlockDataset`'s ``measure``), for checks that must not read the data.
@@ -205,7 +184,8 @@ def build_loader(
     shuffle = bool(cfg.shuffle) and split == "train"
     # A private generator: iterating must not draw from the global RNG (model init, dropout).
     generator = torch.Generator().manual_seed(seed)
-    crop = window(crop_shape(cfg), block, volume=volumes(cfg))
+    # The mask's slices this rank keeps; None where nothing is split (the whole mask).
+    crop = block.slices(*crop_shape(cfg)) if block is not None and block.split else None
     if cfg.name == "webdataset":
         shards = load_split(str(cfg.root), split)
         check_shards(shards)
@@ -280,23 +260,15 @@ def build_loader(
 
 
 def block_dataset(
-    cfg: DataConfig, split: str, block: Block | None, seed: int, measure: bool = True
+    cfg: DataConfig, split: str, block: BlockLayout | None, seed: int, measure: bool = True
 ) -> BlockDataset:
     """``data.name=FORMAT:DIR``: this rank's blocks of ``image_size`` crops (:func:`crop_shape`)
     of the folder's samples, masks too; the folder must hold that format, and every image
     ``data.channels`` channels (from the headers: nothing is decoded)."""
     root, dims = block_root(cfg.name), 3 if volumes(cfg) else 2
-    rank_block = None
-    if block is not None:
-        if len(block) == 4:
-            block = (1, block[0], block[1], 0, block[2], block[3])
-        counts, coords = block[3 - dims : 3], block[6 - dims :]
-        if dims == 2 and block[0] > 1:
-            window(crop_shape(cfg), block)  # raises: a depth split of images
-        rank_block = RankBlock(tuple(counts), tuple(coords))
     try:
         data = BlockDataset(
-            root, split, block=rank_block, dims=dims, crop=crop_shape(cfg), flip=tuple(cfg.flips),
+            root, split, block=block, dims=dims, crop=crop_shape(cfg), flip=tuple(cfg.flips),
             rotate=tuple(cfg.rotate), normalize=normalizer(cfg), num_classes=cfg.num_classes,
             seed=seed, level=cfg.level, foreground=cfg.foreground, channels=cfg.channels,
             layout=cfg.layout or None, measure=measure, crops=cfg.crops_per_sample,

@@ -43,7 +43,11 @@ from parallelkit.nn.sync_batchnorm import SyncBatchNorm
 from parallelkit.parallel.data_parallel import DataParallel
 from parallelkit.parallel.grid import Grid
 from parallelkit.parallel.spatial_fallback import check_fallback
-from parallelkit.parallel.spatial_region import SpatialRegion, _OnWholeImage
+from parallelkit.parallel.spatial_region import (
+    SpatialRegion,
+    _OnWholeImage,
+    check_whole_or_blocks,
+)
 
 STRATEGIES = ("data", "spatial", "channel")
 
@@ -93,9 +97,7 @@ def parallelize(
         return parallelize_spmd(model, comm, strategy)  # type: ignore[arg-type]
     if backend is not None:
         raise ValueError(f"parallelize: backend must be None or 'xla-spmd', got {backend!r}")
-    for key, value in (("spatial_output", spatial_output), ("spatial_input", spatial_input)):
-        if value not in ("whole", "blocks"):
-            raise ValueError(f"parallelize: {key} must be 'whole' or 'blocks', got {value!r}")
+    check_whole_or_blocks("parallelize", spatial_output=spatial_output, spatial_input=spatial_input)
     check_fallback(fallback, "parallelize")
     grid = _grid(comm, strategy)
     spatial = grid.dims.spatial_size

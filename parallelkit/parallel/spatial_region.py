@@ -32,6 +32,15 @@ from parallelkit.spatial import layout
 from parallelkit.spatial.grid import gather, grid_of, scatter
 
 
+def check_whole_or_blocks(name: str, **given: str) -> None:
+    """Each of ``given`` (an input or output of a spatial region) is "whole" or "blocks"; else
+    a ``ValueError`` naming ``name`` and the argument. Checked once, here, for
+    ``pk.parallelize`` and :class:`SpatialRegion` alike."""
+    for key, value in given.items():
+        if value not in ("whole", "blocks"):
+            raise ValueError(f"{name}: {key} must be 'whole' or 'blocks', got {value!r}")
+
+
 class SpatialRegion(nn.Module):
     """Scatter the whole input into this rank's block, run the model, gather what is split.
 
@@ -62,9 +71,7 @@ class SpatialRegion(nn.Module):
         size: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
-        for key, value in (("output", output), ("input", input)):
-            if value not in ("whole", "blocks"):
-                raise ValueError(f"SpatialRegion: {key} must be 'whole' or 'blocks', got {value!r}")
+        check_whole_or_blocks("SpatialRegion", output=output, input=input)
         check_fallback(fallback, "SpatialRegion")
         self.module, self.comm, self.grid = module, comm, grid
         self.whole_comm, self.output, self.shares = whole_comm, output, shares
@@ -136,7 +143,7 @@ class SpatialRegion(nn.Module):
         name = "pk.parallelize(spatial_input='blocks')"
         if self.size is None:
             return tuple(self._blocks.global_size(x_blk, name))
-        want = tuple(s.stop - s.start for s in self._blocks.block(*self.size))
+        want = self._blocks.block_layout(len(self.size)).shape(*self.size)
         if tuple(x_blk.shape[2:]) != want:
             raise ValueError(
                 f"{name}: rank {self.comm.rank}'s block has spatial size "

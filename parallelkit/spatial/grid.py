@@ -21,11 +21,11 @@ import torch
 import parallelkit.functional as pkf
 from parallelkit.comm import Communicator, tensor_split_sizes
 from parallelkit.comm.local import LocalCommunicator
+from parallelkit.geometry import BlockLayout, split_axes
 from parallelkit.spatial import layout
 
 Axis = tuple[Communicator, int, int]
 """(communicator of the ranks along one dimension, number of blocks, this rank's block)."""
-NAMES = ("depth", "rows", "cols")
 
 
 class SpatialGrid:
@@ -42,6 +42,7 @@ class SpatialGrid:
                 f"{comm.size}"
             )
         self.comm, self.first = comm, grid is None
+        self._layouts: dict[int, BlockLayout] = {}  # by the samples' spatial dimensions
         self.depth, self.rows, self.cols = shape
         rest, self.col = divmod(comm.rank, self.cols)
         self.layer, self.row = divmod(rest, self.rows)
@@ -72,28 +73,22 @@ class SpatialGrid:
     def axes(self, ndim: int) -> list[Axis]:
         """Per spatial dimension of a sample with ``ndim`` of them (1, 2 or 3): the
         communicator along it, its number of blocks and this rank's block."""
-        mine = list(zip(self._comms, self.shape, (self.layer, self.row, self.col), strict=True))
-        if self.first:
-            return [mine[0]] + [(self._comms[1], 1, 0)] * (ndim - 1)
-        if ndim == 3:
-            return mine
-        if ndim == 2 and self.depth == 1:
-            return mine[1:]
-        if ndim == 1 and self.depth == 1 and self.cols == 1:
-            return mine[1:2]
-        split = " x ".join(f"{v} {n}" for n, v in zip(NAMES, self.shape, strict=True) if v > 1)
-        why = {
-            1: "signals (N, C, L) are split by rows only",
-            2: "images (N, C, H, W) have no depth: depth splits the D of volumes",
-        }
-        raise ValueError(
-            f"a spatial grid of {split} cannot split samples with {ndim} spatial dimensions: "
-            + why.get(ndim, "samples are (N, C, L), (N, C, H, W) or (N, C, D, H, W)")
-        )
+        mine = self.block_layout(ndim)
+        comms = [self._comms[a] for a in split_axes(self.shape, ndim, self.first)]
+        return list(zip(comms, mine.counts, mine.coords, strict=True))
+
+    def block_layout(self, ndim: int) -> BlockLayout:
+        """This rank's :class:`~parallelkit.geometry.BlockLayout` of samples with ``ndim``
+        spatial dimensions: what the loader, the block readers and the region cut by. A grid
+        that cannot split such samples is a ``ValueError``."""
+        if ndim not in self._layouts:
+            coords = (self.layer, self.row, self.col)
+            self._layouts[ndim] = BlockLayout.of_grid(self.shape, coords, ndim, self.first)
+        return self._layouts[ndim]
 
     def counts(self, ndim: int) -> tuple[int, ...]:
         """Blocks along each of the ``ndim`` spatial dimensions."""
-        return tuple(parts for _, parts, _ in self.axes(ndim))
+        return self.block_layout(ndim).counts
 
     def global_size(self, x: torch.Tensor, name: str = "spatial layer") -> tuple[int, ...]:
         """The whole samples' spatial size whose block ``x`` (N, C, *spatial) this rank holds.
@@ -132,12 +127,7 @@ class SpatialGrid:
 
     def block(self, *size: int) -> tuple[slice, ...]:
         """This rank's slice along each spatial dimension of a sample of ``size``."""
-        out = []
-        for n, (_, parts, index) in zip(size, self.axes(len(size)), strict=True):
-            sizes = tensor_split_sizes(n, parts)
-            a = sum(sizes[:index])
-            out.append(slice(a, a + sizes[index]))
-        return tuple(out)
+        return self.block_layout(len(size)).slices(*size)
 
 
 def grid_of(comm: Communicator, grid: Sequence[int] | SpatialGrid | None = None) -> SpatialGrid:

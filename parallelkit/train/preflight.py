@@ -37,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from parallelkit.data import Loader, build_loader
 from parallelkit.data.config import crop_key, crop_shape
+from parallelkit.data.loader import block_layout
 from parallelkit.train.config import Config, grid_dims
 from parallelkit.train.tasks import TASKS
 
@@ -99,7 +100,8 @@ def check_data(cfg: Config, dims: dict[str, int] | None) -> Loader:
     """Data rank 0's training loader, after its test loader (neither iterated: no worker
     starts, no image is read; a folder's files are opened for their headers)."""
     data = dims["data"] if dims else 1
-    block = (dims["depth"], dims["rows"], dims["cols"], 0, 0, 0) if dims else None
+    grid = (dims["depth"], dims["rows"], dims["cols"]) if dims else None
+    block = block_layout(cfg.data, grid, (0, 0, 0)) if grid else None  # the first rank's
     loaders = [
         build_loader(
             cfg.data,

@@ -35,7 +35,7 @@ import parallelkit as pk
 from parallelkit.comm import launcher
 from parallelkit.data import Loader, RankSampler, build_loader
 from parallelkit.data.errors import DataError, one_line
-from parallelkit.data.loader import share_statistics
+from parallelkit.data.loader import block_layout, share_statistics
 from parallelkit.parallel import Grid
 from parallelkit.train import checkpoint, launch, preflight, rundir, tasks
 from parallelkit.train.agree import agree, same_everywhere
@@ -254,6 +254,7 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
 
     per_rank = t.batch_size // grid.data
     _, z, row, col, _ = grid.coords
+    block = block_layout(cfg.data, grid.spatial, (z, row, col))  # this rank's, made once
     share_statistics(  # a block folder's channel statistics: each rank streams its share
         cfg.data, comm.rank, comm.size,
         lambda a: comm.all_reduce(torch.from_numpy(a).to(device)).cpu().numpy(),
@@ -266,7 +267,7 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
             size=grid.data,
             batch_size=per_rank,
             seed=t.seed,
-            block=(*grid.spatial, z, row, col),  # masks: this rank's block only
+            block=block,  # masks (and a block folder's images): this rank's block only
         )
         for split in ("train", "test")
     }
