@@ -30,7 +30,7 @@ so a rank stands for one device), round by round in alternating order:
             bucketed all-reduces
     dense, pk's kernel
             the dense model with every Conv3d through the kernel choice the spatial layers
-            make on blocks (``parallelkit.nn.spatial_edges.convolve``), a diagnostic
+            make on blocks (``parallelkit.spatial.edges.convolve``), a diagnostic
             (``--no-kernel-diagnostic`` skips it). torch's CPU heuristic runs a 3x3x3
             convolution of a batch of 1 on its slow im2col kernel (``slow_conv3d``) when
             C x D x H <= 20480; a block of half the depth falls under that line where the whole
@@ -180,7 +180,7 @@ TORCH_CONV3D = F.conv3d
 
 def pk_conv3d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):  # type: ignore[no-untyped-def]
     """``F.conv3d`` through the spatial layers' kernel choice (string paddings as torch)."""
-    from parallelkit.nn import spatial_edges
+    from parallelkit.spatial import edges as spatial_edges
 
     if isinstance(padding, str):
         return TORCH_CONV3D(input, weight, bias, stride, padding, dilation, groups)
@@ -352,7 +352,7 @@ def predicted_halo(name: str, cfg: Config, parts: int = RANKS) -> list[dict[str,
     forward by geometry (the backward sends as many back). Shapes come from one forward of
     the dense model on the meta device (no memory, no compute)."""
     from parallelkit.geometry import Window, received_rows, tensor_split_sizes, transposed_needs
-    from parallelkit.nn.spatial_parallel import conv_windows
+    from parallelkit.spatial.conv import conv_windows
 
     model, shape, _ = workload(name, cfg)
     model = model.to("meta")

@@ -229,7 +229,7 @@ def overlapped(comm: Communicator, *args, **kwargs) -> tuple[int, list]:
 def edges_left_out(comm: Communicator, size: tuple[int, int], grid=None) -> list[str]:
     """Negative control of the edge path: with the halo rows' terms not added to the block's
     edge rows, the output and the gradients must not match."""
-    from parallelkit.nn import spatial_edges
+    from parallelkit.spatial import edges as spatial_edges
 
     real = spatial_edges.add_halo_terms
     spatial_edges.add_halo_terms = lambda y, *args: y
@@ -245,7 +245,7 @@ def transposed_halos_left_out(comm: Communicator, size: tuple[int, int], grid=No
     scattered alone), the output and the gradients must not match."""
     import dataclasses
 
-    from parallelkit.nn import spatial_edges
+    from parallelkit.spatial import edges as spatial_edges
 
     real = spatial_edges.transposed_plan
 

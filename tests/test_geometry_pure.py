@@ -156,8 +156,8 @@ class _TwoRanks:
 def test_edge_path_only_for_convolutions_of_stride_1_along_every_dimension():
     """The edge path convolves with stride 1 everywhere: a stride along a dimension that is
     not split (a video stem's (1, 2, 2) split over depth) must take the halo fetch."""
-    from parallelkit.nn import spatial_edges
-    from parallelkit.nn.spatial_parallel import conv_windows
+    from parallelkit.spatial import edges as spatial_edges
+    from parallelkit.spatial.conv import conv_windows
     from parallelkit.spatial.grid import SpatialGrid
 
     depth = SpatialGrid(_TwoRanks(), (2, 1, 1))
@@ -186,7 +186,7 @@ def test_convolve_keeps_blocks_off_the_slow_kernel_with_the_same_sums(case):
     """``spatial_edges.convolve`` (a block convolved as a batch of two, where torch would take
     slow_conv3d): output, input and weight gradients against float64 F.conv3d. The control:
     every case does take that path."""
-    from parallelkit.nn import spatial_edges
+    from parallelkit.spatial import edges as spatial_edges
 
     c, d, h, w, k, s, p, dil = case
     torch.manual_seed(0)

@@ -510,7 +510,7 @@ def test_depth_halo_bytes_are_geometry_received_rows(d, k, s, p, parts):
 
 def test_halo_bytes_go_over_every_split_dimension():
     """W first (the bare block's rows), then D (the block extended by W's halo): edges ride
-    along, as parallelkit.nn.spatial_edges exchanges them."""
+    along, as parallelkit.spatial.edges exchanges them."""
     layer = conv3d(2, 8, 6, 10, 3, 1, 1)
     # depth 2 x cols 2: blocks (4, 6, 5); 1 halo plane along D, 1 column along W
     per_channel = 1 * 4 * 6 + 1 * 6 * (5 + 1)  # W's column of the block, D's plane extended
@@ -671,7 +671,7 @@ def test_cli_a_2d_model_on_volumes_exits_2(capsys):
 
 
 def test_the_edge_path_needs_stride_1_everywhere_and_blocks_of_p_rows():
-    """As parallelkit.nn.spatial_edges.plan: a stride along a dimension that is not split (a
+    """As parallelkit.spatial.edges.plan: a stride along a dimension that is not split (a
     video stem's (1, 2, 2) split over depth) takes the halo fetch, whose block is saved."""
     opt = Option(depth=2)
     same = conv3d(2, 8, 6, 6, 3, 1, 1)

@@ -69,6 +69,8 @@ BLOCKS = {
     "F.avg_pool2d": lambda x: F.avg_pool2d(x, 3, 1, 1, count_include_pad=False),
     "F.max_pool2d, ceil_mode": lambda x: F.max_pool2d(x, 2, ceil_mode=True),
     "F.avg_pool2d, ceil_mode": lambda x: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True),
+    "nn.LPPool2d, p=2, ceil_mode": nn.LPPool2d(2, 3, 2, ceil_mode=True),
+    "F.lp_pool2d, p=inf": lambda x: F.lp_pool2d(x, float("inf"), 2),
     "F.interpolate to a block's size, twice its own, bilinear": lambda x: F.interpolate(
         x, size=F.interpolate(x, scale_factor=2).shape[-2:], mode="bilinear"
     ),

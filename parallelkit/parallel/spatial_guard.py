@@ -41,10 +41,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from parallelkit.comm import Communicator
-from parallelkit.nn import spatial_parallel as sp
-from parallelkit.nn import spatial_pooling as spool
-from parallelkit.nn.batchnorm_subclass import _SyncSubclass
-from parallelkit.nn.sync_batchnorm import SyncBatchNorm
+from parallelkit.nn.blocks import takes_blocks
 from parallelkit.parallel.refusal import SpatialRefusal, model_failure, refusal
 from parallelkit.parallel.spatial_fallback import gather_inputs, gathered_message, scatter_outputs
 from parallelkit.spatial import layout
@@ -52,15 +49,6 @@ from parallelkit.spatial.grid import SpatialGrid, grid_of
 from parallelkit.spatial.rules import Call, lookup, op_name
 from parallelkit.spatial.rules.registry import Dims, Fold, standard
 
-# Layers that handle blocks themselves (and whole inputs); modules with a true class attribute
-# ``ends_spatial_region`` (global pooling, keep_dense modules) also take blocks, return whole.
-_SPATIAL = (
-    sp._SpatialConv,
-    sp._SpatialConvTranspose,
-    spool._SpatialPool,
-    spool.SpatialUpsample,
-)
-_NORMS = (SyncBatchNorm, _SyncSubclass)
 Size = tuple[int, ...]
 
 
@@ -84,7 +72,7 @@ class SpatialGuard(TorchFunctionMode):
         # Modules to run on gathered whole images (fallback="gather"), and how many now run.
         self.gathered, self._gathering = gathered or set(), 0
         self.warned: set[Any] = set()  # what warn_once warned of (a region keeps one set)
-        self.layers: dict[tuple, Any] = {}  # spatial layers and weights for functional calls
+        self.weights: dict[tuple, Any] = {}  # resampling weights, once per shape and arguments
         self.names = {m: name for name, m in model.named_modules()}
         # id -> (the block, where its spatial dimensions are, the whole size if known, folds)
         self._blocks: dict[int, tuple[weakref.ref, Dims, Size | None, tuple[Fold, ...]]] = {}
@@ -228,12 +216,13 @@ class SpatialGuard(TorchFunctionMode):
                                   "partition)", outer)  # fmt: skip
             whole, args = (self.dims(blocks[0]), blocks[0].dim()), gather_inputs(self, args)
             self._gathering += 1
-        ends = getattr(module, "ends_spatial_region", False)
-        trusted = ends or isinstance(module, (*_SPATIAL, *_NORMS))
+        # A layer that says how it handles blocks (parallelkit.nn.blocks) runs as it is.
+        kind = takes_blocks(module)
+        trusted, ends = kind is not None, kind == "ends"
         blocks = self._blocks_in(args, {})
         if trusted and any(self.dims(b) != standard(b) or self.folds(b) for b in blocks):
             raise self.refuse(type(module).__name__, "it wants (N, C, *spatial) blocks", module)
-        if trusted and isinstance(module, _NORMS) and not blocks and self.comm.size > 1:
+        if kind == "norm" and not blocks and self.comm.size > 1:
             self._normalize_whole(module)
         self._trusted += trusted
         size = self.size_of(blocks[0]) if blocks else None
@@ -247,7 +236,7 @@ class SpatialGuard(TorchFunctionMode):
             return None
         _, trusted, blocks_out, size, whole, _ = entry
         if id(module) in self._restore:
-            _set_comms(module, *self._restore.pop(id(module)))
+            module.use_communicators(*self._restore.pop(id(module)))
         if trusted:
             self._trusted -= 1
             if blocks_out:  # a spatial layer's output size from its geometry; norms keep it
@@ -268,8 +257,8 @@ class SpatialGuard(TorchFunctionMode):
                 "BatchNorm", "its input is whole (not a block) and this region has no data "
                 "group to normalize it over", module,
             )  # fmt: skip
-        self._restore[id(module)] = _comms(module)
-        _set_comms(module, self.whole_comm, None)
+        self._restore[id(module)] = module.communicators()
+        module.use_communicators(self.whole_comm, None)
 
     # ------------------------------------------------------------------ the lookup
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -311,15 +300,3 @@ class SpatialGuard(TorchFunctionMode):
         module = module if module is not None else self.module()
         return refusal(self.names, module, op, f"touches a block of split images, and {why}")
 
-
-def _comms(module: nn.Module) -> tuple[Any, Any]:
-    if isinstance(module, SyncBatchNorm):
-        return module.comm, module.grad_comm
-    return module._pk_comm, module._pk_grad_comm
-
-
-def _set_comms(module: nn.Module, comm: Any, grad_comm: Any) -> None:
-    if isinstance(module, SyncBatchNorm):
-        module.comm, module.grad_comm = comm, grad_comm
-    else:
-        module._pk_comm, module._pk_grad_comm = comm, grad_comm

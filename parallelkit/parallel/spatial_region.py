@@ -165,11 +165,11 @@ class _ShareOf(torch.autograd.Function):
         return grad / ctx.size, None
 
 
-class _OnWholeImage(nn.Module):
+class OnWholeSamples(nn.Module):
     """Runs a dense module on the whole tensor gathered from the blocks (``keep_dense``). Its
     output is whole on every rank: use it for the tail of a network."""
 
-    ends_spatial_region = True  # for parallelkit.parallel.spatial_guard
+    takes_blocks = "ends"  # parallelkit.nn.blocks
 
     def __init__(self, module: nn.Module, comm: Communicator, grid: tuple[int, int]) -> None:
         super().__init__()

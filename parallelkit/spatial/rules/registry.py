@@ -52,7 +52,7 @@ class Guard(Protocol):
     grid: SpatialGrid
     size_now: Size | None  # the whole spatial size of the call's first block
     read_sizes: set[Size]  # whole spatial sizes of blocks whose shape forward code read
-    layers: dict[tuple, Any]  # spatial layers and weights made for functional calls, by arguments
+    weights: dict[tuple, Any]  # resampling weights made for functional calls, by arguments
 
     def is_split(self, t: Any) -> bool: ...
     def dims(self, t: Tensor) -> Dims: ...
@@ -241,11 +241,6 @@ def docs_table() -> str:
 def all_(value: Any, want: int) -> bool:
     """Whether an int or every entry of a tuple equals ``want``."""
     return all(v == want for v in (value if isinstance(value, tuple | list) else (value,)))
-
-
-def pair(value: Any, n: int = 2) -> tuple:
-    """A per-dimension argument for ``n`` spatial dimensions (an int repeated)."""
-    return tuple(value) if isinstance(value, tuple | list) else (value,) * n
 
 
 def whole_size(g: Guard, x: Tensor) -> tuple[int, ...]:
