@@ -53,6 +53,14 @@ def blocks(total: int, parts: int) -> list[Range]:
     return [(a, a + s) for a, s in zip(starts(sizes), sizes, strict=True)]
 
 
+def in_whole_groups(groups: int, size: int, parts: int) -> bool:
+    """Whether ``groups * size`` rows split over ``parts`` ranks are each rank's block of the
+    ``groups`` groups of ``size`` rows, every group whole: where they are, regrouping the rows
+    (space-to-depth, a window partition, and their reverses) keeps the tensor_split layout."""
+    whole = tensor_split_sizes(groups * size, parts)
+    return whole == [g * size for g in tensor_split_sizes(groups, parts)]
+
+
 @dataclass(frozen=True)
 class Window:
     """A sliding window along one dimension: convolution, pooling.

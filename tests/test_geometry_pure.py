@@ -12,6 +12,7 @@ from parallelkit.geometry import (
     Window,
     blocks,
     conv_padding,
+    in_whole_groups,
     received_rows,
     transposed_halo,
     transposed_needs,
@@ -205,3 +206,17 @@ def test_convolve_keeps_blocks_off_the_slow_kernel_with_the_same_sums(case):
     torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-4)
     for got, want in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 4])
+def test_in_whole_groups_by_brute_force(parts):
+    """Regrouping keeps the layout exactly where every rank's rows are whole groups and their
+    count is that rank's block of the groups; checked against the rows themselves."""
+    for groups in range(1, 13):
+        for size in range(1, 6):
+            rows = torch.arange(groups * size).tensor_split(parts)
+            grouped = torch.arange(groups * size).view(groups, size).tensor_split(parts)
+            same = all(torch.equal(r, g.reshape(-1)) for r, g in zip(rows, grouped, strict=True))
+            assert in_whole_groups(groups, size, parts) == same, (groups, size, parts)
+    assert not in_whole_groups(3, 2, 2)  # blocks of 3 and 3 rows: a group of 2 cut in half
+    assert in_whole_groups(4, 2, 2)

@@ -105,6 +105,11 @@ class SpatialGuard(TorchFunctionMode):
         window partition), each fold's factors outermost first; () for none."""
         return self._blocks[id(t)][3] if self.is_split(t) else ()
 
+    def form(self, t: Tensor) -> tuple[Dims, tuple[Fold, ...]]:
+        """Where block ``t``'s spatial dimensions are and how they are folded: two blocks of
+        one form line up element for element, so an operation between them is local."""
+        return self.dims(t), self.folds(t)
+
     def mark(
         self,
         *tensors: Any,

@@ -126,7 +126,7 @@ def matmul(g: Guard, call: Call) -> Tensor:
     ``q @ k.transpose(-2, -1)`` on a window partition): local."""
     x, w = call["input"], call["other"]
     if g.is_split(x) and g.is_split(w) and x.dim() == w.dim() > 2:
-        if (g.dims(x), g.folds(x)) == (g.dims(w), g.folds(w)) and max(g.dims(x)) < -2:
+        if g.form(x) == g.form(w) and max(g.dims(x)) < -2:
             return g.marked(torch.matmul(x, w), g.dims(x))
         raise g.refuse(call.name, "it multiplies blocks over a spatial dimension, or blocks "
                        "of different layouts")  # fmt: skip
@@ -147,11 +147,9 @@ def attention(g: Guard, call: Call) -> Tensor:
     all batch dimensions; a whole mask of every window is cut to this rank's windows. Over a
     spatial dimension (global attention over H x W tokens), or with dropout: refused."""
     q, k, v, mask = call["query"], call["key"], call["value"], call["attn_mask"]
-    layout = (g.dims(q), g.folds(q))
+    form = g.form(q)
     blocks = (q, k, v, mask) if g.is_split(mask) else (q, k, v)
-    if any(not g.is_split(t) or (g.dims(t), g.folds(t)) != layout for t in blocks) or max(
-        layout[0]
-    ) >= -2:
+    if any(not g.is_split(t) or g.form(t) != form for t in blocks) or max(form[0]) >= -2:
         raise g.refuse(call.name, "it attends over a spatial dimension, or over blocks of "
                        "different layouts")  # fmt: skip
     if call["dropout_p"]:
@@ -160,7 +158,7 @@ def attention(g: Guard, call: Call) -> Tensor:
         mask = cut_whole(g, mask, q, call.name)
     y = F.scaled_dot_product_attention(q, k, v, mask, 0.0, call["is_causal"], scale=call["scale"],
                                        enable_gqa=call["enable_gqa"])  # fmt: skip
-    return g.marked(y, layout[0])
+    return g.marked(y, form[0])
 
 
 @rule(torch.einsum, params="equation, *operands", folds=True)

@@ -45,9 +45,10 @@ requires_grad_ cpu cuda retain_grad zero_ fill_ copy_ __deepcopy__
 def pointwise(g: Guard, call: Call) -> Any:
     """Local. Blocks must share one layout; a whole tensor must have size 1 or the whole
     samples' size in each spatial dimension, and is then cut to the block."""
-    dims, folds = g.dims(call.blocks[0]), g.folds(call.blocks[0])
+    form = g.form(call.blocks[0])
+    dims = form[0]
     sizes = {tuple(b.shape[d] for d in dims) for b in call.blocks}
-    if len(sizes) > 1 or any(g.dims(b) != dims or g.folds(b) != folds for b in call.blocks):
+    if len(sizes) > 1 or any(g.form(b) != form for b in call.blocks):
         raise g.refuse(call.name, f"its blocks have different layouts {sorted(sizes)}")
 
     def replicate(t: Any) -> Any:

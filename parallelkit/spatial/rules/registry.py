@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from parallelkit.geometry import blocks
 from parallelkit.spatial.grid import SpatialGrid
 
 Size = tuple[int, ...]
@@ -58,6 +59,7 @@ class Guard(Protocol):
     def dims(self, t: Tensor) -> Dims: ...
     def size_of(self, t: Tensor) -> Size | None: ...
     def folds(self, t: Tensor) -> tuple[Fold, ...]: ...
+    def form(self, t: Tensor) -> tuple[Dims, tuple[Fold, ...]]: ...
     def marked(
         self, out: Any, dims: Dims | None = None, size: Size | None = None,
         folds: tuple[Fold, ...] | None = None,
@@ -272,11 +274,11 @@ def fold_place(g: Guard, x: Tensor, fold: Fold) -> int:
 def fold_index(g: Guard, x: Tensor, fold: Fold) -> Tensor:
     """The whole fold's indices of block ``x``'s fold, in the block's order: its box of
     this rank's rows of each spatial factor, all of each other."""
-    rows = [g.grid.block(*(n if j == k else 1 for j in range(len(g.dims(x)))))[k]
-            if k is not None else slice(0, n) for n, k in fold]  # fmt: skip
+    axes = g.grid.axes(len(g.dims(x)))
+    rows = [blocks(n, axes[k][1])[axes[k][2]] if k is not None else (0, n) for n, k in fold]
     flat = torch.zeros((), dtype=torch.long)
-    for (n, _), r in zip(fold, rows, strict=True):
-        flat = (flat * n).unsqueeze(-1) + torch.arange(r.start, r.stop)
+    for (n, _), (start, stop) in zip(fold, rows, strict=True):
+        flat = (flat * n).unsqueeze(-1) + torch.arange(start, stop)
     return flat.reshape(-1).to(x.device)
 
 

@@ -17,7 +17,6 @@ interpolation to a skip connection's size, a mean divided by ``H * W``, the size
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-from parallelkit.geometry import starts, tensor_split_sizes
+from parallelkit.geometry import in_whole_groups, starts, tensor_split_sizes
 from parallelkit.spatial.rules.registry import (
     PROPERTY,
     Call,
@@ -149,30 +148,27 @@ def _regroup(
     only rules that treat it as a batch take."""
     ndim = len(g.dims(x))
     axes = g.grid.axes(ndim)
-
-    def rows(n: int, k: int) -> list[int]:
-        return tensor_split_sizes(n, axes[k][1])
+    parts = [p for _, p, _ in axes]
 
     flat = _factors(g, x, a)
-    found = _group(list(flat), b, rows, ones=False)
+    found = _group(list(flat), b, parts, ones=False)
     if not isinstance(found, str) and found[1]:  # a partition: one-window grids are spatial
-        found = _group(list(flat), b, rows, ones=True)
+        found = _group(list(flat), b, parts, ones=True)
     if isinstance(found, str):
         return found
     groups = found[0]
     shape, places, size, folds = [], [0] * ndim, [0] * ndim, []
     for at, group in enumerate(groups):
         spatial = [(m, k) for m, k in group if k is not None]
-        local = [rows(m, k)[axes[k][2]] if k is not None else m for m, k in group]
+        local = [tensor_split_sizes(m, parts[k])[axes[k][2]] if k is not None else m
+                 for m, k in group]  # fmt: skip
         shape.append(math.prod(local))
         for _, k in spatial:
             places[k] = at - len(b)
         if not spatial:
             continue
         (m, k), rest = group[0], math.prod(f[0] for f in group[1:])
-        if len(spatial) == 1 and group[0][1] is not None and all(
-            h * rest == w for h, w in zip(rows(m, k), rows(m * rest, k), strict=True)
-        ):
+        if len(spatial) == 1 and group[0][1] is not None and in_whole_groups(m, rest, parts[k]):
             size[k] = m * rest  # one spatial dimension, merged with what follows it
             continue
         folds.append(tuple(group))
@@ -182,7 +178,7 @@ def _regroup(
 
 
 def _group(
-    flat: list[Factor], b: tuple[int, ...], rows: Callable[[int, int], list[int]], ones: bool
+    flat: list[Factor], b: tuple[int, ...], parts: list[int], ones: bool
 ) -> tuple[list[list[Factor]], bool] | str:
     """The factors ``flat`` of a block's whole shape taken by the dimensions of ``b`` in
     turn (:func:`_regroup`), and whether a spatial factor was cut into (outer > 1, inner): a
@@ -194,8 +190,8 @@ def _group(
     def cut(m: int, k: int | None, outer: int) -> str | None:
         if k is None:
             return None
-        have, inner = rows(m, k), m // outer
-        if any(h % inner or h // inner != w for h, w in zip(have, rows(outer, k), strict=True)):
+        if not in_whole_groups(outer, m // outer, parts[k]):
+            have, inner = tensor_split_sizes(m, parts[k]), m // outer
             return (f"cuts a dimension of {m} split into blocks of {have} into ({outer}, "
                     f"{inner}) (each block a multiple of {inner} rows would do)")  # fmt: skip
         return None
