@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from parallelkit import models
-from parallelkit.geometry import conv_padding, pair
+from parallelkit.geometry import conv_padding, per_dim
 from parallelkit.models.zoo import is_zoo_name
 
 Shape = tuple[int, ...]
@@ -131,8 +131,8 @@ class Net:
 def _conv_window(m: nn.Module, dims: int) -> tuple[tuple[int, int, int, int, int], ...]:
     """(kernel, stride, pad_lo, pad_hi, dilation) per spatial dimension of a convolution or
     pooling layer acting on samples of ``dims`` spatial dimensions."""
-    k, s = pair(m.kernel_size, dims), pair(m.stride or m.kernel_size, dims)
-    d = pair(getattr(m, "dilation", 1), dims)
+    k, s = per_dim(m.kernel_size, dims), per_dim(m.stride or m.kernel_size, dims)
+    d = per_dim(getattr(m, "dilation", 1), dims)
     pads = conv_padding(m.padding, k, d)  # ints, or "same" / "valid" (stride 1)
     return tuple((k[i], s[i], pads[i][0], pads[i][1], d[i]) for i in range(dims))
 
@@ -157,7 +157,7 @@ def _record(name: str, m: nn.Module, x: torch.Tensor, y: torch.Tensor, spatial: 
         kind, flops = "sample_norm", 4.0 * out_n
     elif isinstance(m, POOLS):
         kind, window = "pool", _conv_window(m, dims)
-        flops = float(out_n * math.prod(pair(m.kernel_size, dims)))
+        flops = float(out_n * math.prod(per_dim(m.kernel_size, dims)))
     elif isinstance(m, GLOBAL_POOLS):
         kind, flops = "global_pool", float(math.prod(ins))
     elif isinstance(m, nn.Linear):
