@@ -17,6 +17,7 @@ import parallelkit as pk
 from parallelkit.comm import Communicator
 from parallelkit.nn import spatial_parallel as sp
 from parallelkit.nn import spatial_pooling as spool
+from parallelkit.nn.spatial_upsample import SpatialUpsample
 
 Triple = tuple[str, torch.Tensor, torch.Tensor]
 
@@ -47,7 +48,7 @@ def spatial_layer(kind: str, dense: nn.Module, comm: Communicator, grid) -> nn.M
     if kind == "globalpool":
         return spool.SpatialGlobalAvgPool2d(comm=comm)
     cls = {"maxpool": spool.SpatialMaxPool2d, "avgpool": spool.SpatialAvgPool2d}
-    return cls.get(kind, spool.SpatialUpsample).from_dense(dense, comm, grid)
+    return cls.get(kind, SpatialUpsample).from_dense(dense, comm, grid)
 
 
 def layer_parity(

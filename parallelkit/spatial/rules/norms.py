@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from parallelkit.spatial.rules.registry import Call, Guard, nchw, rule, whole_size
+from parallelkit.spatial.rules.registry import Call, Guard, channels_first, rule, whole_size
 from parallelkit.spatial.rules.shape import cut_whole
 
 
@@ -40,7 +40,7 @@ def _group_norm(g: Guard, x: Tensor, groups: int, weight: Tensor | None, bias: T
 def group_norm(g: Guard, call: Call) -> Tensor:
     """Written out as means over the spatial dimensions (all-reduced, whole) and pointwise
     operations, so the statistics' gradients are summed (smp's FPN decoder)."""
-    nchw(g, call, call["input"])
+    channels_first(g, call, call["input"])
     return _group_norm(g, call["input"], call["num_groups"], call["weight"], call["bias"],
                        call["eps"])  # fmt: skip
 
@@ -54,7 +54,7 @@ def instance_norm(g: Guard, call: Call) -> Tensor:
     unbiased variances averaged over the batch. With the running statistics (eval):
     pointwise."""
     x, mean, var = call["input"], call["running_mean"], call["running_var"]
-    ndim = nchw(g, call, x)
+    ndim = channels_first(g, call, x)
     c, eps, momentum = x.shape[1], call["eps"], call["momentum"]
     channel, spatial = (1, c, *(1,) * ndim), tuple(range(2, 2 + ndim))
     if not call["use_input_stats"]:

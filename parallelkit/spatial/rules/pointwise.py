@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-from parallelkit.spatial.rules.registry import Call, Guard, nchw, ops, rule, whole_shape
+from parallelkit.spatial.rules.registry import Call, Guard, channels_first, ops, rule, whole_shape
 from parallelkit.spatial.rules.shape import cut_whole
 
 _POINTWISE = """
@@ -70,7 +70,7 @@ def local(g: Guard, call: Call) -> Any:
 @rule(F.prelu, torch.prelu, params="input, weight")
 def prelu(g: Guard, call: Call) -> Tensor:
     """Local; the weight broadcasts over channels, its gradient summed."""
-    nchw(g, call, call["input"])
+    channels_first(g, call, call["input"])
     return g.marked(call.func(call["input"], g.summed(call["weight"])))
 
 

@@ -287,7 +287,7 @@ def standard(x: Tensor) -> Dims:
     return tuple(range(2 - x.dim(), 0))
 
 
-def nchw(g: Guard, call: Call, x: Tensor) -> int:
+def channels_first(g: Guard, call: Call, x: Tensor) -> int:
     """Refuse unless block ``x`` is (N, C, *spatial) (not channels last); its number of
     spatial dimensions."""
     if g.dims(x) != standard(x):

@@ -17,7 +17,7 @@ from parallelkit.geometry import per_dim
 from parallelkit.spatial import resample
 from parallelkit.spatial.grid import scatter
 from parallelkit.spatial.pool import upsample_blocks
-from parallelkit.spatial.rules.registry import Call, Guard, nchw, rule, whole_size
+from parallelkit.spatial.rules.registry import Call, Guard, channels_first, rule, whole_size
 
 Size = tuple[int, ...]
 INTERPOLATING = {"linear": 1, "bilinear": 2, "trilinear": 3}
@@ -37,7 +37,7 @@ def interpolate(g: Guard, call: Call) -> Any:
     if not call.blocks:
         return _whole_to_block(g, call)
     x, mode = call["input"], call["mode"]
-    ndim = nchw(g, call, x)
+    ndim = channels_first(g, call, x)
     whole_out, size = None, whole_size(g, x)
     if call["size"] is not None:
         whole_out = tuple(int(v) for v in per_dim(call["size"], ndim))

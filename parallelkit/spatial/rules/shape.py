@@ -31,9 +31,9 @@ from parallelkit.spatial.rules.registry import (
     Dims,
     Fold,
     Guard,
+    channels_first,
     fold_index,
     fold_place,
-    nchw,
     ops,
     prop,
     rule,
@@ -241,7 +241,7 @@ def pixel_shuffle(g: Guard, call: Call) -> Any:
     each spatial dimension with a factor after it (shuffle), or the reverse (unshuffle), whose
     rules check that each block's rows regroup whole."""
     x, r = call["input"], int(call["factor"])
-    nchw(g, call, x)
+    channels_first(g, call, x)
     with g.rules():
         n, c, h, w = x.shape
         if call.func is F.pixel_shuffle:

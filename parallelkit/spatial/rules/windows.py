@@ -33,7 +33,7 @@ from parallelkit.spatial.rules.registry import (
     Call,
     Guard,
     all_,
-    nchw,
+    channels_first,
     ops,
     rule,
     whole_size,
@@ -60,7 +60,7 @@ def conv(g: Guard, call: Call) -> Tensor:
     x, weight, bias = call["input"], call["weight"], call["bias"]
     if not g.is_split(x) or g.is_split(weight) or g.is_split(bias):
         raise g.refuse(call.name, "its weight is a block of split samples")
-    ndim = nchw(g, call, x)
+    ndim = channels_first(g, call, x)
     stride, padding, dilation = call["stride"], call["padding"], call["dilation"]
     weight, bias = g.summed(weight), g.summed(bias)
     kernel = tuple(weight.shape[2:])
@@ -80,7 +80,7 @@ def conv(g: Guard, call: Call) -> Tensor:
 def _pool(g: Guard, call: Call, dims: int, dilation: Any = 1) -> tuple[Tensor, tuple, tuple]:
     """The block, its pooling windows and its whole size (refused as the rule cannot take)."""
     x = call["input"]
-    if nchw(g, call, x) != dims:
+    if channels_first(g, call, x) != dims:
         raise g.refuse(call.name, f"a block with {x.dim() - 2} spatial dimensions")
     if call.get("return_indices"):
         raise g.refuse(call.name, "return_indices has no exact rule")
@@ -148,7 +148,7 @@ def adaptive_pool(g: Guard, call: Call) -> Tensor | tuple[Tensor, Tensor]:
     winners' values makes the result whole, its gradient routed to the one place torch
     routes it to (ties and NaNs as torch's kernels break them); nothing gathered."""
     x = call["input"]
-    ndim = nchw(g, call, x)
+    ndim = channels_first(g, call, x)
     if call.func in ADAPTIVE_AVG and all_(call["output_size"], 1):
         return mean_spatial(g, x)
     size = whole_size(g, x)
@@ -176,7 +176,7 @@ def pad(g: Guard, call: Call) -> Tensor:
     last = tuple(range(-len(g.dims(x)), 0))
     if g.dims(x) != last:  # channels last (Swin's pads): the same on (N, C, *spatial)
         return _pad_moved(g, x, pads, mode, call["value"])
-    ndim = nchw(g, call, x)
+    ndim = channels_first(g, call, x)
     if mode not in ("constant", "reflect", "replicate", "circular"):
         raise g.refuse(call.name, f"mode={mode!r} has no rule")
     size = whole_size(g, x)
