@@ -82,7 +82,7 @@ def layer_norm(g: Guard, call: Call) -> Tensor:
     ``nn.LayerNorm([C, H, W])``): statistics written out as means of the whole samples; the
     affine parameters, shaped for the whole samples, cut to the block."""
     x, shape = call["input"], tuple(call["normalized_shape"])
-    spatial = g.dims(x)
+    spatial = g.places(x)
     if -len(shape) > max(spatial):  # trailing dimensions after the spatial ones
         weight, bias = g.summed(call["weight"]), g.summed(call["bias"])
         return g.marked(F.layer_norm(x, shape, weight, bias, call["eps"]), spatial)
@@ -111,7 +111,7 @@ def linear(g: Guard, call: Call) -> Tensor:
     """Over the channels of a channels-last block (ConvNeXt's MLP): local, weights' gradients
     summed; over a spatial dimension refused (permute the channels last first)."""
     x = call["input"]
-    spatial = g.dims(x)
+    spatial = g.places(x)
     if max(spatial) == -1:
         raise g.refuse(call.name, "it acts over a spatial dimension (permute the channels "
                        "last first)")  # fmt: skip
@@ -126,16 +126,16 @@ def matmul(g: Guard, call: Call) -> Tensor:
     ``q @ k.transpose(-2, -1)`` on a window partition): local."""
     x, w = call["input"], call["other"]
     if g.is_split(x) and g.is_split(w) and x.dim() == w.dim() > 2:
-        if g.form(x) == g.form(w) and max(g.dims(x)) < -2:
-            return g.marked(torch.matmul(x, w), g.dims(x))
+        if g.form(x) == g.form(w) and max(g.places(x)) < -2:
+            return g.marked(torch.matmul(x, w), g.places(x))
         raise g.refuse(call.name, "it multiplies blocks over a spatial dimension, or blocks "
                        "of different layouts")  # fmt: skip
-    if not g.is_split(x) or g.is_split(w) or w.dim() != 2 or max(g.dims(x)) == -1:
+    if not g.is_split(x) or g.is_split(w) or w.dim() != 2 or max(g.places(x)) == -1:
         raise g.refuse(
             call.name, "it contracts a spatial dimension, or a whole tensor with a block (only "
             "a block times a matrix over its channels-last dimension has a rule)",
         )  # fmt: skip
-    return g.marked(torch.matmul(x, g.summed(w)), g.dims(x))
+    return g.marked(torch.matmul(x, g.summed(w)), g.places(x))
 
 
 @rule(F.scaled_dot_product_attention,
@@ -176,9 +176,9 @@ def einsum(g: Guard, call: Call) -> Tensor:
     first = call.blocks[0]
     if any(g.folds(b) != g.folds(first) for b in call.blocks):
         raise g.refuse(call.name, "its blocks are folded differently")
-    letters = [subscripts[operands.index(first)][d] for d in g.dims(first)]
+    letters = [subscripts[operands.index(first)][d] for d in g.places(first)]
     for sub, t in zip(subscripts, operands, strict=True):
-        mine = [sub[d] for d in g.dims(t)] if g.is_split(t) else []
+        mine = [sub[d] for d in g.places(t)] if g.is_split(t) else []
         if (g.is_split(t) and mine != letters) or (not g.is_split(t) and set(sub) & set(letters)):
             raise g.refuse(call.name, f"{equation!r} mixes a spatial dimension with another")
     if any(c not in output for c in letters):

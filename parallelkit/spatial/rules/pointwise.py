@@ -64,7 +64,7 @@ def pointwise(g: Guard, call: Call) -> Any:
 def local(g: Guard, call: Call) -> Any:
     """Local: type, device and memory-format changes, copies, detaching; `torch.as_tensor`
     of a block (MONAI's HighResBlock wraps its branches in it)."""
-    return g.marked(call.run(), g.dims(call.blocks[0]))
+    return g.marked(call.run(), g.places(call.blocks[0]))
 
 
 @rule(F.prelu, torch.prelu, params="input, weight")
@@ -83,7 +83,7 @@ def _size(args: tuple) -> tuple[int, ...] | None:
 @rule(*ops("zeros_like ones_like full_like empty_like", torch), folds=True)
 def constant_like(g: Guard, call: Call) -> Tensor:
     """Local: a constant block of the block's shape."""
-    return g.marked(call.run(), g.dims(call.blocks[0]))
+    return g.marked(call.run(), g.places(call.blocks[0]))
 
 
 @rule(*ops("new_zeros new_ones new_full new_empty", Tensor), folds=True)
@@ -95,7 +95,7 @@ def new_constant(g: Guard, call: Call) -> Tensor:
     if size is None or torch.Size(size) != whole_shape(g, x):
         return call.run()
     rest = call.args[2:] if full else ()
-    return g.marked(call.func(x, x.shape, *rest, **call.kwargs), g.dims(x))
+    return g.marked(call.func(x, x.shape, *rest, **call.kwargs), g.places(x))
 
 
 @rule(*ops("zeros ones full empty", torch), whole=True)

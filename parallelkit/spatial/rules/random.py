@@ -26,7 +26,7 @@ def dropout(g: Guard, call: Call) -> Tensor:
     training: refused."""
     x, p, inplace = call["input"], call["p"], call["inplace"]
     if not call["training"] or p == 0:
-        return g.marked(call.run(), g.dims(x))
+        return g.marked(call.run(), g.places(x))
     if g.folds(x):
         raise g.refuse(call.name, "in training, on windows folded into one dimension")
     ndim = channels_first(g, call, x)

@@ -173,8 +173,8 @@ def pad(g: Guard, call: Call) -> Tensor:
     of a patch size, MONAI's pad to a skip connection's size)."""
     x, pads = call["input"], list(call["pad"])
     mode, value = call["mode"], call["value"] or 0.0
-    last = tuple(range(-len(g.dims(x)), 0))
-    if g.dims(x) != last:  # channels last (Swin's pads): the same on (N, C, *spatial)
+    last = tuple(range(-len(g.places(x)), 0))
+    if g.places(x) != last:  # channels last (Swin's pads): the same on (N, C, *spatial)
         return _pad_moved(g, x, pads, mode, call["value"])
     ndim = channels_first(g, call, x)
     if mode not in ("constant", "reflect", "replicate", "circular"):
@@ -204,7 +204,7 @@ def pad(g: Guard, call: Call) -> Tensor:
 def _pad_moved(g: Guard, x: Tensor, pads: list[int], mode: str, value: Any) -> Tensor:
     """``F.pad`` of a block whose spatial dimensions are not last: moved last (the others
     keep their order), padded with the pads moved alike, and moved back."""
-    at = tuple(x.dim() + d for d in g.dims(x))
+    at = tuple(x.dim() + d for d in g.places(x))
     order = [d for d in range(x.dim()) if d not in at] + list(at)
     per = {x.dim() - 1 - i: pads[2 * i : 2 * i + 2] for i in range(len(pads) // 2)}
     moved_pads = [v for d in reversed(order) for v in per.get(d, (0, 0))]
@@ -263,7 +263,7 @@ def roll(g: Guard, call: Call) -> Tensor:
         raise g.refuse(call.name, "it acts on the flattened tensor")
     shifts = shifts if isinstance(shifts, tuple | list) else (shifts,)
     dims = dims if isinstance(dims, tuple | list) else (dims,)
-    record = g.dims(x)
+    record = g.places(x)
     size, axes = whole_size(g, x), g.grid.axes(len(record))
     y = x
     for shift, dim in zip(shifts, dims, strict=True):
