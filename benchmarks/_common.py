@@ -7,6 +7,8 @@ spawned ranks inherit that path). What lives here is the part they share to the 
 - timing on the ranks: ``Sync`` (barrier and max-reduction over the ranks), ``torch_sync``,
   ``time_block`` / ``time_block_cpu`` (seconds per call on the slowest rank), ``choose_iters``
   (calls per block) and ``alternating`` (the order of the variants round by round);
+- the split of a step: ``timed_methods`` adds up the time spent inside each kind of the
+  communicator's collectives (``CATEGORIES``), and ``ByteCounter`` the halo bytes;
 - the load that other processes put on the machine meanwhile, from /proc (``OtherLoad``);
 - the description of a run: ``environment``, ``library_state`` and ``command_line``;
 - ``save``: the markdown report and the JSON record next to it, and the record's PNG plots
@@ -17,6 +19,7 @@ What each script measures, and its tables, stay in the script.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -97,6 +100,61 @@ def alternating(names: Sequence[str], rounds: int) -> Iterator[str]:
     """The variants to time, round by round: in order on even rounds, reversed on odd ones."""
     for r in range(rounds):
         yield from names if r % 2 == 0 else names[::-1]
+
+
+# ---------------------------------------------------------------------------- split (ranks)
+CATEGORIES = {
+    "neighbor_exchange": "halo exchange",
+    "all_reduce": "reductions",
+    "all_gather": "reductions",
+    "all_reduce_async": "reductions",
+    "all_gather_ints": "host metadata",
+}
+"""The communicator's methods that ``timed_methods`` times, and the kind each counts as."""
+
+
+@contextlib.contextmanager
+def timed_methods(comm: Any, spent: dict[str, float]) -> Iterator[None]:
+    """Add the time the calling thread spends in each of comm's ``CATEGORIES`` methods to
+    ``spent[kind]`` while inside (an asynchronous all-reduce: the time of its ``wait``).
+
+    The spatial layers call these methods from inside autograd, where nothing else can tell
+    their time apart; only this instance is wrapped, so the class and every other
+    communicator stay untouched, and leaving restores its methods. Time inside a collective
+    includes waiting for the other ranks, so imbalance shows as communication.
+    """
+    for method, kind in CATEGORIES.items():
+        setattr(comm, method, _timed(getattr(comm, method), kind, spent))
+    try:
+        yield
+    finally:
+        for method in CATEGORIES:
+            delattr(comm, method)  # the class's methods again
+
+
+def _timed(fn: Callable, kind: str, spent: dict[str, float]) -> Callable:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        if hasattr(out, "wait"):  # an asynchronous all-reduce: time its wait
+            return _TimedWork(out, kind, spent)
+        spent[kind] += time.perf_counter() - start
+        return out
+
+    return call
+
+
+class _TimedWork:
+    """An asynchronous collective's handle whose ``wait`` adds its time to ``spent[kind]``."""
+
+    def __init__(self, work: Any, kind: str, spent: dict[str, float]) -> None:
+        self.work, self.kind, self.spent = work, kind, spent
+
+    def wait(self) -> Any:
+        start = time.perf_counter()
+        out = self.work.wait()
+        self.spent[self.kind] += time.perf_counter() - start
+        return out
 
 
 # ---------------------------------------------------------------------------- load (parent)

@@ -49,15 +49,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from _common import OtherLoad, alternating, command_line, environment, save, torch_sync
-
-CATEGORIES = {
-    "neighbor_exchange": "halo exchange",
-    "all_reduce": "reductions",
-    "all_gather": "reductions",
-    "all_reduce_async": "reductions",
-    "all_gather_ints": "host metadata",
-}
+from _common import (
+    CATEGORIES,
+    OtherLoad,
+    alternating,
+    command_line,
+    environment,
+    save,
+    timed_methods,
+    torch_sync,
+)
 
 
 @dataclass
@@ -124,10 +125,8 @@ def _step(model, forward, labels, overlap: bool = False) -> Callable[[], float]:
 def _split(comm: Any, step: Callable[[], float], repeats: int, sync: Any) -> dict[str, float]:
     """Median per step of the time spent inside each kind of collective, and the rest."""
     spent: dict[str, float] = defaultdict(float)
-    for method, kind in CATEGORIES.items():
-        setattr(comm, method, _timed(getattr(comm, method), kind, spent))
     rows: list[dict[str, float]] = []
-    try:
+    with timed_methods(comm, spent):
         for _ in range(repeats):
             spent.clear()
             sync.barrier()
@@ -136,33 +135,7 @@ def _split(comm: Any, step: Callable[[], float], repeats: int, sync: Any) -> dic
             row["compute and the rest"] = total - sum(row.values())
             row["step"] = total
             rows.append(row)
-    finally:
-        for method in CATEGORIES:
-            delattr(comm, method)  # the class's methods again
     return {k: statistics.median(r[k] for r in rows) * 1e3 for k in rows[0]}
-
-
-def _timed(fn: Callable, kind: str, spent: dict[str, float]) -> Callable:
-    def call(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        out = fn(*args, **kwargs)
-        if hasattr(out, "wait"):  # an asynchronous all-reduce: time its wait
-            return _TimedWork(out, kind, spent)
-        spent[kind] += time.perf_counter() - start
-        return out
-
-    return call
-
-
-class _TimedWork:
-    def __init__(self, work: Any, kind: str, spent: dict[str, float]) -> None:
-        self.work, self.kind, self.spent = work, kind, spent
-
-    def wait(self) -> Any:
-        start = time.perf_counter()
-        out = self.work.wait()
-        self.spent[self.kind] += time.perf_counter() - start
-        return out
 
 
 # ---------------------------------------------------------------------------- parent

@@ -6,10 +6,11 @@
 Two workloads, each one training step without the optimizer (forward + backward of the loss,
 every parameter's gradient), batch 1, float32:
 
-    unet    a 3-D U-Net (``UNet3d`` below, plain torch.nn: two 3x3x3 conv-BatchNorm-ReLU per
-            stage, 2x2x2 max pooling, 2x2x2 stride-2 transposed convolutions, skips joined
-            along channels, 1x1x1 logits), widths 8, 16, 32, one input channel, 2 classes, on
-            a 128^3 volume; per-voxel cross-entropy, mean over the volume
+    unet    a 3-D U-Net (``parallelkit.models.UNet(spatial_dims=3)``, plain torch.nn: two
+            3x3x3 conv-BatchNorm-ReLU per stage, 2x2x2 max pooling, 2x2x2 stride-2 transposed
+            convolutions, skips joined along channels, 1x1x1 logits), widths 8, 16, 32, one
+            input channel, 2 classes, on a 128^3 volume; per-voxel cross-entropy, mean over
+            the volume
     stack   ``--stack-layers`` Conv3d(C, C, 3, padding=1) with a ReLU between, C = 8, on a
             256^3 volume (a tensor is 512 MiB: C = 8 keeps the dense step within ~4 GiB, and
             C = 4 falls onto a slow path of torch's CPU Conv3d); loss = mean of y^2
@@ -30,7 +31,7 @@ so a rank stands for one device), round by round in alternating order:
             bucketed all-reduces
     dense, pk's kernel
             the dense model with every Conv3d through the kernel choice the spatial layers
-            make on blocks (``parallelkit.nn.spatial_edges.convolve``), a diagnostic
+            make on blocks (``parallelkit.spatial.edges.convolve``), a diagnostic
             (``--no-kernel-diagnostic`` skips it). torch's CPU heuristic runs a 3x3x3
             convolution of a batch of 1 on its slow im2col kernel (``slow_conv3d``) when
             C x D x H <= 20480; a block of half the depth falls under that line where the whole
@@ -82,15 +83,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _common import ByteCounter, OtherLoad, alternating, command_line, environment, save, torch_sync
+from parallelkit.models import UNet
 
-CATEGORIES = {
-    "neighbor_exchange": "halo exchange",
-    "all_reduce": "reductions",
-    "all_gather": "reductions",
-    "all_reduce_async": "reductions",
-    "all_gather_ints": "host metadata",
-}
+from _common import (
+    ByteCounter,
+    OtherLoad,
+    alternating,
+    command_line,
+    environment,
+    save,
+    timed_methods,
+    torch_sync,
+)
+
 PARTS = ("halo exchange", "reductions", "host metadata", "compute and the rest")
 GOAL = 1.6  # dense step / 2-rank step
 RANKS = 2
@@ -110,45 +115,6 @@ class Config:
 
 
 # ---------------------------------------------------------------------------- the models
-def double_conv(cin: int, cout: int) -> nn.Sequential:
-    return nn.Sequential(
-        nn.Conv3d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm3d(cout), nn.ReLU(),
-        nn.Conv3d(cout, cout, 3, padding=1, bias=False), nn.BatchNorm3d(cout), nn.ReLU(),
-    )  # fmt: skip
-
-
-class UNet3d(nn.Module):
-    """A 3-D U-Net (Cicek et al., 2016) in plain torch.nn: parallelkit's UNet with Conv3d.
-
-    N 1 D H W -> stage 0 (widths[0], D) -> pool -> stage 1 (widths[1], D/2) -> ... -> up,
-    concatenate the skip, double conv -> ... -> logits N classes D H W.
-    """
-
-    def __init__(self, in_channels: int, classes: int, widths: list[int]) -> None:
-        super().__init__()
-        self.down, self.up, self.merge = nn.ModuleList(), nn.ModuleList(), nn.ModuleList()
-        previous = in_channels
-        for i, width in enumerate(widths):
-            pool = [nn.MaxPool3d(2)] if i else []
-            self.down.append(nn.Sequential(*pool, double_conv(previous, width)))
-            previous = width
-        for width in reversed(widths[:-1]):
-            self.up.append(nn.ConvTranspose3d(previous, width, 2, stride=2))
-            self.merge.append(double_conv(2 * width, width))
-            previous = width
-        self.head = nn.Conv3d(previous, classes, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        skips = []
-        for stage in self.down:
-            x = stage(x)
-            skips.append(x)
-        skips.pop()  # the deepest stage feeds the decoder directly
-        for up, merge in zip(self.up, self.merge, strict=True):
-            x = merge(torch.cat([skips.pop(), up(x)], dim=1))
-        return self.head(x)
-
-
 def conv_stack(channels: int, layers: int) -> nn.Sequential:
     mods: list[nn.Module] = []
     for i in range(layers):
@@ -161,7 +127,8 @@ def workload(name: str, cfg: Config) -> tuple[nn.Module, tuple[int, ...], str]:
     """(model, input shape, loss kind) of a workload."""
     if name == "unet":
         s = cfg.unet_size
-        return UNet3d(1, 2, cfg.unet_widths), (1, 1, s, s, s), "cross-entropy"
+        model = UNet(num_classes=2, in_channels=1, widths=cfg.unet_widths, spatial_dims=3)
+        return model, (1, 1, s, s, s), "cross-entropy"
     s = cfg.stack_size
     shape = (1, cfg.stack_channels, s, s, s)
     return conv_stack(cfg.stack_channels, cfg.stack_layers), shape, "mean square"
@@ -180,7 +147,7 @@ TORCH_CONV3D = F.conv3d
 
 def pk_conv3d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):  # type: ignore[no-untyped-def]
     """``F.conv3d`` through the spatial layers' kernel choice (string paddings as torch)."""
-    from parallelkit.nn import spatial_edges
+    from parallelkit.spatial import edges as spatial_edges
 
     if isinstance(padding, str):
         return TORCH_CONV3D(input, weight, bias, stride, padding, dilation, groups)
@@ -310,49 +277,13 @@ def rank_job(comm: Any, cfg: Config, name: str) -> dict[str, Any]:
     return result
 
 
-@contextlib.contextmanager
-def timed_methods(comm: Any, spent: dict[str, float]) -> Iterator[None]:
-    """Add the time the calling thread spends in each of comm's CATEGORIES methods to
-    ``spent[kind]`` (an asynchronous all-reduce: the time of its ``wait``)."""
-    for method, kind in CATEGORIES.items():
-        setattr(comm, method, _timed(getattr(comm, method), kind, spent))
-    try:
-        yield
-    finally:
-        for method in CATEGORIES:
-            delattr(comm, method)  # the class's methods again
-
-
-def _timed(fn: Callable, kind: str, spent: dict[str, float]) -> Callable:
-    def call(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        out = fn(*args, **kwargs)
-        if hasattr(out, "wait"):  # an asynchronous all-reduce: time its wait
-            return _TimedWork(out, kind, spent)
-        spent[kind] += time.perf_counter() - start
-        return out
-
-    return call
-
-
-class _TimedWork:
-    def __init__(self, work: Any, kind: str, spent: dict[str, float]) -> None:
-        self.work, self.kind, self.spent = work, kind, spent
-
-    def wait(self) -> Any:
-        start = time.perf_counter()
-        out = self.work.wait()
-        self.spent[self.kind] += time.perf_counter() - start
-        return out
-
-
 # ---------------------------------------------------------------------------- geometry
 def predicted_halo(name: str, cfg: Config, parts: int = RANKS) -> list[dict[str, Any]]:
     """Per layer that fetches along D: its input shape and the bytes each rank receives
     forward by geometry (the backward sends as many back). Shapes come from one forward of
     the dense model on the meta device (no memory, no compute)."""
     from parallelkit.geometry import Window, received_rows, tensor_split_sizes, transposed_needs
-    from parallelkit.nn.spatial_parallel import conv_windows
+    from parallelkit.spatial.conv import conv_windows
 
     model, shape, _ = workload(name, cfg)
     model = model.to("meta")

@@ -13,7 +13,7 @@ A rank's block of a sample is a :class:`BlockLayout`: made once from the grid, i
 the loader and the block data set to the first convolution (``SpatialGrid.block`` cuts by it).
 
 Nothing here imports the rest of parallelkit: communicators, layers and loaders all split
-sizes with :func:`tensor_split_sizes` and read per-dimension arguments with :func:`pair`.
+sizes with :func:`tensor_split_sizes` and read per-dimension arguments with :func:`per_dim`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 Range = tuple[int, int]
 GRID_AXES = ("depth", "rows", "cols")
@@ -33,10 +34,13 @@ def tensor_split_sizes(total: int, parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
-def pair(v: int | Sequence[int], dims: int = 2) -> tuple[int, ...]:
-    """A layer argument per spatial dimension: an int repeated ``dims`` times, a sequence as
-    ints (``kernel_size=3`` -> ``(3, 3)``, ``stride=(2, 1)`` -> ``(2, 1)``)."""
-    return (int(v),) * dims if isinstance(v, int) else tuple(int(x) for x in v)
+def per_dim(value: Any, dims: int = 2) -> tuple:
+    """A layer argument per spatial dimension: one value repeated ``dims`` times, a sequence
+    as a tuple (``kernel_size=3`` -> ``(3, 3)``, ``stride=(2, 1)`` -> ``(2, 1)``,
+    ``scale_factor=2.0`` -> ``(2.0, 2.0)``, ``output_size=(7, None)`` as it is)."""
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return tuple(value)
+    return (value,) * dims
 
 
 def starts(sizes: Sequence[int]) -> list[int]:
@@ -138,6 +142,14 @@ class BlockLayout:
         return tuple(s.stop - s.start for s in self.slices(*size))
 
 
+def in_whole_groups(groups: int, size: int, parts: int) -> bool:
+    """Whether ``groups * size`` rows split over ``parts`` ranks are each rank's block of the
+    ``groups`` groups of ``size`` rows, every group whole: where they are, regrouping the rows
+    (space-to-depth, a window partition, and their reverses) keeps the tensor_split layout."""
+    whole = tensor_split_sizes(groups * size, parts)
+    return whole == [g * size for g in tensor_split_sizes(groups, parts)]
+
+
 @dataclass(frozen=True)
 class Window:
     """A sliding window along one dimension: convolution, pooling.
@@ -206,7 +218,7 @@ def conv_padding(
         return [(0, 0)] * dims
     if isinstance(padding, str):
         raise ValueError(f"padding must be an int, a tuple, 'same' or 'valid', got {padding!r}")
-    pads = pair(padding, dims)
+    pads = per_dim(padding, dims)
     return [(p, p) for p in pads]
 
 
@@ -234,7 +246,7 @@ def transposed_halo(
     block of a transposed convolution receives from (``n`` input rows and ``m`` output rows in
     ``parts`` tensor_split blocks); None where a block is empty or thinner than the rows its
     neighbours want from it, so that the edge path
-    (:func:`parallelkit.nn.spatial_edges.conv_transpose`) does not apply."""
+    (:func:`parallelkit.spatial.edges.conv_transpose`) does not apply."""
     sizes, outs = tensor_split_sizes(n, parts), tensor_split_sizes(m, parts)
     lo = hi = 0
     for a0, size, o0, o in zip(starts(sizes), sizes, starts(outs), outs, strict=True):

@@ -19,7 +19,7 @@ from torch import nn
 
 import parallelkit as pk
 from parallelkit.comm import Communicator
-from parallelkit.nn import spatial_adaptive_max as sam
+from parallelkit.spatial import adaptive_max as sam
 from parallelkit.spatial import grid_of
 
 POOLS = {1: F.adaptive_max_pool1d, 2: F.adaptive_max_pool2d, 3: F.adaptive_max_pool3d}

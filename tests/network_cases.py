@@ -230,8 +230,9 @@ class ForwardCodeNet(nn.Module):
             pooled = self.branch(F.adaptive_avg_pool2d(x, (2, 3)))
             up = F.interpolate(pooled, size=x.shape[-2:], mode="bilinear", align_corners=True)
             return self.merge(torch.cat([x, up], dim=1))
-        if k == "inception pools":  # functional pooling in forward code (Inception's)
-            return F.avg_pool2d(x, 3, stride=1, padding=1) + F.max_pool2d(x, 3, 1, 1)
+        if k == "inception pools":  # functional pooling in forward code (Inception's), and LP
+            lp = F.lp_pool2d(F.pad(x, (1, 1, 1, 1)), 2, 3, 1)  # the rule made of the others
+            return F.avg_pool2d(x, 3, stride=1, padding=1) + F.max_pool2d(x, 3, 1, 1) + lp
         if k == "group norm":
             return self.inorm(F.relu(self.gn(x)))
         if k == "upsample x2":  # smp's decoders: nearest, by a scale factor

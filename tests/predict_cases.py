@@ -24,7 +24,7 @@ from parallelkit.comm import Communicator
 from parallelkit.data.readers import SampleReader
 from parallelkit.inference import Predictor, create, open_output
 from parallelkit.inference.outputs import final_paths
-from parallelkit.nn import spatial_edges
+from parallelkit.spatial import edges as spatial_edges
 
 from blocks_cases import NETS
 

@@ -1,4 +1,4 @@
-"""Rank-side cases for resampling on blocks (``parallelkit.nn.spatial_resample``): a network
+"""Rank-side cases for resampling on blocks (``parallelkit.spatial.resample``): a network
 that convolves, resamples and convolves again, under ``pk.parallelize``, against the dense
 model; and a record of the largest tensor each rank creates."""
 
@@ -13,7 +13,7 @@ from torch import nn
 import parallelkit as pk
 import parallelkit.functional as pkf
 from parallelkit.comm import Communicator
-from parallelkit.nn import spatial_resample
+from parallelkit.spatial import resample as spatial_resample
 
 # name -> (the operation, the sample shape)
 OPS = {

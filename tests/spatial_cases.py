@@ -17,6 +17,7 @@ import parallelkit as pk
 from parallelkit.comm import Communicator
 from parallelkit.nn import spatial_parallel as sp
 from parallelkit.nn import spatial_pooling as spool
+from parallelkit.nn.spatial_upsample import SpatialUpsample
 
 Triple = tuple[str, torch.Tensor, torch.Tensor]
 
@@ -47,7 +48,7 @@ def spatial_layer(kind: str, dense: nn.Module, comm: Communicator, grid) -> nn.M
     if kind == "globalpool":
         return spool.SpatialGlobalAvgPool2d(comm=comm)
     cls = {"maxpool": spool.SpatialMaxPool2d, "avgpool": spool.SpatialAvgPool2d}
-    return cls.get(kind, spool.SpatialUpsample).from_dense(dense, comm, grid)
+    return cls.get(kind, SpatialUpsample).from_dense(dense, comm, grid)
 
 
 def layer_parity(
@@ -229,7 +230,7 @@ def overlapped(comm: Communicator, *args, **kwargs) -> tuple[int, list]:
 def edges_left_out(comm: Communicator, size: tuple[int, int], grid=None) -> list[str]:
     """Negative control of the edge path: with the halo rows' terms not added to the block's
     edge rows, the output and the gradients must not match."""
-    from parallelkit.nn import spatial_edges
+    from parallelkit.spatial import edges as spatial_edges
 
     real = spatial_edges.add_halo_terms
     spatial_edges.add_halo_terms = lambda y, *args: y
@@ -245,7 +246,7 @@ def transposed_halos_left_out(comm: Communicator, size: tuple[int, int], grid=No
     scattered alone), the output and the gradients must not match."""
     import dataclasses
 
-    from parallelkit.nn import spatial_edges
+    from parallelkit.spatial import edges as spatial_edges
 
     real = spatial_edges.transposed_plan
 

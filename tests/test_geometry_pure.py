@@ -14,6 +14,7 @@ from parallelkit.geometry import (
     Window,
     blocks,
     conv_padding,
+    in_whole_groups,
     received_rows,
     transposed_halo,
     transposed_needs,
@@ -188,8 +189,8 @@ class _TwoRanks:
 def test_edge_path_only_for_convolutions_of_stride_1_along_every_dimension():
     """The edge path convolves with stride 1 everywhere: a stride along a dimension that is
     not split (a video stem's (1, 2, 2) split over depth) must take the halo fetch."""
-    from parallelkit.nn import spatial_edges
-    from parallelkit.nn.spatial_parallel import conv_windows
+    from parallelkit.spatial import edges as spatial_edges
+    from parallelkit.spatial.conv import conv_windows
     from parallelkit.spatial.grid import SpatialGrid
 
     depth = SpatialGrid(_TwoRanks(), (2, 1, 1))
@@ -218,7 +219,7 @@ def test_convolve_keeps_blocks_off_the_slow_kernel_with_the_same_sums(case):
     """``spatial_edges.convolve`` (a block convolved as a batch of two, where torch would take
     slow_conv3d): output, input and weight gradients against float64 F.conv3d. The control:
     every case does take that path."""
-    from parallelkit.nn import spatial_edges
+    from parallelkit.spatial import edges as spatial_edges
 
     c, d, h, w, k, s, p, dil = case
     torch.manual_seed(0)
@@ -237,3 +238,17 @@ def test_convolve_keeps_blocks_off_the_slow_kernel_with_the_same_sums(case):
     torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-4)
     for got, want in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 4])
+def test_in_whole_groups_by_brute_force(parts):
+    """Regrouping keeps the layout exactly where every rank's rows are whole groups and their
+    count is that rank's block of the groups; checked against the rows themselves."""
+    for groups in range(1, 13):
+        for size in range(1, 6):
+            rows = torch.arange(groups * size).tensor_split(parts)
+            grouped = torch.arange(groups * size).view(groups, size).tensor_split(parts)
+            same = all(torch.equal(r, g.reshape(-1)) for r, g in zip(rows, grouped, strict=True))
+            assert in_whole_groups(groups, size, parts) == same, (groups, size, parts)
+    assert not in_whole_groups(3, 2, 2)  # blocks of 3 and 3 rows: a group of 2 cut in half
+    assert in_whole_groups(4, 2, 2)

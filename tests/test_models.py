@@ -327,6 +327,37 @@ def test_unet_returns_logits_at_the_input_resolution(widths):
     assert all(p.grad is not None for p in model.parameters())  # every stage is used
 
 
+@pytest.mark.parametrize(
+    ("spatial_dims", "size", "conv", "norm"),
+    [(1, (24,), nn.Conv1d, nn.BatchNorm1d), (3, (8, 16, 12), nn.Conv3d, nn.BatchNorm3d)],
+)
+def test_unet_of_signals_and_volumes_returns_logits_at_the_input_size(
+    spatial_dims, size, conv, norm
+):
+    model = create("unet", num_classes=5, in_channels=1, widths=(4, 8), spatial_dims=spatial_dims)
+    kinds = {type(m) for m in model.modules()}
+    assert {conv, norm} <= kinds and not kinds & {nn.Conv2d, nn.BatchNorm2d, nn.MaxPool2d}
+    x = torch.randn(2, 1, *size, requires_grad=True)
+    out = model(x)
+    assert out.shape == (2, 5, *size)
+    out.sum().backward()
+    assert all(p.grad is not None for p in model.parameters())  # every stage is used
+
+
+def test_unet_of_2_spatial_dims_is_the_default_and_its_layers_are_arguments():
+    torch.manual_seed(0)
+    default = UNet(num_classes=3, in_channels=1, widths=(4, 8))
+    torch.manual_seed(0)
+    explicit = UNet(3, 1, (4, 8), nn.BatchNorm2d, nn.ReLU, spatial_dims=2)
+    assert str(default) == str(explicit)
+    for a, b in zip(default.state_dict().values(), explicit.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    grouped = UNet(widths=(4, 8), norm_layer=lambda c: nn.GroupNorm(2, c), spatial_dims=3)
+    assert any(isinstance(m, nn.GroupNorm) for m in grouped.modules())
+    with pytest.raises(ValueError, match="spatial_dims=4; a U-Net here is 1-, 2- or 3-D"):
+        UNet(spatial_dims=4)
+
+
 # --------------------------------------------------------------------------- registry
 def test_registry_lists_and_creates_the_models():
     assert list_models() == [

@@ -199,6 +199,28 @@ def test_builtin_models_walk():
     g, d = build("dcgan", 64)
     assert (g.passes, d.passes, d.grad_passes) == (1, 3, 2)
     assert not d.layers[-1].spatial  # the head runs on the whole image
+    assert (g.input_grad, d.input_grad) == (False, True)  # fakes carry the generator's gradient
+
+
+def test_the_gan_counts_follow_the_task_s_step(monkeypatch):
+    """The passes are counted by running parallelkit.train.tasks.Gan.step, so another step
+    (here the discriminator on real images alone) plans otherwise."""
+    from parallelkit.train.tasks import Gan
+
+    def step(self, x, y, step):
+        self.discriminator(x).sum().backward()
+
+    monkeypatch.setattr(Gan, "step", step)
+    g, d = build("dcgan", 16)
+    assert (g.passes, d.passes, d.grad_passes, d.input_grad) == (0, 1, 1, False)
+
+
+def test_the_built_in_unet_plans_signals_and_volumes_by_its_spatial_dims():
+    for dims, side in ((1, 32), (3, 16)):
+        kwargs = {"spatial_dims": dims, "widths": [4, 8]}
+        (net,) = build("unet", side, 3, channels=1, kwargs=kwargs)
+        assert net.input_shape == (1, *(side,) * dims) and net.per_pixel
+        assert net.layers[0].window == ((3, 1, 1, 1, 1),) * dims
 
 
 # ---------------------------------------------------------------------------- command line
@@ -247,13 +269,26 @@ def test_cli_bad_arguments_exit_2_with_one_line_before_profiling(capsys, monkeyp
 def test_cli_zoo_model_without_its_library_exits_2(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "timm", None)  # import timm raises ImportError
     assert cli.main(["plan", "--model", "timm:resnet18", *ARGS]) == 2
-    assert "timm does not import here" in capsys.readouterr().err
+    # the message of parallelkit train's model.name: both build it with models.create
+    assert "needs timm, which is not installed here" in capsys.readouterr().err
+
+
+def fake_timm(monkeypatch, build) -> None:
+    """A stand-in for timm: every name is a model, and ``build(num_classes)`` makes it (with
+    the arguments parallelkit.models.zoo passes: no pretrained weights, the input channels)."""
+    fake = types.ModuleType("timm")
+    fake.is_model = lambda name: True
+
+    def create_model(name, *, pretrained, num_classes, in_chans):
+        assert pretrained is False
+        return build(num_classes)
+
+    fake.create_model = create_model
+    monkeypatch.setitem(sys.modules, "timm", fake)
 
 
 def test_cli_zoo_model_plans_and_writes_json(capsys, monkeypatch, tmp_path):
-    fake = types.ModuleType("timm")
-    fake.create_model = lambda name, num_classes: plain_cnn()
-    monkeypatch.setitem(sys.modules, "timm", fake)
+    fake_timm(monkeypatch, lambda num_classes: plain_cnn())
     out = tmp_path / "plan.json"
     assert cli.main(["plan", "--model", "timm:tiny", *ARGS, "--json", str(out)]) == 0
     assert "recommended:" in capsys.readouterr().out
@@ -510,7 +545,7 @@ def test_depth_halo_bytes_are_geometry_received_rows(d, k, s, p, parts):
 
 def test_halo_bytes_go_over_every_split_dimension():
     """W first (the bare block's rows), then D (the block extended by W's halo): edges ride
-    along, as parallelkit.nn.spatial_edges exchanges them."""
+    along, as parallelkit.spatial.edges exchanges them."""
     layer = conv3d(2, 8, 6, 10, 3, 1, 1)
     # depth 2 x cols 2: blocks (4, 6, 5); 1 halo plane along D, 1 column along W
     per_channel = 1 * 4 * 6 + 1 * 6 * (5 + 1)  # W's column of the block, D's plane extended
@@ -590,9 +625,7 @@ def test_a_per_pixel_output_stays_split_with_blocks_in():
 
 
 def test_cli_plans_a_3d_network_on_depth_grids_with_blocks_in(capsys, monkeypatch, tmp_path):
-    fake = types.ModuleType("timm")
-    fake.create_model = lambda name, num_classes: small_unet3d(num_classes)
-    monkeypatch.setitem(sys.modules, "timm", fake)
+    fake_timm(monkeypatch, small_unet3d)
     out = tmp_path / "plan.json"
     argv = ["plan", "--model", "timm:unet3d", "--image-size", "32", "--dims", "3",
             "--channels", "1", "--classes", "3", "--batch", "2", "--ranks", "8",
@@ -621,6 +654,8 @@ def test_cli_takes_every_side_and_the_model_s_dims():
     assert size("--model", "monai:UNet", "--image-size", "16", "32", "48") == (16, 32, 48)
     assert size("--model", "monai:UNet", "--image-size", "32",
                 "--model-kwargs", "{spatial_dims: 2}") == (32, 32)  # fmt: skip
+    assert size("--model", "unet", "--image-size", "32",
+                "--model-kwargs", "{spatial_dims: 3}") == (32, 32, 32)  # fmt: skip
     with pytest.raises(SystemExit):
         size("--model", "unet", "--image-size", "16", "32", "--dims", "3")
 
@@ -671,7 +706,7 @@ def test_cli_a_2d_model_on_volumes_exits_2(capsys):
 
 
 def test_the_edge_path_needs_stride_1_everywhere_and_blocks_of_p_rows():
-    """As parallelkit.nn.spatial_edges.plan: a stride along a dimension that is not split (a
+    """As parallelkit.spatial.edges.plan: a stride along a dimension that is not split (a
     video stem's (1, 2, 2) split over depth) takes the halo fetch, whose block is saved."""
     opt = Option(depth=2)
     same = conv3d(2, 8, 6, 6, 3, 1, 1)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from adaptive_max_cases import CASES, largest_tensor, model_parity, pool_parity
 
-from parallelkit.nn.spatial_adaptive_max import bins
+from parallelkit.spatial.adaptive_max import bins
 
 from cases import assert_results, mismatches
 

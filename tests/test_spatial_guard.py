@@ -69,6 +69,8 @@ BLOCKS = {
     "F.avg_pool2d": lambda x: F.avg_pool2d(x, 3, 1, 1, count_include_pad=False),
     "F.max_pool2d, ceil_mode": lambda x: F.max_pool2d(x, 2, ceil_mode=True),
     "F.avg_pool2d, ceil_mode": lambda x: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True),
+    "nn.LPPool2d, p=2, ceil_mode": nn.LPPool2d(2, 3, 2, ceil_mode=True),
+    "F.lp_pool2d, p=inf": lambda x: F.lp_pool2d(x, float("inf"), 2),
     "F.interpolate to a block's size, twice its own, bilinear": lambda x: F.interpolate(
         x, size=F.interpolate(x, scale_factor=2).shape[-2:], mode="bilinear"
     ),
@@ -428,14 +430,14 @@ def test_a_window_partition_folds_the_window_grid_and_its_reverse_unfolds_it(siz
     n, c, k = 2, 3, len(size)
     guard = SpatialGuard(nn.Identity(), LocalCommunicator())
     x = torch.randn(n, *size, c)
-    guard.mark(x, dims=tuple(range(-k - 1, -1)), size=size)
+    guard.mark(x, places=tuple(range(-k - 1, -1)), size=size)
     split = [v for s, w in zip(size, window, strict=True) for v in (s // w, w)]
     order = [0, *range(1, 2 * k, 2), *range(2, 2 * k + 1, 2), 2 * k + 1]
     back = [0, *(v for d in range(k) for v in (1 + d, 1 + k + d)), 2 * k + 1]
     with guard:
         y = x.view(n, *split, c).permute(order).reshape(-1, math.prod(window), c)
         assert guard.folds(y) == (((n, None), *((g, d) for d, g in enumerate(grid))),)
-        assert guard.dims(y) == (-3,) * k
+        assert guard.places(y) == (-3,) * k
         z = y.view(n, *grid, *window, c).permute(back).reshape(n, *size, c)
-    assert guard.dims(z) == tuple(range(-k - 1, -1)) and guard.folds(z) == ()
+    assert guard.places(z) == tuple(range(-k - 1, -1)) and guard.folds(z) == ()
     torch.testing.assert_close(z, x)

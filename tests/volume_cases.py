@@ -20,7 +20,7 @@ from torch import nn
 
 import parallelkit as pk
 from parallelkit.comm import Communicator
-from parallelkit.nn import spatial_edges
+from parallelkit.spatial import edges as spatial_edges
 
 from network_cases import Triple, _grads
 

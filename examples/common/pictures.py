@@ -5,6 +5,7 @@ for slices through a test volume)."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import torch
@@ -13,6 +14,21 @@ from PIL import Image, ImageDraw
 from parallelkit.data.shapes import class_colour
 
 GAP, TITLE = 8, 20
+
+
+def arguments(description: str, noun: str, panel: int) -> argparse.Namespace:
+    """The command line both ``picture.py`` scripts take: a run folder, which test ``noun``
+    (image or volume), the panel size (``panel`` pixels unless told), where to write, and a
+    ``parallelkit predict`` output to show instead of running the model."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--index", type=int, default=0, help=f"which test {noun}")
+    parser.add_argument("--panel", type=int, default=panel, help="pixels per panel side")
+    parser.add_argument("--out", type=Path, help="default: RUN_DIR/prediction.png")
+    parser.add_argument("--prediction", type=Path, help="a parallelkit predict output folder "
+                        "(zarr): show its class map, and its numbers, instead of running the "
+                        "model here")  # fmt: skip
+    return parser.parse_args()
 
 
 def colours(labels: torch.Tensor, classes: int) -> torch.Tensor:

@@ -14,7 +14,6 @@ set, background black), each scaled to ``--panel`` pixels.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -28,19 +27,11 @@ from parallelkit.train.segment import Segment
 from parallelkit.train.segmetrics import pixel_counts, scores
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
-from pictures import caption, colours, display, panel, predicted, sheet, split_numbers
+from pictures import arguments, caption, colours, display, panel, predicted, sheet, split_numbers
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run_dir", type=Path)
-    parser.add_argument("--index", type=int, default=0, help="which test volume")
-    parser.add_argument("--panel", type=int, default=256, help="pixels per panel side")
-    parser.add_argument("--out", type=Path, help="default: RUN_DIR/prediction.png")
-    parser.add_argument("--prediction", type=Path, help="a parallelkit predict output folder "
-                        "(zarr): show its class map, and its numbers, instead of running the "
-                        "model here")
-    args = parser.parse_args()
+    args = arguments(__doc__.splitlines()[0], "volume", panel=256)
 
     cfg = load(str(args.run_dir / "config.yaml"))
     k = cfg.data.num_classes

@@ -8,7 +8,8 @@ Build one by name with :func:`create` (names: :func:`list_models`):
 ``"resnet50"``              :func:`resnet50`: Bottleneck 3-4-6-3, 25.6 M parameters
 ``"dcgan_generator"``       :class:`Generator`: noise -> image, 8x8 to 1024x1024
 ``"dcgan_discriminator"``   :class:`Discriminator`: image -> logit, 8x8 to 1024x1024
-``"unet"``                  :class:`UNet`: image -> per-pixel logits (segmentation)
+``"unet"``                  :class:`UNet`: image -> per-pixel logits (segmentation);
+                            signals and volumes too (``spatial_dims=1`` or ``3``)
 ``"torchvision:NAME"``      another library's model, random weights (:mod:`.zoo`); also
 ``"timm:NAME"``, ``"smp:ARCH"``
 ==========================  ===============================================================

@@ -20,8 +20,8 @@ from parallelkit.nn.spatial_pooling import (
     SpatialAvgPool2d,
     SpatialGlobalAvgPool2d,
     SpatialMaxPool2d,
-    SpatialUpsample,
 )
+from parallelkit.nn.spatial_upsample import SpatialUpsample
 from parallelkit.nn.sync_batchnorm import SyncBatchNorm
 
 __all__ = [

@@ -51,6 +51,14 @@ class _SyncSubclass:
     _pk_comm: Communicator | None
     _pk_grad_comm: Communicator | None
     _pk_dense_class: type[nn.Module]
+    takes_blocks = "norm"  # parallelkit.nn.blocks
+
+    def communicators(self) -> tuple[Communicator | None, Communicator | None]:
+        """(statistics, parameter-gradient) communicators, for ``use_communicators``."""
+        return self._pk_comm, self._pk_grad_comm
+
+    def use_communicators(self, comm: Communicator | None, grad_comm: Communicator | None) -> None:
+        self._pk_comm, self._pk_grad_comm = comm, grad_comm
 
     def forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         comm = self._pk_comm if self._pk_comm is not None else world()

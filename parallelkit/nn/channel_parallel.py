@@ -89,7 +89,7 @@ from torch.nn.modules.utils import _reverse_repeat_tuple
 
 import parallelkit.functional as pkf
 from parallelkit.comm import Communicator, world
-from parallelkit.geometry import pair, tensor_split_sizes
+from parallelkit.geometry import per_dim, tensor_split_sizes
 
 Size = int | tuple[int, ...]
 
@@ -146,9 +146,9 @@ class ChannelParallelConvNd(nn.Module):
         self.comm = comm if comm is not None else world()
         self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
         dims = self.dims
-        self.kernel_size, self.stride = pair(kernel_size, dims), pair(stride, dims)
-        self.dilation = pair(dilation, dims)
-        self.padding = padding if isinstance(padding, str) else pair(padding, dims)
+        self.kernel_size, self.stride = per_dim(kernel_size, dims), per_dim(stride, dims)
+        self.dilation = per_dim(dilation, dims)
+        self.padding = padding if isinstance(padding, str) else per_dim(padding, dims)
         self.padding_mode, self.split = padding_mode, split
         self.gather_output, self.input_is_split = gather_output, input_is_split
         self.scatter_output = scatter_output

@@ -25,7 +25,7 @@ from torch import nn
 import parallelkit.functional as pkf
 from parallelkit.comm import Communicator
 from parallelkit.geometry import tensor_split_sizes
-from parallelkit.nn.spatial_edges import CONV_TRANSPOSE
+from parallelkit.spatial.edges import CONV_TRANSPOSE
 
 
 class ChannelParallelConvTransposeNd(nn.Module):

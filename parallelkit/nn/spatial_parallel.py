@@ -3,12 +3,12 @@
 Every layer here takes this rank's block (N, C, *spatial) of samples (signals, images or
 volumes: 1, 2 or 3 spatial dimensions, one class per torch layer) split over a
 :class:`~parallelkit.spatial.SpatialGrid` in tensor_split layout, and returns its block of the
-output in the same layout. From pure geometry (:mod:`parallelkit.geometry`) it knows which
-input rows and columns its output block reads; it fetches what it does not hold
-(:mod:`parallelkit.nn.spatial_fetch`: usually a halo from the neighbours, from further ranks
-when blocks are thinner than the halo; padding rows are zeros, or -inf for max pooling), then
-runs the plain torch operation with no padding on the assembled block. Backward sends the halo
-gradients back to their owners, who add them in.
+output in the same layout, by the kernels of :mod:`parallelkit.spatial.conv`: from pure
+geometry (:mod:`parallelkit.geometry`) they know which input rows and columns the output block
+reads, fetch what the rank does not hold (usually a halo from the neighbours, from further
+ranks when blocks are thinner than the halo), then run the plain torch operation with no
+padding on the assembled block. Backward sends the halo gradients back to their owners, who
+add them in. The layers hold the parameters and the geometry; the kernels do the work.
 
 Parameters are replicated over the grid and act on split activations, so each rank's
 gradient is its share of the dense one: they pass through ``copy_to_group``, whose backward
@@ -24,16 +24,20 @@ Legend: ``_blk`` this rank's block, ``H W`` global sizes, ``[o0, o1)`` output bl
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from parallelkit.comm import Communicator
-from parallelkit.geometry import Window, conv_padding, pair, transposed_needs
-from parallelkit.nn import spatial_edges
-from parallelkit.nn.spatial_fetch import crop, empty_output, fetch, fetch_ranges
+from parallelkit.nn.blocks import SpatialLayer
 from parallelkit.spatial import layout
+from parallelkit.spatial.conv import (
+    conv_blocks,
+    conv_transpose_blocks,
+    conv_windows,
+    transposed_out_size,
+)
 from parallelkit.spatial.grid import SpatialGrid, grid_of
 
 
@@ -47,51 +51,17 @@ def _same_on_every_rank(layer: nn.Module, comm: Communicator) -> None:
                 comm.broadcast(p.data, src=0, out=p.data)
 
 
-def conv_windows(
-    kernel: Sequence[int],
-    stride: int | Sequence[int],
-    padding: int | str | Sequence[int],
-    dilation: int | Sequence[int],
-) -> tuple[Window, ...]:
-    """The window along each spatial dimension of a convolution with ``F.conv*d``'s
-    arguments (as many dimensions as ``kernel`` has)."""
-    dims = len(kernel)
-    stride, dilation = pair(stride, dims), pair(dilation, dims)
-    pads = conv_padding(padding, kernel, dilation)
-    return tuple(
-        Window(k, s, lo, hi, d)
-        for k, s, (lo, hi), d in zip(kernel, stride, pads, dilation, strict=True)
-    )
-
-
-def conv_blocks(
-    x_blk: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    windows: Sequence[Window],
-    groups: int,
-    grid: SpatialGrid,
-    size: Sequence[int],
-    overlap: bool = False,
-) -> torch.Tensor:
-    """This rank's block of ``F.conv1d/2d/3d`` of the whole samples of ``size``, whose blocks
-    over ``grid`` ``x_blk`` is one of: the edge path where it applies, else the halo fetch.
-    ``weight`` and ``bias`` are used as given (the caller picks their gradient convention)."""
-    if (edges := spatial_edges.plan(grid, windows, size)) is not None:
-        return spatial_edges.conv(x_blk, weight, bias, windows, groups, grid, edges, overlap)
-    x_halo, out_size, pad = fetch(x_blk, grid, windows, size, native=True)
-    if min(out_size) == 0:
-        return empty_output(x_halo, weight.shape[0], out_size, x_halo, weight, bias)
-    stride = tuple(w.stride for w in windows)
-    dilation = tuple(w.dilation for w in windows)
-    return spatial_edges.convolve(x_halo, weight, bias, stride, pad, dilation, groups)
-
-
-class _SpatialConv:
+class _SpatialConv(SpatialLayer):
     """What the spatial convolutions of every dimension share (``dense``: the torch class)."""
 
     dense: type[nn.Module]
     overlap = False
+
+    @classmethod
+    def covers(cls, module: nn.Module) -> bool:
+        """A ``padding_mode`` other than zeros stays dense: its forward's ``F.pad`` and
+        ``F.conv2d`` meet the guard, whose rules fetch the mirrored rows."""
+        return module.padding_mode == "zeros"
 
     def __init__(
         self,
@@ -176,7 +146,7 @@ class SpatialParallelConv2d(_SpatialConv, nn.Conv2d):
 
     A stride-1 "same" convolution along every split dimension skips the fetch: it convolves
     the block as it is and adds the halo rows' terms to its edge rows
-    (:mod:`parallelkit.nn.spatial_edges`), copying nothing; ``overlap = True`` fetches those
+    (:mod:`parallelkit.spatial.edges`), copying nothing; ``overlap = True`` fetches those
     rows on a helper thread while the block is convolved.
     """
 
@@ -198,21 +168,20 @@ class SpatialParallelConv3d(_SpatialConv, nn.Conv3d):
 
 
 
-class _SpatialConvTranspose:
+class _SpatialConvTranspose(SpatialLayer):
     """``nn.ConvTranspose2d`` on images split over a grid of ranks (e.g. the DCGAN generator's
     kernel 4, stride 2, padding 1 upsampling); the 1-D and 3-D classes alike.
 
-    Output row o receives from input rows i with ``i * stride - padding + dilation * t = o``.
     Where every block holds the rows its neighbours want from it, the block is scattered as
-    it is and only the halo rows' scatters are added (:func:`spatial_edges.conv_transpose`: no
-    copy of the block). Otherwise each rank fetches the input rows its output block receives
-    from (geometry: :func:`~parallelkit.geometry.transposed_needs`), runs the transposed
-    convolution on them with no padding, and crops (a view; or zero-extends, where no input
-    row reaches) the result to its block. The bias is added after cropping, so rows that no
-    input reaches get it too.
+    it is and only the halo rows' scatters are added; otherwise the input rows the output block
+    receives from are fetched (:func:`parallelkit.spatial.conv.conv_transpose_blocks`).
     """
 
     dense: type[nn.Module]
+
+    @classmethod
+    def covers(cls, module: nn.Module) -> bool:
+        return module.padding_mode == "zeros"
 
     def __init__(
         self,
@@ -243,49 +212,17 @@ class _SpatialConvTranspose:
         if not layout.is_split(x_blk):  # a whole tensor inside a spatial region
             return self.to_dense()(x_blk)
         size = size or self.grid.global_size(x_blk, type(self).__name__)
-        k, s, p, d = self.kernel_size, self.stride, self.padding, self.dilation
-        ndim = len(k)
-
-        def needs(dim: int, o0: int, o1: int, n: int) -> tuple[int, int]:
-            return transposed_needs(o0, o1, n, k[dim], s[dim], p[dim], d[dim])
-
         weight = layout.replicated(self.weight, self.comm)
         bias = None if self.bias is None else layout.replicated(self.bias, self.comm)
-        out_size = self.out_size(size)
-        edges = spatial_edges.transposed_plan(self.grid, size, out_size, k, s, p, d)
-        if edges is not None:
-            y = spatial_edges.conv_transpose(
-                x_blk, weight, s, p, d, self.groups, self.grid, edges, out_size
-            )
-        else:
-            y = self._fetched(x_blk, weight, size, needs)
-        # In place: y is this layer's own (the convolution's output, or a view of it, whose
-        # backward does not read it), and a copy would double the layer's largest tensor.
-        return y if bias is None else y.add_(bias.view(-1, *(1,) * ndim))
-
-    def _fetched(self, x_blk: torch.Tensor, weight: torch.Tensor, size: Sequence[int],
-                 needs: Callable[[int, int, int, int], tuple[int, int]]) -> torch.Tensor:
-        """The output block (no bias) from the input rows it receives from, fetched whole."""
-        s, p, d = self.stride, self.padding, self.dilation
-        ndim = len(s)
-        x_blk, blocks, firsts = fetch_ranges(x_blk, self.grid, size, self._out_rows, needs)
-        rows = tuple(o for _, o in blocks)
-        if min(rows) == 0 or min(x_blk.shape[2:]) == 0:
-            y = empty_output(x_blk, self.out_channels, rows, x_blk, weight)
-        else:
-            y = spatial_edges.CONV_TRANSPOSE[ndim](x_blk, weight, None, s, 0, 0, self.groups, d)
-            # Local row 0 is where the first fetched input row lands: a * stride - padding.
-            y = crop(y, [firsts[i] * s[i] - p[i] for i in range(ndim)], blocks)
-        return y
-
-    def _out_rows(self, dim: int, n: int) -> int:
-        span = self.dilation[dim] * (self.kernel_size[dim] - 1) + 1
-        pad, stride = self.padding[dim], self.stride[dim]
-        return (n - 1) * stride - 2 * pad + span + self.output_padding[dim]
+        return conv_transpose_blocks(
+            x_blk, weight, bias, self.stride, self.padding, self.output_padding, self.dilation,
+            self.groups, self.grid, size,
+        )  # fmt: skip
 
     def out_size(self, size: Sequence[int]) -> tuple[int, ...]:
         """The whole output's spatial size for whole inputs of ``size``: geometry only."""
-        return tuple(self._out_rows(dim, n) for dim, n in enumerate(size))
+        return transposed_out_size(size, self.kernel_size, self.stride, self.padding,
+                                   self.output_padding, self.dilation)  # fmt: skip
 
     @classmethod
     def from_dense(cls, conv: nn.Module, comm: Communicator, grid: Sequence[int] | None = None):

@@ -54,6 +54,8 @@ class SyncBatchNorm(_BatchNorm):
     the shares, so every rank holds the dense gradient after backward.
     """
 
+    takes_blocks = "norm"  # parallelkit.nn.blocks
+
     def __init__(
         self,
         num_features: int,
@@ -105,6 +107,13 @@ class SyncBatchNorm(_BatchNorm):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, comm={self.comm!r}"
+
+    def communicators(self) -> tuple[Communicator | None, Communicator | None]:
+        """(statistics, parameter-gradient) communicators, for ``use_communicators``."""
+        return self.comm, self.grad_comm
+
+    def use_communicators(self, comm: Communicator | None, grad_comm: Communicator | None) -> None:
+        self.comm, self.grad_comm = comm, grad_comm
 
     def to_dense(self) -> nn.Module:
         """The plain ``torch.nn.BatchNorm*d`` holding this layer's parameters and buffers.

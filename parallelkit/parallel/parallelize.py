@@ -36,16 +36,15 @@ from torch import nn
 from parallelkit.comm import Communicator
 from parallelkit.nn import channel_parallel as cp
 from parallelkit.nn import channel_transposed as ct
-from parallelkit.nn import spatial_parallel as sp
-from parallelkit.nn import spatial_pooling as spool
 from parallelkit.nn.batchnorm_subclass import is_plain_batchnorm, sync_subclass
+from parallelkit.nn.blocks import spatial_layer
 from parallelkit.nn.sync_batchnorm import SyncBatchNorm
 from parallelkit.parallel.data_parallel import DataParallel
 from parallelkit.parallel.grid import Grid
 from parallelkit.parallel.spatial_fallback import check_fallback
 from parallelkit.parallel.spatial_region import (
+    OnWholeSamples,
     SpatialRegion,
-    _OnWholeImage,
     check_whole_or_blocks,
 )
 
@@ -120,7 +119,7 @@ def parallelize(
         raise ValueError(f"parallelize: keep_dense names unknown modules {unknown}")
     if strategy == "spatial":
         for name in keep_dense:
-            _replace(model, name, _OnWholeImage(names[name], grid.spatial_comm, shape))
+            _replace(model, name, OnWholeSamples(names[name], grid.spatial_comm, shape))
         _swap(model, lambda m: _spatial_layer(m, grid.spatial_comm, shape), skip=keep_dense)
     elif strategy == "channel":
         _swap(model, lambda m: _channel_layer(m, grid.channel_comm), skip=keep_dense)
@@ -160,41 +159,11 @@ def to_dense(model: nn.Module) -> nn.Module:
 
 
 # --------------------------------------------------------------------------- swapping
-_SPATIAL_LAYERS: dict[type, type] = {
-    nn.Conv1d: sp.SpatialParallelConv1d,
-    nn.Conv2d: sp.SpatialParallelConv2d,
-    nn.Conv3d: sp.SpatialParallelConv3d,
-    nn.ConvTranspose1d: sp.SpatialConvTranspose1d,
-    nn.ConvTranspose2d: sp.SpatialConvTranspose2d,
-    nn.ConvTranspose3d: sp.SpatialConvTranspose3d,
-    nn.MaxPool1d: spool.SpatialMaxPool1d,
-    nn.MaxPool2d: spool.SpatialMaxPool2d,
-    nn.MaxPool3d: spool.SpatialMaxPool3d,
-    nn.AvgPool1d: spool.SpatialAvgPool1d,
-    nn.AvgPool2d: spool.SpatialAvgPool2d,
-    nn.AvgPool3d: spool.SpatialAvgPool3d,
-}
-_GLOBAL_POOLS = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)
-
-
 def _spatial_layer(m: nn.Module, comm: Communicator, shape: Any) -> nn.Module | None:
-    kind = type(m)
-    # A padding_mode other than zeros stays dense: its forward's F.pad and F.conv meet the
-    # spatial guard, whose rules fetch the mirrored rows and convolve the blocks. Upsampling
-    # the spatial layer does not cover stays dense too: its functional call meets the guard.
-    if getattr(m, "padding_mode", "zeros") != "zeros":
-        return None
-    if kind in _SPATIAL_LAYERS:
-        return _SPATIAL_LAYERS[kind].from_dense(m, comm, shape)
-    if kind is nn.Upsample and _upsample_covered(m):
-        return spool.SpatialUpsample.from_dense(m, comm, shape)
-    if kind in _GLOBAL_POOLS and all_ones(m.output_size):
-        return spool.SpatialGlobalAvgPool2d.from_dense(m, comm)  # other sizes: the guard's rule
-    return None
-
-
-def all_ones(size: Any) -> bool:
-    return all(v == 1 for v in (size if isinstance(size, tuple | list) else (size,)))
+    """The spatial layer that stands for ``m`` (:mod:`parallelkit.nn.blocks`); a module no
+    layer covers stays as it is, and its forward's functional calls meet the guard."""
+    layer = spatial_layer(m)
+    return None if layer is None else layer.from_dense(m, comm, shape)
 
 
 def _sync_batchnorm(
@@ -207,20 +176,6 @@ def _sync_batchnorm(
     if is_plain_batchnorm(m):
         return SyncBatchNorm.from_dense(m, comm, grad_comm=grad_comm)
     return sync_subclass(m, comm, grad_comm)
-
-
-def _upsample_covered(m: nn.Upsample) -> bool:
-    """Whether :class:`SpatialUpsample` does what ``m`` does (one integer factor, nearest or
-    (bi-, tri-)linear without align_corners)."""
-    factors = m.scale_factor if isinstance(m.scale_factor, tuple) else (m.scale_factor,)
-    return (
-        m.size is None
-        and factors[0] is not None
-        and len(set(factors)) == 1
-        and float(factors[0]).is_integer()
-        and m.mode in ("nearest", *spool.INTERPOLATING)
-        and not m.align_corners
-    )
 
 
 _CHANNEL_CONVS: dict[type, type[cp.ChannelParallelConvNd]] = {
@@ -288,7 +243,7 @@ def _check_channel_split(model: nn.Module, ranks: int, keep_dense: Sequence[str]
 def _swap(module: nn.Module, make, skip: Sequence[str] = (), prefix: str = "") -> None:
     for name, child in list(module.named_children()):
         full = f"{prefix}{name}"
-        if full in skip or isinstance(child, _OnWholeImage):
+        if full in skip or isinstance(child, OnWholeSamples):
             continue
         new = make(child)
         if new is not None:

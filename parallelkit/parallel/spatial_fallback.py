@@ -95,7 +95,7 @@ def gather_inputs(guard: Any, args: tuple) -> tuple:
     def whole(t: Any) -> Any:
         if not guard.is_split(t):
             return t
-        where, last = _moves(t, guard.dims(t))
+        where, last = _moves(t, guard.places(t))
         y = gather(t.movedim(where, last), guard.comm, guard.grid, size=guard.size_of(t))
         return y.movedim(last, where)
 

@@ -17,11 +17,12 @@ This module keeps only that: the record, the mode, the module stack, the lookup 
 refusal. docs/parallelism.md has the table of every rule (generated from the registry).
 
 Legend: a *block* is this rank's (N, C, *spatial) part of split samples (signals, images,
-volumes); a *whole* tensor is the same on every rank of the spatial group. ``dims`` is where a
-block's spatial dimensions are, counted from the end: (-2, -1) for (N, C, H, W), (-3, -2) after
-ConvNeXt's permute to (N, H, W, C), (-3, -2, -1) for (N, C, D, H, W). A window partition
-folds spatial dimensions into one (Swin's (B * nH * nW, ws * ws, C)): several share a place,
-and the record keeps the fold's factors (``folds``; :mod:`parallelkit.spatial.rules.shape`).
+volumes); a *whole* tensor is the same on every rank of the spatial group. ``places`` is
+where a block's spatial dimensions are, counted from the end: (-2, -1) for (N, C, H, W),
+(-3, -2) after ConvNeXt's permute to (N, H, W, C), (-3, -2, -1) for (N, C, D, H, W). A window
+partition folds spatial dimensions into one (Swin's (B * nH * nW, ws * ws, C)): several share
+a place, and the record keeps the fold's factors (``folds``;
+:mod:`parallelkit.spatial.rules.shape`).
 """
 
 from __future__ import annotations
@@ -41,26 +42,14 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from parallelkit.comm import Communicator
-from parallelkit.nn import spatial_parallel as sp
-from parallelkit.nn import spatial_pooling as spool
-from parallelkit.nn.batchnorm_subclass import _SyncSubclass
-from parallelkit.nn.sync_batchnorm import SyncBatchNorm
+from parallelkit.nn.blocks import takes_blocks
 from parallelkit.parallel.refusal import SpatialRefusal, model_failure, refusal
 from parallelkit.parallel.spatial_fallback import gather_inputs, gathered_message, scatter_outputs
 from parallelkit.spatial import layout
 from parallelkit.spatial.grid import SpatialGrid, grid_of
 from parallelkit.spatial.rules import Call, lookup, op_name
-from parallelkit.spatial.rules.registry import Dims, Fold, standard
+from parallelkit.spatial.rules.registry import Fold, Places, standard
 
-# Layers that handle blocks themselves (and whole inputs); modules with a true class attribute
-# ``ends_spatial_region`` (global pooling, keep_dense modules) also take blocks, return whole.
-_SPATIAL = (
-    sp._SpatialConv,
-    sp._SpatialConvTranspose,
-    spool._SpatialPool,
-    spool.SpatialUpsample,
-)
-_NORMS = (SyncBatchNorm, _SyncSubclass)
 Size = tuple[int, ...]
 
 
@@ -84,10 +73,10 @@ class SpatialGuard(TorchFunctionMode):
         # Modules to run on gathered whole images (fallback="gather"), and how many now run.
         self.gathered, self._gathering = gathered or set(), 0
         self.warned: set[Any] = set()  # what warn_once warned of (a region keeps one set)
-        self.layers: dict[tuple, Any] = {}  # spatial layers and weights for functional calls
+        self.weights: dict[tuple, Any] = {}  # resampling weights, once per shape and arguments
         self.names = {m: name for name, m in model.named_modules()}
         # id -> (the block, where its spatial dimensions are, the whole size if known, folds)
-        self._blocks: dict[int, tuple[weakref.ref, Dims, Size | None, tuple[Fold, ...]]] = {}
+        self._blocks: dict[int, tuple[weakref.ref, Places, Size | None, tuple[Fold, ...]]] = {}
         self.size_now: Size | None = None  # the whole size of the call being ruled on
         self.folds_now: tuple[Fold, ...] = ()  # and its folds
         self.read_sizes: set[Size] = set()  # whole sizes of blocks whose shape code read
@@ -102,7 +91,7 @@ class SpatialGuard(TorchFunctionMode):
         entry = self._blocks.get(id(t)) if isinstance(t, Tensor) else None
         return entry is not None and entry[0]() is t
 
-    def dims(self, t: Tensor) -> Dims:
+    def places(self, t: Tensor) -> Places:
         """Where block ``t``'s spatial dimensions are, counted from the end."""
         return self._blocks[id(t)][1]
 
@@ -117,31 +106,36 @@ class SpatialGuard(TorchFunctionMode):
         window partition), each fold's factors outermost first; () for none."""
         return self._blocks[id(t)][3] if self.is_split(t) else ()
 
+    def form(self, t: Tensor) -> tuple[Places, tuple[Fold, ...]]:
+        """Where block ``t``'s spatial dimensions are and how they are folded: two blocks of
+        one form line up element for element, so an operation between them is local."""
+        return self.places(t), self.folds(t)
+
     def mark(
         self,
         *tensors: Any,
-        dims: Dims | None = None,
+        places: Places | None = None,
         size: Size | None = None,
         folds: tuple[Fold, ...] = (),
     ) -> None:
-        """Record ``tensors`` as blocks whose spatial dimensions are ``dims`` (default: every
+        """Record ``tensors`` as blocks whose spatial dimensions are ``places`` (default: every
         one after N and C), folded as ``folds`` says."""
         for t in tree_leaves(tensors):
-            if isinstance(t, Tensor) and t.dim() >= (-min(dims) if dims else 3):
-                self._blocks[id(t)] = (weakref.ref(t), dims or standard(t), size, folds)
+            if isinstance(t, Tensor) and t.dim() >= (-min(places) if places else 3):
+                self._blocks[id(t)] = (weakref.ref(t), places or standard(t), size, folds)
 
     def marked(
         self,
         out: Any,
-        dims: Dims | None = None,
+        places: Places | None = None,
         size: Size | None = None,
         folds: tuple[Fold, ...] | None = None,
     ) -> Any:
         """``out`` (any nesting) recorded as blocks, of the whole size and folds of the call's
         first block unless ``size`` and ``folds`` say otherwise (folds name spatial
-        dimensions, not places: a rule that moves the places in ``dims`` moves the folds)."""
+        dimensions, not places: a rule that moves the places moves the folds)."""
         folds = self.folds_now if folds is None else folds
-        self.mark(out, dims=dims, size=size or self.size_now, folds=folds)
+        self.mark(out, places=places, size=size or self.size_now, folds=folds)
         return out
 
     def note_sized(self, size: Size) -> None:
@@ -218,7 +212,7 @@ class SpatialGuard(TorchFunctionMode):
         if self._trusted or module not in self.names:
             self._stack.append(None)
             return None
-        whole = None  # a gathered module's input blocks' layout: (dims, ndim)
+        whole = None  # a gathered module's input blocks' layout: (places, ndim)
         if module in self.gathered and (blocks := self._blocks_in(args, {})):
             if any(self.folds(b) for b in blocks):  # gather the module that folded them
                 outer = next((e[0] for e in reversed(self._stack) if e and e[2] and not e[5]),
@@ -226,14 +220,15 @@ class SpatialGuard(TorchFunctionMode):
                 raise self.refuse(type(module).__name__, "it is to be gathered, and is given "
                                   "spatial dimensions folded with others (a flatten, a window "
                                   "partition)", outer)  # fmt: skip
-            whole, args = (self.dims(blocks[0]), blocks[0].dim()), gather_inputs(self, args)
+            whole, args = (self.places(blocks[0]), blocks[0].dim()), gather_inputs(self, args)
             self._gathering += 1
-        ends = getattr(module, "ends_spatial_region", False)
-        trusted = ends or isinstance(module, (*_SPATIAL, *_NORMS))
+        # A layer that says how it handles blocks (parallelkit.nn.blocks) runs as it is.
+        kind = takes_blocks(module)
+        trusted, ends = kind is not None, kind == "ends"
         blocks = self._blocks_in(args, {})
-        if trusted and any(self.dims(b) != standard(b) or self.folds(b) for b in blocks):
+        if trusted and any(self.places(b) != standard(b) or self.folds(b) for b in blocks):
             raise self.refuse(type(module).__name__, "it wants (N, C, *spatial) blocks", module)
-        if trusted and isinstance(module, _NORMS) and not blocks and self.comm.size > 1:
+        if kind == "norm" and not blocks and self.comm.size > 1:
             self._normalize_whole(module)
         self._trusted += trusted
         size = self.size_of(blocks[0]) if blocks else None
@@ -247,7 +242,7 @@ class SpatialGuard(TorchFunctionMode):
             return None
         _, trusted, blocks_out, size, whole, _ = entry
         if id(module) in self._restore:
-            _set_comms(module, *self._restore.pop(id(module)))
+            module.use_communicators(*self._restore.pop(id(module)))
         if trusted:
             self._trusted -= 1
             if blocks_out:  # a spatial layer's output size from its geometry; norms keep it
@@ -268,8 +263,8 @@ class SpatialGuard(TorchFunctionMode):
                 "BatchNorm", "its input is whole (not a block) and this region has no data "
                 "group to normalize it over", module,
             )  # fmt: skip
-        self._restore[id(module)] = _comms(module)
-        _set_comms(module, self.whole_comm, None)
+        self._restore[id(module)] = module.communicators()
+        module.use_communicators(self.whole_comm, None)
 
     # ------------------------------------------------------------------ the lookup
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -311,15 +306,3 @@ class SpatialGuard(TorchFunctionMode):
         module = module if module is not None else self.module()
         return refusal(self.names, module, op, f"touches a block of split images, and {why}")
 
-
-def _comms(module: nn.Module) -> tuple[Any, Any]:
-    if isinstance(module, SyncBatchNorm):
-        return module.comm, module.grad_comm
-    return module._pk_comm, module._pk_grad_comm
-
-
-def _set_comms(module: nn.Module, comm: Any, grad_comm: Any) -> None:
-    if isinstance(module, SyncBatchNorm):
-        module.comm, module.grad_comm = comm, grad_comm
-    else:
-        module._pk_comm, module._pk_grad_comm = comm, grad_comm

@@ -124,8 +124,8 @@ class SpatialRegion(nn.Module):
         need not be (N, C, *spatial). Deep supervision stacks heads, (N, heads, C, D, H, W);
         a channels-last output has C after them. The spatial dimensions go last, the others
         are folded into (rows, 1) for the gather and restored after it."""
-        spatial = len(guard.dims(t))
-        where = tuple(t.dim() + d for d in guard.dims(t))
+        spatial = len(guard.places(t))
+        where = tuple(t.dim() + d for d in guard.places(t))
         last = tuple(range(t.dim() - spatial, t.dim()))
         if where == last and t.dim() == spatial + 2:  # (N, C, *spatial)
             return gather(t, self.comm, self._blocks, size=guard.size_of(t))
@@ -172,11 +172,11 @@ class _ShareOf(torch.autograd.Function):
         return grad / ctx.size, None
 
 
-class _OnWholeImage(nn.Module):
+class OnWholeSamples(nn.Module):
     """Runs a dense module on the whole tensor gathered from the blocks (``keep_dense``). Its
     output is whole on every rank: use it for the tail of a network."""
 
-    ends_spatial_region = True  # for parallelkit.parallel.spatial_guard
+    takes_blocks = "ends"  # parallelkit.nn.blocks
 
     def __init__(self, module: nn.Module, comm: Communicator, grid: tuple[int, int]) -> None:
         super().__init__()

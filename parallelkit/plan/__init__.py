@@ -8,7 +8,8 @@ holds only its block of every input and label.
 from there: ``parallelkit.plan.measure.measure``.)
 
 It lives beside the layers it models and imports only what it reads (the geometry, the model
-constructors); nothing in training depends on it. One idea per module:
+constructors, and the GAN task's training step, whose passes it counts); nothing in training
+depends on it. One idea per module:
 
     walk      the model's leaf layers, shapes, FLOPs and parameters (a meta-device forward)
     measure   per-layer compute: timed on one rank (at a reduced size, scaled by operation

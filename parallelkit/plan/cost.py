@@ -205,7 +205,7 @@ def halo_bytes(layer: Layer, opt: Option, images: float) -> float:
     """Bytes the busiest rank receives in the layer's forward halo exchange.
 
     The exchange runs one dimension after another, the last first (W, then H, then D:
-    :mod:`parallelkit.nn.spatial_edges`), each on the block already extended along the
+    :mod:`parallelkit.spatial.edges`), each on the block already extended along the
     dimensions exchanged before it, so the edges and corners ride along: along dimension i
     the received rows are as wide as the block along the earlier dimensions and as the
     extended block along the later ones.
@@ -372,7 +372,7 @@ def activation_bytes(net: Net, opt: Option, batch: int) -> float:
 
 
 def _edge_path(layer: Layer, opt: Option) -> bool:
-    """A convolution that saves no fetched block (``parallelkit.nn.spatial_edges.plan``):
+    """A convolution that saves no fetched block (``parallelkit.spatial.edges.plan``):
     stride 1 and equal padding along every dimension, "same" padding ``p >= 1`` along every
     split one, whose blocks all hold at least ``p`` rows; a transposed convolution whose
     blocks all hold the rows their neighbours want (``transposed_plan``)."""

@@ -16,12 +16,14 @@ BatchNorm and adaptive pooling are recorded alike for each (``Conv1d``/``2d``/``
 Names a model may have (``build``):
 
     resnet18 | resnet34 | resnet50     parallelkit.models, ``stem`` "imagenet" or "cifar"
-    unet                               parallelkit.models' U-Net (per-pixel logits)
-    dcgan                              the GAN task's generator and discriminator (a step:
+    unet                               parallelkit.models' U-Net (per-pixel logits; 1-, 2- or
+                                       3-D by ``kwargs={"spatial_dims": 3}``)
+    dcgan                              the GAN task's generator and discriminator, each run as
+                                       often as the task's training step runs it (a step:
                                        generator once, discriminator three times)
-    torchvision:NAME | timm:NAME       a zoo network, when that library imports here
-    monai:NAME | smp:ARCH              built as ``model.name`` builds them for ``parallelkit
-                                       train`` (:mod:`parallelkit.models.zoo`; MONAI's are 3-D),
+    torchvision:NAME | timm:NAME       another library's network, built as ``model.name``
+    monai:NAME | smp:ARCH              builds it for ``parallelkit train``
+                                       (:func:`parallelkit.models.create`; MONAI's are 3-D),
                                        with ``kwargs`` as its ``model.kwargs``
 
 Legend: per-sample shapes ``(C, *spatial)``, e.g. ``(C, H, W)`` or ``(C, D, H, W)``, and
@@ -31,7 +33,7 @@ Legend: per-sample shapes ``(C, *spatial)``, e.g. ``(C, H, W)`` or ``(C, D, H, W
 
 from __future__ import annotations
 
-import importlib
+import contextlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +43,8 @@ import torch
 from torch import nn
 
 from parallelkit import models
-from parallelkit.geometry import conv_padding, pair
+from parallelkit.geometry import conv_padding, per_dim
+from parallelkit.models.zoo import is_zoo_name
 
 Shape = tuple[int, ...]
 NORMS = (nn.modules.batchnorm._BatchNorm,)  # SyncBatchNorm: statistics over data x spatial
@@ -128,8 +131,8 @@ class Net:
 def _conv_window(m: nn.Module, dims: int) -> tuple[tuple[int, int, int, int, int], ...]:
     """(kernel, stride, pad_lo, pad_hi, dilation) per spatial dimension of a convolution or
     pooling layer acting on samples of ``dims`` spatial dimensions."""
-    k, s = pair(m.kernel_size, dims), pair(m.stride or m.kernel_size, dims)
-    d = pair(getattr(m, "dilation", 1), dims)
+    k, s = per_dim(m.kernel_size, dims), per_dim(m.stride or m.kernel_size, dims)
+    d = per_dim(getattr(m, "dilation", 1), dims)
     pads = conv_padding(m.padding, k, d)  # ints, or "same" / "valid" (stride 1)
     return tuple((k[i], s[i], pads[i][0], pads[i][1], d[i]) for i in range(dims))
 
@@ -154,7 +157,7 @@ def _record(name: str, m: nn.Module, x: torch.Tensor, y: torch.Tensor, spatial: 
         kind, flops = "sample_norm", 4.0 * out_n
     elif isinstance(m, POOLS):
         kind, window = "pool", _conv_window(m, dims)
-        flops = float(out_n * math.prod(pair(m.kernel_size, dims)))
+        flops = float(out_n * math.prod(per_dim(m.kernel_size, dims)))
     elif isinstance(m, GLOBAL_POOLS):
         kind, flops = "global_pool", float(math.prod(ins))
     elif isinstance(m, nn.Linear):
@@ -244,8 +247,6 @@ def _to_meta(model: nn.Module) -> nn.Module:
 
 # ---------------------------------------------------------------------------- models by name
 BUILTIN = ("resnet18", "resnet34", "resnet50", "unet", "dcgan")
-ZOO_PREFIXES = ("torchvision:", "timm:")
-MODELS_ZOO_PREFIXES = ("monai:", "smp:")  # built by parallelkit.models.zoo, as training does
 
 
 def sample_shape(size: int | Sequence[int], dims: int = 2) -> Shape:
@@ -257,11 +258,12 @@ def sample_shape(size: int | Sequence[int], dims: int = 2) -> Shape:
 
 
 def default_dims(name: str, kwargs: Mapping[str, Any] | None = None) -> int:
-    """The spatial dimensions model ``name`` takes unless told: 3 for MONAI's networks
-    (``spatial_dims=3`` unless ``kwargs`` sets it), 2 for every other."""
-    if name.startswith("monai:"):
-        return int((kwargs or {}).get("spatial_dims", 3))
-    return 2
+    """The spatial dimensions model ``name`` takes unless told: ``spatial_dims`` where
+    ``kwargs`` sets it (MONAI's networks, the built-in U-Net), 3 for MONAI's networks
+    otherwise, 2 for every other."""
+    if "spatial_dims" in (kwargs or {}):
+        return int(kwargs["spatial_dims"])
+    return 3 if name.startswith("monai:") else 2
 
 
 def build(
@@ -285,26 +287,9 @@ def build(
     size = sample_shape(image_size, default_dims(name, kwargs) if dims is None else dims)
     shape = (channels, *size)
     if name == "dcgan":
-        g = models.create("dcgan_generator", nc=channels, image_size=size[-1])
-        d = models.create("dcgan_discriminator", nc=channels, image_size=size[-1])
-        return [
-            walk(g, (100, 1, 1), "generator", passes=1, grad_passes=1),
-            # D(real) and D(fake) for the discriminator's loss, D(fake) again for the
-            # generator's, with the discriminator's parameters frozen.
-            walk(
-                d,
-                shape,
-                "discriminator",
-                passes=3,
-                grad_passes=2,
-                keep_dense=("head",),
-                input_grad=True,
-            ),
-        ]
-    if name.startswith(ZOO_PREFIXES):
-        return [walk(_zoo(name, classes, kwargs), shape, name)]
-    if name.startswith(MODELS_ZOO_PREFIXES):
-        return [walk(_models_zoo(name, classes, channels, kwargs), shape, name)]
+        return _gan(channels, size)
+    if is_zoo_name(name):
+        return [walk(_zoo(name, classes, channels, kwargs), shape, name)]
     if name in BUILTIN:
         extra = {"stem": stem} if name.startswith("resnet") else {}
         model = models.create(name, num_classes=classes, in_channels=channels, **extra, **kwargs)
@@ -315,32 +300,94 @@ def build(
     )
 
 
-def _zoo(name: str, classes: int, kwargs: Mapping[str, Any]) -> nn.Module:
-    """A torchvision or timm network, untrained (no download)."""
-    library, _, model = name.partition(":")
-    module = "timm" if library == "timm" else "torchvision.models"
-    try:
-        lib = importlib.import_module(module)
-    except Exception as e:  # ImportError, or torchvision built for another torch
-        raise ValueError(
-            f"model {name!r}: {library} does not import here ({type(e).__name__}: {e}); "
-            "install it beside a matching torch (the zoo environment .venv-zoo: docs/zoo.md)"
-        ) from e
-    try:
-        if library == "timm":
-            return lib.create_model(model, num_classes=classes, **kwargs)
-        return lib.get_model(model, weights=None, num_classes=classes, **kwargs)
-    except (KeyError, RuntimeError, ValueError) as e:
-        raise ValueError(f"model {name!r}: {library} has no such model ({e})") from e
+def _zoo(name: str, classes: int, channels: int, kwargs: Mapping[str, Any]) -> nn.Module:
+    """Another library's network as ``parallelkit train``'s ``model.name`` builds it, untrained.
 
-
-def _models_zoo(name: str, classes: int, channels: int, kwargs: Mapping[str, Any]) -> nn.Module:
-    """A MONAI or smp network as ``parallelkit train``'s ``model.name`` builds it, untrained.
-
-    Its errors (a library missing, a required argument unset) are the config's, which speak
-    of ``model.kwargs``: here that is ``--model-kwargs``.
+    Its errors (a library missing, an unknown name, a required argument unset) are the
+    config's, which speak of ``model.kwargs``: here that is ``--model-kwargs``.
     """
     try:
         return models.create(name, num_classes=classes, in_channels=channels, **kwargs)
     except (TypeError, ValueError) as e:
         raise ValueError(str(e).removeprefix("config: ")) from e
+
+
+# ---------------------------------------------------------------------------- the GAN step
+def _gan(channels: int, size: Shape) -> list[Net]:
+    """The GAN task's generator and discriminator walked, each with the passes the task's
+    training step (:meth:`parallelkit.train.tasks.Gan.step`) runs it for: counted by running
+    that step on the meta device (:func:`gan_step_calls`), so the plan follows the step."""
+    g = models.create("dcgan_generator", nc=channels, image_size=size[-1])
+    d = models.create("dcgan_discriminator", nc=channels, image_size=size[-1])
+    nz = g.main[0].in_channels  # the noise (N, nz, 1, 1)
+    g_calls, d_calls = gan_step_calls(g, d, (channels, *size), nz)
+    return [
+        walk(g, (nz, 1, 1), "generator", **g_calls),
+        # The 4x4 -> 1x1 head runs on the whole image, as the task parallelizes it
+        # (keep_dense=("head",): see parallelkit.models.dcgan).
+        walk(d, (channels, *size), "discriminator", keep_dense=("head",), **d_calls),
+    ]
+
+
+def gan_step_calls(
+    generator: nn.Module, discriminator: nn.Module, image: Shape, nz: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """How one step of :meth:`parallelkit.train.tasks.Gan.step` runs each network, as
+    :class:`Net` fields: ``passes`` (calls), ``grad_passes`` (calls with its parameters
+    trainable: those compute their gradients) and ``input_grad`` (whether a call's input
+    needs a gradient, as the generator's fakes do through the discriminator).
+
+    Why run the step rather than write the counts down: they are the step's code (the
+    discriminator on real and detached fake images, then on the fakes again with its
+    parameters frozen), and a change there should change the plan. Meta copies of the
+    networks, batch 1: nothing is allocated or computed, no optimizer steps.
+    """
+    from parallelkit.train.tasks import Gan
+
+    task = _GanTask(_to_meta(generator), _to_meta(discriminator), nz)
+    calls = [_Calls(), _Calls()]
+    hooks = [
+        net.register_forward_pre_hook(count.record)
+        for net, count in zip((task.generator, task.discriminator), calls, strict=True)
+    ]
+    try:
+        Gan.step(task, torch.empty((1, *image), device="meta"), None, 0)  # type: ignore[arg-type]
+    finally:
+        for h in hooks:
+            h.remove()
+    return calls[0].as_net_fields(), calls[1].as_net_fields()
+
+
+@dataclass
+class _Calls:
+    """The calls of one network during a step, counted by a forward pre-hook."""
+
+    passes: int = 0
+    grad_passes: int = 0
+    input_grad: bool = False
+
+    def record(self, module: nn.Module, args: tuple) -> None:
+        self.passes += 1
+        self.grad_passes += any(p.requires_grad for p in module.parameters())
+        first = args[0] if args else None
+        self.input_grad |= isinstance(first, torch.Tensor) and first.requires_grad
+
+    def as_net_fields(self) -> dict[str, Any]:
+        return {
+            "passes": self.passes, "grad_passes": self.grad_passes, "input_grad": self.input_grad,
+        }  # fmt: skip
+
+
+class _GanTask:
+    """What :meth:`parallelkit.train.tasks.Gan.step` reads of its task, with nothing behind
+    it: the networks, meta noise, no mixed precision and no optimizer."""
+
+    def __init__(self, generator: nn.Module, discriminator: nn.Module, nz: int) -> None:
+        self.generator, self.discriminator, self.nz = generator, discriminator, nz
+        self.autocast = contextlib.nullcontext()
+
+    def noise(self, step: int, n_local: int) -> torch.Tensor:
+        return torch.empty((n_local, self.nz, 1, 1), device="meta")
+
+    def update(self, name: str) -> None:
+        """The optimizer step: none here."""

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from parallelkit.spatial.rules.registry import Call, Guard, nchw, rule, whole_size
+from parallelkit.spatial.rules.registry import Call, Guard, channels_first, rule, whole_size
 from parallelkit.spatial.rules.shape import cut_whole
 
 
@@ -40,7 +40,7 @@ def _group_norm(g: Guard, x: Tensor, groups: int, weight: Tensor | None, bias: T
 def group_norm(g: Guard, call: Call) -> Tensor:
     """Written out as means over the spatial dimensions (all-reduced, whole) and pointwise
     operations, so the statistics' gradients are summed (smp's FPN decoder)."""
-    nchw(g, call, call["input"])
+    channels_first(g, call, call["input"])
     return _group_norm(g, call["input"], call["num_groups"], call["weight"], call["bias"],
                        call["eps"])  # fmt: skip
 
@@ -54,7 +54,7 @@ def instance_norm(g: Guard, call: Call) -> Tensor:
     unbiased variances averaged over the batch. With the running statistics (eval):
     pointwise."""
     x, mean, var = call["input"], call["running_mean"], call["running_var"]
-    ndim = nchw(g, call, x)
+    ndim = channels_first(g, call, x)
     c, eps, momentum = x.shape[1], call["eps"], call["momentum"]
     channel, spatial = (1, c, *(1,) * ndim), tuple(range(2, 2 + ndim))
     if not call["use_input_stats"]:
@@ -82,7 +82,7 @@ def layer_norm(g: Guard, call: Call) -> Tensor:
     ``nn.LayerNorm([C, H, W])``): statistics written out as means of the whole samples; the
     affine parameters, shaped for the whole samples, cut to the block."""
     x, shape = call["input"], tuple(call["normalized_shape"])
-    spatial = g.dims(x)
+    spatial = g.places(x)
     if -len(shape) > max(spatial):  # trailing dimensions after the spatial ones
         weight, bias = g.summed(call["weight"]), g.summed(call["bias"])
         return g.marked(F.layer_norm(x, shape, weight, bias, call["eps"]), spatial)
@@ -111,7 +111,7 @@ def linear(g: Guard, call: Call) -> Tensor:
     """Over the channels of a channels-last block (ConvNeXt's MLP): local, weights' gradients
     summed; over a spatial dimension refused (permute the channels last first)."""
     x = call["input"]
-    spatial = g.dims(x)
+    spatial = g.places(x)
     if max(spatial) == -1:
         raise g.refuse(call.name, "it acts over a spatial dimension (permute the channels "
                        "last first)")  # fmt: skip
@@ -126,16 +126,16 @@ def matmul(g: Guard, call: Call) -> Tensor:
     ``q @ k.transpose(-2, -1)`` on a window partition): local."""
     x, w = call["input"], call["other"]
     if g.is_split(x) and g.is_split(w) and x.dim() == w.dim() > 2:
-        if (g.dims(x), g.folds(x)) == (g.dims(w), g.folds(w)) and max(g.dims(x)) < -2:
-            return g.marked(torch.matmul(x, w), g.dims(x))
+        if g.form(x) == g.form(w) and max(g.places(x)) < -2:
+            return g.marked(torch.matmul(x, w), g.places(x))
         raise g.refuse(call.name, "it multiplies blocks over a spatial dimension, or blocks "
                        "of different layouts")  # fmt: skip
-    if not g.is_split(x) or g.is_split(w) or w.dim() != 2 or max(g.dims(x)) == -1:
+    if not g.is_split(x) or g.is_split(w) or w.dim() != 2 or max(g.places(x)) == -1:
         raise g.refuse(
             call.name, "it contracts a spatial dimension, or a whole tensor with a block (only "
             "a block times a matrix over its channels-last dimension has a rule)",
         )  # fmt: skip
-    return g.marked(torch.matmul(x, g.summed(w)), g.dims(x))
+    return g.marked(torch.matmul(x, g.summed(w)), g.places(x))
 
 
 @rule(F.scaled_dot_product_attention,
@@ -147,11 +147,9 @@ def attention(g: Guard, call: Call) -> Tensor:
     all batch dimensions; a whole mask of every window is cut to this rank's windows. Over a
     spatial dimension (global attention over H x W tokens), or with dropout: refused."""
     q, k, v, mask = call["query"], call["key"], call["value"], call["attn_mask"]
-    layout = (g.dims(q), g.folds(q))
+    form = g.form(q)
     blocks = (q, k, v, mask) if g.is_split(mask) else (q, k, v)
-    if any(not g.is_split(t) or (g.dims(t), g.folds(t)) != layout for t in blocks) or max(
-        layout[0]
-    ) >= -2:
+    if any(not g.is_split(t) or g.form(t) != form for t in blocks) or max(form[0]) >= -2:
         raise g.refuse(call.name, "it attends over a spatial dimension, or over blocks of "
                        "different layouts")  # fmt: skip
     if call["dropout_p"]:
@@ -160,7 +158,7 @@ def attention(g: Guard, call: Call) -> Tensor:
         mask = cut_whole(g, mask, q, call.name)
     y = F.scaled_dot_product_attention(q, k, v, mask, 0.0, call["is_causal"], scale=call["scale"],
                                        enable_gqa=call["enable_gqa"])  # fmt: skip
-    return g.marked(y, layout[0])
+    return g.marked(y, form[0])
 
 
 @rule(torch.einsum, params="equation, *operands", folds=True)
@@ -178,9 +176,9 @@ def einsum(g: Guard, call: Call) -> Tensor:
     first = call.blocks[0]
     if any(g.folds(b) != g.folds(first) for b in call.blocks):
         raise g.refuse(call.name, "its blocks are folded differently")
-    letters = [subscripts[operands.index(first)][d] for d in g.dims(first)]
+    letters = [subscripts[operands.index(first)][d] for d in g.places(first)]
     for sub, t in zip(subscripts, operands, strict=True):
-        mine = [sub[d] for d in g.dims(t)] if g.is_split(t) else []
+        mine = [sub[d] for d in g.places(t)] if g.is_split(t) else []
         if (g.is_split(t) and mine != letters) or (not g.is_split(t) and set(sub) & set(letters)):
             raise g.refuse(call.name, f"{equation!r} mixes a spatial dimension with another")
     if any(c not in output for c in letters):

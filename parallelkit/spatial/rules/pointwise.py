@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-from parallelkit.spatial.rules.registry import Call, Guard, nchw, ops, rule, whole_shape
+from parallelkit.spatial.rules.registry import Call, Guard, channels_first, ops, rule, whole_shape
 from parallelkit.spatial.rules.shape import cut_whole
 
 _POINTWISE = """
@@ -45,9 +45,10 @@ requires_grad_ cpu cuda retain_grad zero_ fill_ copy_ __deepcopy__
 def pointwise(g: Guard, call: Call) -> Any:
     """Local. Blocks must share one layout; a whole tensor must have size 1 or the whole
     samples' size in each spatial dimension, and is then cut to the block."""
-    dims, folds = g.dims(call.blocks[0]), g.folds(call.blocks[0])
+    form = g.form(call.blocks[0])
+    dims = form[0]
     sizes = {tuple(b.shape[d] for d in dims) for b in call.blocks}
-    if len(sizes) > 1 or any(g.dims(b) != dims or g.folds(b) != folds for b in call.blocks):
+    if len(sizes) > 1 or any(g.form(b) != form for b in call.blocks):
         raise g.refuse(call.name, f"its blocks have different layouts {sorted(sizes)}")
 
     def replicate(t: Any) -> Any:
@@ -63,13 +64,13 @@ def pointwise(g: Guard, call: Call) -> Any:
 def local(g: Guard, call: Call) -> Any:
     """Local: type, device and memory-format changes, copies, detaching; `torch.as_tensor`
     of a block (MONAI's HighResBlock wraps its branches in it)."""
-    return g.marked(call.run(), g.dims(call.blocks[0]))
+    return g.marked(call.run(), g.places(call.blocks[0]))
 
 
 @rule(F.prelu, torch.prelu, params="input, weight")
 def prelu(g: Guard, call: Call) -> Tensor:
     """Local; the weight broadcasts over channels, its gradient summed."""
-    nchw(g, call, call["input"])
+    channels_first(g, call, call["input"])
     return g.marked(call.func(call["input"], g.summed(call["weight"])))
 
 
@@ -82,7 +83,7 @@ def _size(args: tuple) -> tuple[int, ...] | None:
 @rule(*ops("zeros_like ones_like full_like empty_like", torch), folds=True)
 def constant_like(g: Guard, call: Call) -> Tensor:
     """Local: a constant block of the block's shape."""
-    return g.marked(call.run(), g.dims(call.blocks[0]))
+    return g.marked(call.run(), g.places(call.blocks[0]))
 
 
 @rule(*ops("new_zeros new_ones new_full new_empty", Tensor), folds=True)
@@ -94,7 +95,7 @@ def new_constant(g: Guard, call: Call) -> Tensor:
     if size is None or torch.Size(size) != whole_shape(g, x):
         return call.run()
     rest = call.args[2:] if full else ()
-    return g.marked(call.func(x, x.shape, *rest, **call.kwargs), g.dims(x))
+    return g.marked(call.func(x, x.shape, *rest, **call.kwargs), g.places(x))
 
 
 @rule(*ops("zeros ones full empty", torch), whole=True)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from parallelkit.spatial.rules.registry import Call, Guard, nchw, rule, whole_size
+from parallelkit.spatial.rules.registry import Call, Guard, channels_first, rule, whole_size
 
 _EXACT = (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, torch.dropout)
 _CHANNELS = (F.dropout1d, F.dropout2d, F.dropout3d)
@@ -26,10 +26,10 @@ def dropout(g: Guard, call: Call) -> Tensor:
     training: refused."""
     x, p, inplace = call["input"], call["p"], call["inplace"]
     if not call["training"] or p == 0:
-        return g.marked(call.run(), g.dims(x))
+        return g.marked(call.run(), g.places(x))
     if g.folds(x):
         raise g.refuse(call.name, "in training, on windows folded into one dimension")
-    ndim = nchw(g, call, x)
+    ndim = channels_first(g, call, x)
     if call.func not in _EXACT or not 0 < p < 1:
         raise g.refuse(call.name, "only dropout and dropout1d/2d/3d draw masks exactly")
     size = whole_size(g, x)

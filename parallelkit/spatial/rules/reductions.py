@@ -35,14 +35,14 @@ def _dims(x: Tensor, dim: Any) -> list[int]:
 
 def _spatial(g: Guard, x: Tensor) -> list[int]:
     """Where block ``x``'s spatial dimensions are, from the front."""
-    return [x.dim() + d for d in g.dims(x)]
+    return [x.dim() + d for d in g.places(x)]
 
 
 def _local(g: Guard, call: Call, x: Tensor, dims: list[int], keepdim: bool) -> Any:
     """A reduction over dimensions other than the spatial ones: local; a dropped dimension
     after a spatial one brings it nearer the end."""
     drop = [] if keepdim else dims
-    return g.marked(call.run(), tuple(d + sum(r > x.dim() + d for r in drop) for d in g.dims(x)))
+    return g.marked(call.run(), tuple(d + sum(r > x.dim() + d for r in drop) for d in g.places(x)))
 
 
 def _whole(x: Tensor, dims: list[int], y: Tensor, keepdim: bool) -> Tensor:
@@ -114,7 +114,7 @@ def sum_mean(g: Guard, call: Call) -> Tensor:
     if not _over_spatial(g, call, x, dims):
         return _local(g, call, x, dims, keepdim)
     if call["dtype"] is not None:
-        x = g.marked(x.to(call["dtype"]), g.dims(x))
+        x = g.marked(x.to(call["dtype"]), g.places(x))
     mean = "mean" in call.name
     y = mean_spatial(g, x) if mean else sum_spatial(g, x)
     if other := [d for d in dims if d not in _spatial(g, x)]:
@@ -221,7 +221,7 @@ def _norm(g: Guard, call: Call, p: Any) -> Tensor:
     if not _over_spatial(g, call, x, dims):
         return _local(g, call, x, dims, keepdim)
     if call.get("dtype") is not None:
-        x = g.marked(x.to(call["dtype"]), g.dims(x))
+        x = g.marked(x.to(call["dtype"]), g.places(x))
     p = 2 if p == "fro" else p
     if p not in (1, 2, math.inf):
         raise g.refuse(call.name, f"p={p!r} over the spatial dimensions has no rule (1, 2 and "
@@ -261,4 +261,4 @@ def normalize(g: Guard, call: Call) -> Tensor:
     x = call["input"]
     if set(_dims(x, call["dim"])) & set(_spatial(g, x)) or call["out"] is not None:
         raise g.refuse(call.name, "it normalizes over a spatial dimension")
-    return g.marked(call.run(), g.dims(x))
+    return g.marked(call.run(), g.places(x))

@@ -30,10 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from parallelkit.geometry import blocks
 from parallelkit.spatial.grid import SpatialGrid
 
 Size = tuple[int, ...]
-Dims = tuple[int, ...]
+Places = tuple[int, ...]
 """Where a block's spatial dimensions (L; H, W; or D, H, W) are, counted from the end:
 (-2, -1) for (N, C, H, W), (-3, -2) for a channels-last (N, H, W, C), (-3, -2, -1) for a
 volume (N, C, D, H, W)."""
@@ -52,14 +53,15 @@ class Guard(Protocol):
     grid: SpatialGrid
     size_now: Size | None  # the whole spatial size of the call's first block
     read_sizes: set[Size]  # whole spatial sizes of blocks whose shape forward code read
-    layers: dict[tuple, Any]  # spatial layers and weights made for functional calls, by arguments
+    weights: dict[tuple, Any]  # resampling weights made for functional calls, by arguments
 
     def is_split(self, t: Any) -> bool: ...
-    def dims(self, t: Tensor) -> Dims: ...
+    def places(self, t: Tensor) -> Places: ...
     def size_of(self, t: Tensor) -> Size | None: ...
     def folds(self, t: Tensor) -> tuple[Fold, ...]: ...
+    def form(self, t: Tensor) -> tuple[Places, tuple[Fold, ...]]: ...
     def marked(
-        self, out: Any, dims: Dims | None = None, size: Size | None = None,
+        self, out: Any, places: Places | None = None, size: Size | None = None,
         folds: tuple[Fold, ...] | None = None,
     ) -> Any: ...
     def summed(self, t: Any) -> Any: ...
@@ -243,17 +245,12 @@ def all_(value: Any, want: int) -> bool:
     return all(v == want for v in (value if isinstance(value, tuple | list) else (value,)))
 
 
-def pair(value: Any, n: int = 2) -> tuple:
-    """A per-dimension argument for ``n`` spatial dimensions (an int repeated)."""
-    return tuple(value) if isinstance(value, tuple | list) else (value,) * n
-
-
 def whole_size(g: Guard, x: Tensor) -> tuple[int, ...]:
     """The whole samples' spatial size of block ``x`` (wherever its spatial dimensions are):
     the record's, else one host all-gather of the block sizes (every rank reads it alike)."""
     size = g.size_of(x)
     if size is None:
-        block = [x.shape[d] for d in g.dims(x)]
+        block = [x.shape[d] for d in g.places(x)]
         size = g.grid.global_size(torch.empty((1, 1, *block), device="meta"), "a block's shape")
     return tuple(size)
 
@@ -262,7 +259,7 @@ def whole_shape(g: Guard, x: Tensor, size: tuple[int, ...] | None = None) -> tor
     """Block ``x``'s shape with the whole samples' spatial sizes (``size``, where the caller
     has them already) in place of its own; a fold's, the product of its whole factors."""
     shape = list(x.shape)
-    for d, n in zip(g.dims(x), size or whole_size(g, x), strict=True):
+    for d, n in zip(g.places(x), size or whole_size(g, x), strict=True):
         shape[d] = n
     for fold in g.folds(x):
         shape[fold_place(g, x, fold)] = math.prod(n for n, _ in fold)
@@ -271,29 +268,29 @@ def whole_shape(g: Guard, x: Tensor, size: tuple[int, ...] | None = None) -> tor
 
 def fold_place(g: Guard, x: Tensor, fold: Fold) -> int:
     """Where ``fold`` is in block ``x``, counted from the end."""
-    return g.dims(x)[next(k for _, k in fold if k is not None)]
+    return g.places(x)[next(k for _, k in fold if k is not None)]
 
 
 def fold_index(g: Guard, x: Tensor, fold: Fold) -> Tensor:
     """The whole fold's indices of block ``x``'s fold, in the block's order: its box of
     this rank's rows of each spatial factor, all of each other."""
-    rows = [g.grid.block(*(n if j == k else 1 for j in range(len(g.dims(x)))))[k]
-            if k is not None else slice(0, n) for n, k in fold]  # fmt: skip
+    axes = g.grid.axes(len(g.places(x)))
+    rows = [blocks(n, axes[k][1])[axes[k][2]] if k is not None else (0, n) for n, k in fold]
     flat = torch.zeros((), dtype=torch.long)
-    for (n, _), r in zip(fold, rows, strict=True):
-        flat = (flat * n).unsqueeze(-1) + torch.arange(r.start, r.stop)
+    for (n, _), (start, stop) in zip(fold, rows, strict=True):
+        flat = (flat * n).unsqueeze(-1) + torch.arange(start, stop)
     return flat.reshape(-1).to(x.device)
 
 
-def standard(x: Tensor) -> Dims:
+def standard(x: Tensor) -> Places:
     """The spatial dimensions of an (N, C, *spatial) tensor: every one after C."""
     return tuple(range(2 - x.dim(), 0))
 
 
-def nchw(g: Guard, call: Call, x: Tensor) -> int:
+def channels_first(g: Guard, call: Call, x: Tensor) -> int:
     """Refuse unless block ``x`` is (N, C, *spatial) (not channels last); its number of
     spatial dimensions."""
-    if g.dims(x) != standard(x):
+    if g.places(x) != standard(x):
         raise g.refuse(call.name, "this rule wants an (N, C, L), (N, C, H, W) or "
                        "(N, C, D, H, W) block")  # fmt: skip
     return x.dim() - 2

@@ -13,10 +13,11 @@ from typing import Any
 import torch.nn.functional as F
 from torch import Tensor
 
-from parallelkit.nn import spatial_pooling as spool
-from parallelkit.nn import spatial_resample
+from parallelkit.geometry import per_dim
+from parallelkit.spatial import resample
 from parallelkit.spatial.grid import scatter
-from parallelkit.spatial.rules.registry import Call, Guard, nchw, pair, rule, whole_size
+from parallelkit.spatial.pool import upsample_blocks
+from parallelkit.spatial.rules.registry import Call, Guard, channels_first, rule, whole_size
 
 Size = tuple[int, ...]
 INTERPOLATING = {"linear": 1, "bilinear": 2, "trilinear": 3}
@@ -36,43 +37,41 @@ def interpolate(g: Guard, call: Call) -> Any:
     if not call.blocks:
         return _whole_to_block(g, call)
     x, mode = call["input"], call["mode"]
-    ndim = nchw(g, call, x)
-    whole_out = None
+    ndim = channels_first(g, call, x)
+    whole_out, size = None, whole_size(g, x)
     if call["size"] is not None:
-        whole_out = tuple(int(v) for v in pair(call["size"], ndim))
-        size = whole_size(g, x)
+        whole_out = tuple(int(v) for v in per_dim(call["size"], ndim))
         factors = tuple(o / max(n, 1) for o, n in zip(whole_out, size, strict=True))
     else:
-        factors = pair(call["scale_factor"], ndim)
+        factors = per_dim(call["scale_factor"], ndim)
     covered = (mode == "nearest" or INTERPOLATING.get(mode) == ndim) and not call["align_corners"]
     integer = len(set(factors)) == 1 and int(factors[0]) == factors[0] and factors[0] >= 1
     if not covered or call["antialias"] or not integer:
         return _resampled(g, call, x, whole_out)
-    key = (int(factors[0]), mode)
-    if key not in g.layers:
-        g.layers[key] = spool.SpatialUpsample(*key, comm=g.comm, grid=g.grid)
-    layer = g.layers[key]
-    return g.marked(layer(x), size=layer.out_size(g.size_now) if g.size_now else None)
+    scale = int(factors[0])
+    return g.marked(upsample_blocks(x, scale, mode, g.grid, size),
+                    size=tuple(n * scale for n in size))  # fmt: skip
 
 
 def _resampled(g: Guard, call: Call, x: Tensor, whole_out: Size | None) -> Tensor:
-    """``F.interpolate`` of the block by per-dimension weights (:mod:`spatial_resample`), to
-    ``whole_out`` (the whole size a ``size=`` stands for) or by ``scale_factor``."""
+    """``F.interpolate`` of the block by per-dimension weights
+    (:mod:`parallelkit.spatial.resample`), to ``whole_out`` (the whole size a ``size=`` stands
+    for) or by ``scale_factor``."""
     ndim = x.dim() - 2
     size = whole_size(g, x)
     nothing = (None,) * ndim
     outs = whole_out or nothing
-    scales = nothing if whole_out else pair(call["scale_factor"], ndim)
+    scales = nothing if whole_out else per_dim(call["scale_factor"], ndim)
     args = (call["mode"], call["align_corners"], call["recompute_scale_factor"], call["antialias"])
     mats = []
     for n, m, scale in zip(size, outs, scales, strict=True):
         key = ("interpolate", n, m, scale, *args)
-        if key not in g.layers:  # the weights, once per shape and arguments
+        if key not in g.weights:  # the weights, once per shape and arguments
             mode, corners, recompute, antialias = args
-            op = spatial_resample.interpolation(mode, m, scale, corners, recompute, antialias)
-            g.layers[key] = spatial_resample.matrix(n, op)
-        mats.append(g.layers[key])
-    y = spatial_resample.resample(x, g.grid, size, mats)
+            op = resample.interpolation(mode, m, scale, corners, recompute, antialias)
+            g.weights[key] = resample.matrix(n, op)
+        mats.append(g.weights[key])
+    y = resample.resample(x, g.grid, size, mats)
     return g.marked(y, size=tuple(a.shape[0] for a in mats))
 
 
@@ -80,7 +79,7 @@ def _whole_to_block(g: Guard, call: Call) -> Tensor:
     x, size = call["input"], call["size"]
     if size is None or not isinstance(x, Tensor) or not 3 <= x.dim() <= 5:
         return call.run()
-    whole_size = tuple(int(v) for v in pair(size, x.dim() - 2))
+    whole_size = tuple(int(v) for v in per_dim(size, x.dim() - 2))
     if whole_size not in g.read_sizes:  # a whole tensor's own resizing
         return call.run()
     whole = F.interpolate(**{**call.named, "size": whole_size})

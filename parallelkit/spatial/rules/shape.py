@@ -17,7 +17,6 @@ interpolation to a skip connection's size, a mean divided by ``H * W``, the size
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,16 +24,16 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-from parallelkit.geometry import starts, tensor_split_sizes
+from parallelkit.geometry import in_whole_groups, starts, tensor_split_sizes
 from parallelkit.spatial.rules.registry import (
     PROPERTY,
     Call,
-    Dims,
     Fold,
     Guard,
+    Places,
+    channels_first,
     fold_index,
     fold_place,
-    nchw,
     ops,
     prop,
     rule,
@@ -45,10 +44,10 @@ from parallelkit.spatial.rules.registry import (
 
 def _positions(g: Guard, x: Tensor) -> tuple[int, ...]:
     """Where block ``x``'s spatial dimensions are, counted from the front."""
-    return tuple(x.dim() + d for d in g.dims(x))
+    return tuple(x.dim() + d for d in g.places(x))
 
 
-def _without(dims: Dims, removed: list[int], ndim: int) -> Dims:
+def _without(dims: Places, removed: list[int], ndim: int) -> Places:
     """``dims`` after the dimensions ``removed`` (from the front, none of them spatial) are
     gone: those after a spatial dimension bring it nearer the end."""
     return tuple(d + sum(r > ndim + d for r in removed) for d in dims)
@@ -77,7 +76,7 @@ def reshape(g: Guard, call: Call) -> Any:
     the whole samples' (read from ``x.shape``): the call is worked out on the whole shape,
     and the block reshaped to the result with its own spatial sizes."""
     x = call["input"]
-    dims = g.dims(x)
+    dims = g.places(x)
     if any(isinstance(a, torch.dtype) for a in call.args[1:]):  # a view as another dtype
         out = call.run()
         if out.shape == x.shape:
@@ -106,7 +105,7 @@ def _named(g: Guard, x: Tensor, shape: Any) -> str:
     rank (a block's sizes differ by rank)."""
     named = list(map(str, shape))
     letters: dict[int, str] = {}
-    for name, at in zip({1: "L", 2: "HW", 3: "DHW"}[len(g.dims(x))], _positions(g, x),
+    for name, at in zip({1: "L", 2: "HW", 3: "DHW"}[len(g.places(x))], _positions(g, x),
                         strict=True):  # fmt: skip
         letters[at] = letters.get(at, "") + name
     for at, name in letters.items():
@@ -122,7 +121,7 @@ def _factors(g: Guard, x: Tensor, a: tuple[int, ...]) -> list[Factor]:
     factors, a spatial dimension's (size, its place in the record), another's (size, None);
     other dimensions of size 1 are left out."""
     per: list[list[Factor]] = [[(n, None)] if n != 1 else [] for n in a]
-    dims, folded = g.dims(x), set()
+    dims, folded = g.places(x), set()
     for fold in g.folds(x):
         per[x.dim() + fold_place(g, x, fold)] = list(fold)
         folded |= {k for _, k in fold}
@@ -134,7 +133,7 @@ def _factors(g: Guard, x: Tensor, a: tuple[int, ...]) -> list[Factor]:
 
 def _regroup(
     g: Guard, x: Tensor, a: tuple[int, ...], b: tuple[int, ...]
-) -> tuple[tuple[int, ...], Dims, tuple[int, ...], tuple[Fold, ...]] | str:
+) -> tuple[tuple[int, ...], Places, tuple[int, ...], tuple[Fold, ...]] | str:
     """How block ``x`` of whole shape ``a`` reshapes to whole shape ``b``: this rank's shape,
     the spatial dimensions' places (from the end), their whole sizes and the folds; or why it
     cannot.
@@ -147,32 +146,29 @@ def _regroup(
     dimension again where the blocks are in tensor_split layout of the product
     (depth-to-space, a window reverse); any other with a spatial factor is a fold, which
     only rules that treat it as a batch take."""
-    ndim = len(g.dims(x))
+    ndim = len(g.places(x))
     axes = g.grid.axes(ndim)
-
-    def rows(n: int, k: int) -> list[int]:
-        return tensor_split_sizes(n, axes[k][1])
+    parts = [p for _, p, _ in axes]
 
     flat = _factors(g, x, a)
-    found = _group(list(flat), b, rows, ones=False)
+    found = _group(list(flat), b, parts, ones=False)
     if not isinstance(found, str) and found[1]:  # a partition: one-window grids are spatial
-        found = _group(list(flat), b, rows, ones=True)
+        found = _group(list(flat), b, parts, ones=True)
     if isinstance(found, str):
         return found
     groups = found[0]
     shape, places, size, folds = [], [0] * ndim, [0] * ndim, []
     for at, group in enumerate(groups):
         spatial = [(m, k) for m, k in group if k is not None]
-        local = [rows(m, k)[axes[k][2]] if k is not None else m for m, k in group]
+        local = [tensor_split_sizes(m, parts[k])[axes[k][2]] if k is not None else m
+                 for m, k in group]  # fmt: skip
         shape.append(math.prod(local))
         for _, k in spatial:
             places[k] = at - len(b)
         if not spatial:
             continue
         (m, k), rest = group[0], math.prod(f[0] for f in group[1:])
-        if len(spatial) == 1 and group[0][1] is not None and all(
-            h * rest == w for h, w in zip(rows(m, k), rows(m * rest, k), strict=True)
-        ):
+        if len(spatial) == 1 and group[0][1] is not None and in_whole_groups(m, rest, parts[k]):
             size[k] = m * rest  # one spatial dimension, merged with what follows it
             continue
         folds.append(tuple(group))
@@ -182,7 +178,7 @@ def _regroup(
 
 
 def _group(
-    flat: list[Factor], b: tuple[int, ...], rows: Callable[[int, int], list[int]], ones: bool
+    flat: list[Factor], b: tuple[int, ...], parts: list[int], ones: bool
 ) -> tuple[list[list[Factor]], bool] | str:
     """The factors ``flat`` of a block's whole shape taken by the dimensions of ``b`` in
     turn (:func:`_regroup`), and whether a spatial factor was cut into (outer > 1, inner): a
@@ -194,8 +190,8 @@ def _group(
     def cut(m: int, k: int | None, outer: int) -> str | None:
         if k is None:
             return None
-        have, inner = rows(m, k), m // outer
-        if any(h % inner or h // inner != w for h, w in zip(have, rows(outer, k), strict=True)):
+        if not in_whole_groups(outer, m // outer, parts[k]):
+            have, inner = tensor_split_sizes(m, parts[k]), m // outer
             return (f"cuts a dimension of {m} split into blocks of {have} into ({outer}, "
                     f"{inner}) (each block a multiple of {inner} rows would do)")  # fmt: skip
         return None
@@ -245,7 +241,7 @@ def pixel_shuffle(g: Guard, call: Call) -> Any:
     each spatial dimension with a factor after it (shuffle), or the reverse (unshuffle), whose
     rules check that each block's rows regroup whole."""
     x, r = call["input"], int(call["factor"])
-    nchw(g, call, x)
+    channels_first(g, call, x)
     with g.rules():
         n, c, h, w = x.shape
         if call.func is F.pixel_shuffle:
@@ -265,7 +261,7 @@ def permute(g: Guard, call: Call) -> Any:
         x.shape, tuple(range(1, x.dim() + 1))
     )  # strides 1..n tell which input dimension lands where
     moved = call.func(probe, *call.args[1:], **call.kwargs).stride()
-    strides = [x.dim() + d + 1 for d in g.dims(x)]  # the strides the spatial dimensions had
+    strides = [x.dim() + d + 1 for d in g.places(x)]  # the strides the spatial dimensions had
     if all(s in moved for s in strides):
         return g.marked(out, tuple(moved.index(s) - out.dim() for s in strides))
     raise g.refuse(call.name, "it loses track of a spatial dimension")
@@ -278,7 +274,7 @@ def repeat(g: Guard, call: Call) -> Any:
     x, sizes = call["input"], call["sizes"]
     if len(sizes) == 1 and not isinstance(sizes[0], int):
         sizes = tuple(sizes[0])
-    dims = g.dims(x)
+    dims = g.places(x)
     if any(int(sizes[len(sizes) + d]) != 1 for d in dims):
         raise g.refuse(call.name, f"it repeats a spatial dimension (sizes {tuple(sizes)})")
     return g.marked(call.run(), dims)
@@ -290,9 +286,9 @@ def expand_as(g: Guard, call: Call) -> Any:
     size 1 in the spatial dimensions (timm's ECA gate, (N, C, 1, 1)) expanded to a block,
     whose gradient is then each rank's share of the dense one (summed, as in pointwise)."""
     x, other = call["input"], call["other"]
-    dims = g.dims(other) if g.is_split(other) else g.dims(x)
+    dims = g.places(other) if g.is_split(other) else g.places(x)
     if g.is_split(x):
-        if not g.is_split(other) or g.dims(other) != dims:
+        if not g.is_split(other) or g.places(other) != dims:
             raise g.refuse(call.name, "it expands a block to a tensor of another layout")
         return g.marked(x.expand_as(other), dims)
     if any(x.dim() >= -d and x.shape[d] != 1 for d in dims):
@@ -315,7 +311,7 @@ def _along(g: Guard, call: Call, dim: int) -> int:
 def split(g: Guard, call: Call) -> Any:
     """Local along channels or the batch (or the channels of a channels-last block)."""
     _along(g, call, call["dim"])
-    return g.marked(call.run(), g.dims(call["input"]))
+    return g.marked(call.run(), g.places(call["input"]))
 
 
 @rule(*ops("narrow", torch, Tensor), params="input, dim, start, length")
@@ -330,7 +326,7 @@ def along(g: Guard, call: Call) -> Any:
         raise g.refuse(call.name, "it acts on the flattened tensor")
     for d in dims if isinstance(dims, tuple | list) else (dims,):
         _along(g, call, d)
-    return g.marked(call.run(), g.dims(call["input"]))
+    return g.marked(call.run(), g.places(call["input"]))
 
 
 @rule(*ops("unbind select", torch, Tensor), params="input, dim=0, index=None", folds=True)
@@ -338,7 +334,7 @@ def unbind(g: Guard, call: Call) -> Any:
     """Local along channels or the batch: the dimension goes away."""
     x = call["input"]
     d = _along(g, call, call["dim"])
-    return g.marked(call.run(), _without(g.dims(x), [d], x.dim()))
+    return g.marked(call.run(), _without(g.places(x), [d], x.dim()))
 
 
 def cut_whole(g: Guard, t: Tensor, block: Tensor, op: str) -> Tensor:
@@ -347,7 +343,7 @@ def cut_whole(g: Guard, t: Tensor, block: Tensor, op: str) -> Tensor:
     of it (CoordConv's coordinate maps, ``torch.arange(x.shape[-1])``, a whole-size positional
     embedding); its gradient is then each rank's share, summed as a gate's. Any other size
     over a spatial dimension is refused."""
-    dims, whole = g.dims(block), whole_size(g, block)
+    dims, whole = g.places(block), whole_size(g, block)
     folds = {fold_place(g, block, fold): fold for fold in g.folds(block)}
     index: list[Any] = [slice(None)] * t.dim()
     for d, n, rows in zip(dims, whole, g.grid.block(*whole), strict=True):
@@ -374,12 +370,12 @@ def cat(g: Guard, call: Call) -> Any:
     whole tensor among them of the whole samples' size is cut to the block first
     (CoordConv's coordinate maps)."""
     tensors, dim, first = list(call["tensors"]), call["dim"], call.blocks[0]
-    dims = g.dims(first)
+    dims = g.places(first)
     if call["out"] is None and all(t.dim() == first.dim() for t in tensors):
         size = whole_size(g, first)
         tensors = [t if g.is_split(t) else g.marked(cut_whole(g, t, first, call.name), dims, size)
                    for t in tensors]  # fmt: skip
-    if all(g.is_split(t) and g.dims(t) == dims for t in tensors) and call["out"] is None:
+    if all(g.is_split(t) and g.places(t) == dims for t in tensors) and call["out"] is None:
         ndim, run = tensors[0].dim(), lambda: call.func(tensors, dim)
         if call.func is not torch.stack and dim % ndim - ndim not in dims:
             return g.marked(run(), dims)
@@ -394,7 +390,7 @@ def cat(g: Guard, call: Call) -> Any:
 
 def _indexed(
     g: Guard, x: Tensor, index: Any, size: tuple[int, ...]
-) -> tuple[Dims, Any, dict[int, tuple[int, int]], tuple[int, ...]]:
+) -> tuple[Places, Any, dict[int, tuple[int, int]], tuple[int, ...]]:
     """Where the spatial dimensions of block ``x`` are after ``x[index]``, the index to apply
     to the block, the rows each spatial dimension keeps, by its place in the record, where a
     slice of step 1 cuts it (``x[:, :, 1:-1]``; a slice to the whole size keeps them all),
@@ -463,7 +459,7 @@ def _strided(g: Guard, x: Tensor, k: int, rows: range) -> slice:
     """This rank's slice of block ``x`` along spatial dimension ``k`` for the whole sample's
     ``rows`` (a step > 1), where the rows every rank keeps are its block of them in
     tensor_split layout (blocks of even sizes for a step of 2 from row 0 or 1)."""
-    n, (_, parts, mine) = whole_size(g, x)[k], g.grid.axes(len(g.dims(x)))[k]
+    n, (_, parts, mine) = whole_size(g, x)[k], g.grid.axes(len(g.places(x)))[k]
     have, want = tensor_split_sizes(n, parts), tensor_split_sizes(len(rows), parts)
     firsts = [max(0, -(-(a - rows.start) // rows.step)) for a in starts(have)]
     kept = [min(len(rows), max(0, -(-(a + m - rows.start) // rows.step))) - j
@@ -549,7 +545,7 @@ def metadata(g: Guard, call: Call) -> Any:
 @rule(prop("data"), folds=True)
 def data(g: Guard, call: Call) -> Any:
     """The same block, without its history."""
-    return g.marked(call.run(), g.dims(call.blocks[0]))
+    return g.marked(call.run(), g.places(call.blocks[0]))
 
 
 @rule(prop("T"), prop("mT"), prop("H"), prop("mH"), exact="refused")

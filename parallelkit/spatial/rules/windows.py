@@ -7,13 +7,14 @@ backward sends the gradients back. Forward code calls these functionally (a Conv
 weight standardization, Inception's ``F.max_pool2d``, a ``padding_mode`` other than zeros), so
 the rules run the spatial layers' own code with the call's arguments, ``ceil_mode`` included.
 Adaptive average pooling to a fixed size applies torch's own weights per dimension to the rows
-each block reads (:mod:`parallelkit.nn.spatial_resample`); adaptive maximum pooling to any size
+each block reads (:mod:`parallelkit.spatial.resample`); adaptive maximum pooling to any size
 takes each bin's first maximum per block and combines the small per-bin results across the
-group (:mod:`parallelkit.nn.spatial_adaptive_max`): ties and NaNs pick torch's one place.
+group (:mod:`parallelkit.spatial.adaptive_max`): ties and NaNs pick torch's one place.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -22,19 +23,18 @@ from torch import Tensor
 
 import parallelkit.functional as pkf
 from parallelkit.comm import tensor_split_sizes
-from parallelkit.geometry import starts
-from parallelkit.nn import spatial_adaptive_max, spatial_resample
-from parallelkit.nn import spatial_parallel as sp
-from parallelkit.nn import spatial_pooling as spool
+from parallelkit.geometry import per_dim, starts
+from parallelkit.spatial import adaptive_max, resample
+from parallelkit.spatial.conv import conv_blocks, conv_windows
 from parallelkit.spatial.grid import gather
+from parallelkit.spatial.pool import avg_pool_blocks, max_pool_blocks, pool_windows
 from parallelkit.spatial.rules.reductions import mean_spatial
 from parallelkit.spatial.rules.registry import (
     Call,
     Guard,
     all_,
-    nchw,
+    channels_first,
     ops,
-    pair,
     rule,
     whole_size,
 )
@@ -60,7 +60,7 @@ def conv(g: Guard, call: Call) -> Tensor:
     x, weight, bias = call["input"], call["weight"], call["bias"]
     if not g.is_split(x) or g.is_split(weight) or g.is_split(bias):
         raise g.refuse(call.name, "its weight is a block of split samples")
-    ndim = nchw(g, call, x)
+    ndim = channels_first(g, call, x)
     stride, padding, dilation = call["stride"], call["padding"], call["dilation"]
     weight, bias = g.summed(weight), g.summed(bias)
     kernel = tuple(weight.shape[2:])
@@ -71,27 +71,27 @@ def conv(g: Guard, call: Call) -> Tensor:
     if len(kernel) != ndim:
         raise g.refuse(call.name, f"a {len(kernel)}-D kernel on a block with {ndim} spatial "
                        "dimensions")  # fmt: skip
-    windows = sp.conv_windows(kernel, stride, padding, dilation)
+    windows = conv_windows(kernel, stride, padding, dilation)
     size = whole_size(g, x)
-    out = sp.conv_blocks(x, weight, bias, windows, call["groups"], g.grid, size)
+    out = conv_blocks(x, weight, bias, windows, call["groups"], g.grid, size)
     return g.marked(out, size=tuple(w.out_size(n) for w, n in zip(windows, size, strict=True)))
 
 
-def _pool(g: Guard, call: Call, layer_class: type, options: dict) -> Tensor:
+def _pool(g: Guard, call: Call, dims: int, dilation: Any = 1) -> tuple[Tensor, tuple, tuple]:
+    """The block, its pooling windows and its whole size (refused as the rule cannot take)."""
     x = call["input"]
-    if nchw(g, call, x) != layer_class.dims:
+    if channels_first(g, call, x) != dims:
         raise g.refuse(call.name, f"a block with {x.dim() - 2} spatial dimensions")
     if call.get("return_indices"):
         raise g.refuse(call.name, "return_indices has no exact rule")
-    key = (layer_class, *sorted((k, str(v)) for k, v in options.items()))
-    if key not in g.layers:
-        g.layers[key] = layer_class(**options, comm=g.comm, grid=g.grid)
-    layer = g.layers[key]
-    return g.marked(layer(x), size=layer.out_size(g.size_now) if g.size_now else None)
+    stride = call["stride"] or None  # torch.max_pool2d takes stride=[] for the kernel
+    windows = pool_windows(call["kernel_size"], stride, call["padding"], dilation,
+                           call["ceil_mode"], dims, call.name)  # fmt: skip
+    return x, windows, whole_size(g, x)
 
 
-_MAX_LAYERS = {1: spool.SpatialMaxPool1d, 2: spool.SpatialMaxPool2d, 3: spool.SpatialMaxPool3d}
-_AVG_LAYERS = {1: spool.SpatialAvgPool1d, 2: spool.SpatialAvgPool2d, 3: spool.SpatialAvgPool3d}
+def _marked(g: Guard, y: Tensor, windows: tuple, size: tuple) -> Tensor:
+    return g.marked(y, size=tuple(w.out_size(n) for w, n in zip(windows, size, strict=True)))
 
 
 @rule(*MAX_POOLS,
@@ -100,8 +100,8 @@ _AVG_LAYERS = {1: spool.SpatialAvgPool1d, 2: spool.SpatialAvgPool2d, 3: spool.Sp
 def max_pool(g: Guard, call: Call) -> Tensor:
     """The spatial pooling layer's halo fetch (Inception's functional pooling), ``ceil_mode``
     too (its last windows read rows past the padding, which count for nothing)."""
-    keys = ("kernel_size", "stride", "padding", "dilation", "ceil_mode")
-    return _pool(g, call, _MAX_LAYERS[MAX_POOLS[call.func]], {k: call[k] for k in keys})
+    x, windows, size = _pool(g, call, MAX_POOLS[call.func], call["dilation"])
+    return _marked(g, max_pool_blocks(x, windows, g.grid, size), windows, size)
 
 
 @rule(*AVG_POOLS,
@@ -109,12 +109,31 @@ def max_pool(g: Guard, call: Call) -> Tensor:
       "count_include_pad=True, divisor_override=None")  # fmt: skip
 def avg_pool(g: Guard, call: Call) -> Tensor:
     """As ``F.max_pool2d`` (``count_include_pad`` and ``divisor_override`` kept)."""
-    keys = ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad",
-            "divisor_override")  # fmt: skip
-    options = {k: call[k] for k in keys}
-    if AVG_POOLS[call.func] == 1:
-        options.pop("divisor_override")  # avg_pool1d has none
-    return _pool(g, call, _AVG_LAYERS[AVG_POOLS[call.func]], options)
+    x, windows, size = _pool(g, call, AVG_POOLS[call.func])
+    y = avg_pool_blocks(x, windows, g.grid, size, call["count_include_pad"],
+                        call["divisor_override"])  # fmt: skip
+    return _marked(g, y, windows, size)
+
+
+LP_POOLS = {F.lp_pool1d: (1, F.avg_pool1d, F.max_pool1d),
+            F.lp_pool2d: (2, F.avg_pool2d, F.max_pool2d),
+            F.lp_pool3d: (3, F.avg_pool3d, F.max_pool3d)}  # fmt: skip
+
+
+@rule(*LP_POOLS, params="input, norm_type, kernel_size, stride=None, ceil_mode=False")
+def lp_pool(g: Guard, call: Call) -> Tensor:
+    """As torch defines it: the average pooling of ``x ** p`` on the blocks, times the
+    window's size, to the power ``1 / p``; max pooling of ``|x|`` for an infinite ``p``. Each
+    step goes to its own rule."""
+    ndim, avg, most = LP_POOLS[call.func]
+    x, p, stride, ceil = call["input"], call["norm_type"], call["stride"], call["ceil_mode"]
+    kernel = per_dim(call["kernel_size"], ndim)
+    with g.rules():
+        if p in (float("inf"), -float("inf")):
+            y = most(x.abs() if p > 0 else -x.abs(), kernel, stride, 0, 1, ceil)
+            return y if p > 0 else -y
+        out = avg(x.pow(p), kernel, stride, 0, ceil)
+        return (torch.sign(out) * F.relu(torch.abs(out))).mul(math.prod(kernel)).pow(1.0 / p)
 
 
 @rule(*ADAPTIVE_AVG, *ADAPTIVE_MAX, *ADAPTIVE_MAX_INDICES,
@@ -129,18 +148,18 @@ def adaptive_pool(g: Guard, call: Call) -> Tensor | tuple[Tensor, Tensor]:
     winners' values makes the result whole, its gradient routed to the one place torch
     routes it to (ties and NaNs as torch's kernels break them); nothing gathered."""
     x = call["input"]
-    ndim = nchw(g, call, x)
+    ndim = channels_first(g, call, x)
     if call.func in ADAPTIVE_AVG and all_(call["output_size"], 1):
         return mean_spatial(g, x)
     size = whole_size(g, x)
-    asked = pair(call["output_size"], ndim)
+    asked = per_dim(call["output_size"], ndim)
     outs = [n if m is None else m for m, n in zip(asked, size, strict=True)]
     if call.func not in ADAPTIVE_AVG:
         indices = call["return_indices"] or call.func in ADAPTIVE_MAX_INDICES
-        return spatial_adaptive_max.adaptive_max_pool(x, g.comm, g.grid, size, outs, indices)
-    mats = [spatial_resample.matrix(n, spatial_resample.adaptive_average(m))
+        return adaptive_max.adaptive_max_pool(x, g.comm, g.grid, size, outs, indices)
+    mats = [resample.matrix(n, resample.adaptive_average(m))
             for n, m in zip(size, outs, strict=True)]  # fmt: skip
-    y = spatial_resample.resample(x, g.grid, size, mats)
+    y = resample.resample(x, g.grid, size, mats)
     return gather(y, g.comm, g.grid, size=tuple(outs))
 
 
@@ -154,10 +173,10 @@ def pad(g: Guard, call: Call) -> Tensor:
     of a patch size, MONAI's pad to a skip connection's size)."""
     x, pads = call["input"], list(call["pad"])
     mode, value = call["mode"], call["value"] or 0.0
-    last = tuple(range(-len(g.dims(x)), 0))
-    if g.dims(x) != last:  # channels last (Swin's pads): the same on (N, C, *spatial)
+    last = tuple(range(-len(g.places(x)), 0))
+    if g.places(x) != last:  # channels last (Swin's pads): the same on (N, C, *spatial)
         return _pad_moved(g, x, pads, mode, call["value"])
-    ndim = nchw(g, call, x)
+    ndim = channels_first(g, call, x)
     if mode not in ("constant", "reflect", "replicate", "circular"):
         raise g.refuse(call.name, f"mode={mode!r} has no rule")
     size = whole_size(g, x)
@@ -185,7 +204,7 @@ def pad(g: Guard, call: Call) -> Tensor:
 def _pad_moved(g: Guard, x: Tensor, pads: list[int], mode: str, value: Any) -> Tensor:
     """``F.pad`` of a block whose spatial dimensions are not last: moved last (the others
     keep their order), padded with the pads moved alike, and moved back."""
-    at = tuple(x.dim() + d for d in g.dims(x))
+    at = tuple(x.dim() + d for d in g.places(x))
     order = [d for d in range(x.dim()) if d not in at] + list(at)
     per = {x.dim() - 1 - i: pads[2 * i : 2 * i + 2] for i in range(len(pads) // 2)}
     moved_pads = [v for d in reversed(order) for v in per.get(d, (0, 0))]
@@ -244,7 +263,7 @@ def roll(g: Guard, call: Call) -> Tensor:
         raise g.refuse(call.name, "it acts on the flattened tensor")
     shifts = shifts if isinstance(shifts, tuple | list) else (shifts,)
     dims = dims if isinstance(dims, tuple | list) else (dims,)
-    record = g.dims(x)
+    record = g.places(x)
     size, axes = whole_size(g, x), g.grid.axes(len(record))
     y = x
     for shift, dim in zip(shifts, dims, strict=True):

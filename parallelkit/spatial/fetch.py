@@ -3,8 +3,8 @@
 A spatial layer (convolution, transposed convolution, pooling, upsampling) keeps its output
 split like ``torch.tensor_split`` over a :class:`~parallelkit.spatial.SpatialGrid` and reads
 input rows that other ranks may hold. The steps around the plain torch operation are the same
-for all of them, so they live here, public, for :mod:`parallelkit.nn.spatial_parallel` and
-:mod:`parallelkit.nn.spatial_pooling` alike:
+for all of them, so they live here, public, for the kernels of :mod:`parallelkit.spatial.conv`
+and :mod:`parallelkit.spatial.pool` alike:
 
     fetch          the input rows a :class:`~parallelkit.geometry.Window` reads (halo fetch)
     fetch_ranges   the same for reads no Window describes (transposed convolution, upsampling)

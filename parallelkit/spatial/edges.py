@@ -51,8 +51,8 @@ import torch
 import torch.nn.functional as F
 
 import parallelkit.functional as pkf
-from parallelkit.geometry import Window, starts, tensor_split_sizes, transposed_halo
-from parallelkit.nn.spatial_fetch import crop
+from parallelkit.geometry import Window, per_dim, starts, tensor_split_sizes, transposed_halo
+from parallelkit.spatial.fetch import crop
 from parallelkit.spatial.grid import SpatialGrid
 
 _exchanges = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parallelkit-halo")
@@ -87,7 +87,7 @@ def convolve(
     is fast there.
     """
     ndim = x.dim() - 2
-    stride, padding, dilation = (_per_dim(v, ndim) for v in (stride, padding, dilation))
+    stride, padding, dilation = (per_dim(v, ndim) for v in (stride, padding, dilation))
     if ndim == 3 and _on_slow_conv3d(x, weight, groups):
         kernel = weight.shape[2:]
         for dim in range(3):
@@ -119,9 +119,9 @@ def _as_batch_of_two(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    stride: list[int],
-    padding: list[int],
-    dilation: list[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
     dim: int,
     out: int,
 ) -> torch.Tensor:
@@ -138,10 +138,6 @@ def _as_batch_of_two(
     y = F.conv3d(pair, weight, bias, stride, padding, dilation)
     second = y[1:].narrow(axis, 2 * half - out, out - half)
     return torch.cat([y[:1], second], axis)
-
-
-def _per_dim(v: int | Sequence[int], ndim: int) -> list[int]:
-    return [v] * ndim if isinstance(v, int) else list(v)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,84 @@
+"""The package's import graph runs one way: each layer imports only the layers below it.
+
+geometry and dims (pure arithmetic) < comm < functional (differentiable collectives) < spatial
+(blocks: the record, the grid, the kernels, the rules) < nn (layers) < parallel (strategies) <
+models, data, inference < train < plan < the command line. A kernel or a rule that reached
+up into a layer would make the two folders a loop again, so this reads every ``import`` of
+every module (inside functions too) and checks the arrow. Pure: no torch, no processes.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "parallelkit"
+# Lowest first; a package may import its own modules and any package of a lower rank.
+LAYERS = [
+    {"geometry", "dims"},
+    {"comm"},
+    {"functional"},
+    {"spatial"},
+    {"nn"},
+    {"parallel", "xla"},
+    {"models", "data", "inference", "testing"},
+    {"train"},
+    {"plan"},  # reads the training configuration it plans for
+    {"cli", "__main__", "parallelkit"},
+]
+RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+
+def _part(module: str) -> str:
+    """The package (or top-level module) of ``parallelkit.x.y``: ``x``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "parallelkit"
+
+
+def _imports(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "parallelkit":
+                found += [f"parallelkit.{a.name}" for a in node.names]
+            elif node.module.startswith("parallelkit."):
+                found.append(node.module)
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.startswith("parallelkit.")]
+    return found
+
+
+def _upward() -> list[str]:
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        here = _part(".".join(rel.parts))
+        for target in _imports(path):
+            there = _part(target)
+            if there != here and RANK.get(there, 0) > RANK.get(here, len(LAYERS)):
+                wrong.append(f"{rel} ({here}) imports {target} ({there})")
+    return wrong
+
+
+def test_every_package_has_a_layer() -> None:
+    names = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()}
+    names = {n for n in names if not n.startswith(("_", ".")) or n == "__main__"}
+    assert names - RANK.keys() <= {"py"}, f"place {sorted(names - RANK.keys())} in LAYERS"
+
+
+def test_no_upward_import() -> None:
+    assert _upward() == []
+
+
+def test_an_upward_import_is_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: a kernel importing a layer is reported."""
+    fake = tmp_path / "parallelkit"
+    (fake / "spatial").mkdir(parents=True)
+    (fake / "spatial" / "kernel.py").write_text(
+        "def f():\n    from parallelkit.nn import spatial_parallel\n"
+    )
+    monkeypatch.setitem(globals(), "PACKAGE", fake)
+    assert _upward() == ["parallelkit/spatial/kernel (spatial) imports parallelkit.nn (nn)"]
