@@ -220,7 +220,7 @@ def predicted_halo(hw: int, n: int) -> list[int]:
 # ---------------------------------------------------------------------------- 2. channel
 def channel_rank(comm: TorchCommunicator, cfg: Config, c: int) -> dict[str, Any]:
     """The channel variants on this rank for C -> C; times, parity and the grouped error."""
-    from parallelkit.comm import tensor_split_sizes
+    from parallelkit.geometry import tensor_split_sizes
     from parallelkit.nn import ChannelParallelConv2d
 
     torch.manual_seed(0)

@@ -40,7 +40,8 @@ from collections.abc import Sequence
 import torch
 from torch.autograd import Function
 
-from parallelkit.comm import Communicator, tensor_split_sizes
+from parallelkit.comm import Communicator
+from parallelkit.geometry import tensor_split_sizes
 
 
 def all_gather(

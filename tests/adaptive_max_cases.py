@@ -1,8 +1,8 @@
-"""Rank-side cases for adaptive maximum pooling on blocks (``parallelkit.nn.
-spatial_adaptive_max``): the function on each rank's block against ``F.adaptive_max_pool*d`` on
-the whole input (output, indices, the block's input gradient), on inputs full of ties and
-NaNs; a small CNN through ``pk.parallelize`` against the dense one; and a record of the
-largest tensor each rank creates, with the warnings.
+"""Rank-side cases for adaptive maximum pooling on blocks
+(``parallelkit.spatial.adaptive_max``): the function on each rank's block against
+``F.adaptive_max_pool*d`` on the whole input (output, indices, the block's input gradient),
+on inputs full of ties and NaNs; a small CNN through ``pk.parallelize`` against the dense
+one; and a record of the largest tensor each rank creates, with the warnings.
 
 Every case returns (label, got, expected, assert_close options) quadruples.
 """

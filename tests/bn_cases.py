@@ -14,8 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from parallelkit.comm import Communicator, tensor_split_sizes
+from parallelkit.comm import Communicator
 from parallelkit.comm.local import LocalCommunicator
+from parallelkit.geometry import tensor_split_sizes
 from parallelkit.nn import SyncBatchNorm
 
 Triple = tuple[str, torch.Tensor, torch.Tensor]

@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from parallelkit.comm import Communicator, tensor_split_sizes
+from parallelkit.comm import Communicator
+from parallelkit.geometry import tensor_split_sizes
 
 WORLD_SIZES = (1, 2, 3, 4)
 Triple = tuple[str, torch.Tensor, torch.Tensor]

@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallelkit.comm import Communicator, tensor_split_sizes
+from parallelkit.comm import Communicator
 from parallelkit.comm.torch_dist import TorchCommunicator
+from parallelkit.geometry import tensor_split_sizes
 
 Triple = tuple[str, torch.Tensor, torch.Tensor]
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import parallelkit.functional as pkf
-from parallelkit.comm import Communicator, tensor_split_sizes
+from parallelkit.comm import Communicator
+from parallelkit.geometry import tensor_split_sizes
 
 # name -> (function of (x, comm), x shape for rank r of n, is x replicated, is F(x) replicated)
 PRIMITIVES = {

@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parallelkit.comm import tensor_split_sizes
 from parallelkit.geometry import (
     BlockLayout,
     Window,
@@ -16,6 +15,7 @@ from parallelkit.geometry import (
     conv_padding,
     in_whole_groups,
     received_rows,
+    tensor_split_sizes,
     transposed_halo,
     transposed_needs,
 )

@@ -19,7 +19,6 @@ from parallelkit.comm.base import (
     Op,
     Work,
 )
-from parallelkit.geometry import tensor_split_sizes  # pure arithmetic; imported from here too
 
 BACKENDS = ("auto", "gloo", "nccl", "mpi", "xla", "local")
 
@@ -108,6 +107,5 @@ __all__ = [
     "Work",
     "detect_backend",
     "init",
-    "tensor_split_sizes",
     "world",
 ]

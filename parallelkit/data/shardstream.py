@@ -33,8 +33,8 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from parallelkit.comm import tensor_split_sizes
 from parallelkit.data.shardio import SplitShards, decode_sample, read_samples
+from parallelkit.geometry import tensor_split_sizes
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 Segment = tuple[int, int, int]  # (shard index, first sample, stop sample) within that shard

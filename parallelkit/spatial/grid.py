@@ -19,9 +19,9 @@ from collections.abc import Sequence
 import torch
 
 import parallelkit.functional as pkf
-from parallelkit.comm import Communicator, tensor_split_sizes
+from parallelkit.comm import Communicator
 from parallelkit.comm.local import LocalCommunicator
-from parallelkit.geometry import BlockLayout, split_axes
+from parallelkit.geometry import BlockLayout, split_axes, tensor_split_sizes
 from parallelkit.spatial import layout
 
 Axis = tuple[Communicator, int, int]

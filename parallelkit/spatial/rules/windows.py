@@ -22,8 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import parallelkit.functional as pkf
-from parallelkit.comm import tensor_split_sizes
-from parallelkit.geometry import per_dim, starts
+from parallelkit.geometry import per_dim, starts, tensor_split_sizes
 from parallelkit.spatial import adaptive_max, resample
 from parallelkit.spatial.conv import conv_blocks, conv_windows
 from parallelkit.spatial.grid import gather
