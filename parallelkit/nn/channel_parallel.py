@@ -4,7 +4,7 @@ communicator.
 ``ChannelParallelConv2d`` computes exactly what ``torch.nn.Conv2d`` computes, with each rank
 holding one block of the weight; ``ChannelParallelConv1d`` and ``ChannelParallelConv3d`` do the
 same for ``nn.Conv1d`` on signals (N, C, L) and ``nn.Conv3d`` on volumes (N, C, D, H, W). The
-three differ only in the number of spatial dimensions (``dims``): the channels are dim 1 in
+three differ only in the number of spatial dimensions (``spatial_dims``): the channels are dim 1 in
 every case, so the splits, collectives and checks below are written once.
 
 It is a dense convolution: every output channel still sums over every input channel. (Running
@@ -118,7 +118,7 @@ class ChannelParallelConvNd(nn.Module):
     state the layer holds the shard of the ``nn.Conv*d`` it replaces.
     """
 
-    dims: int = 2
+    spatial_dims: int = 2
     """Spatial dimensions: 1 (N, C, L), 2 (N, C, H, W), 3 (N, C, D, H, W)."""
     dense_type: type[nn.Module] = nn.Conv2d
 
@@ -145,7 +145,7 @@ class ChannelParallelConvNd(nn.Module):
         super().__init__()
         self.comm = comm if comm is not None else world()
         self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
-        dims = self.dims
+        dims = self.spatial_dims
         self.kernel_size, self.stride = per_dim(kernel_size, dims), per_dim(stride, dims)
         self.dilation = per_dim(dilation, dims)
         self.padding = padding if isinstance(padding, str) else per_dim(padding, dims)
@@ -322,7 +322,7 @@ class ChannelParallelConvNd(nn.Module):
         return pkf.scatter_to_group(x, self.comm, 1, self.in_sizes)
 
     def _conv(self, x: torch.Tensor, bias: torch.Tensor | None, groups: int) -> torch.Tensor:
-        conv = _CONV[self.dims]
+        conv = _CONV[self.spatial_dims]
         if self.padding_mode != "zeros":
             x = F.pad(x, self._pad, mode=self.padding_mode)
             return conv(x, self.weight, bias, self.stride, 0, self.dilation, groups)
@@ -392,9 +392,9 @@ class ChannelParallelConvNd(nn.Module):
     def _check_input(self, x: torch.Tensor) -> None:
         """Input mistakes, raised before any collective."""
         name = self._name()
-        if not isinstance(x, torch.Tensor) or x.dim() != self.dims + 2:
+        if not isinstance(x, torch.Tensor) or x.dim() != self.spatial_dims + 2:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"{name}: expected an {_LAYOUT[self.dims]} input, got {shape}")
+            raise ValueError(f"{name}: expected an {_LAYOUT[self.spatial_dims]} input, got {shape}")
         if self.input_is_split:
             self._check_shard(x)
         elif x.shape[1] != self.in_channels:
@@ -404,7 +404,7 @@ class ChannelParallelConvNd(nn.Module):
             )
         for d, n in enumerate(x.shape[2:]):
             reach = self.dilation[d] * (self.kernel_size[d] - 1) + 1
-            at = 2 * (self.dims - 1 - d)  # F.pad lists the last dim first
+            at = 2 * (self.spatial_dims - 1 - d)  # F.pad lists the last dim first
             padded = n + self._pad[at] + self._pad[at + 1]
             if padded < reach:
                 raise ValueError(
@@ -458,21 +458,21 @@ class ChannelParallelConv1d(ChannelParallelConvNd):
     """``torch.nn.Conv1d`` on (N, C, L) with its channels split over ``comm``; see
     :class:`ChannelParallelConvNd` for the arguments."""
 
-    dims, dense_type = 1, nn.Conv1d
+    spatial_dims, dense_type = 1, nn.Conv1d
 
 
 class ChannelParallelConv2d(ChannelParallelConvNd):
     """``torch.nn.Conv2d`` on (N, C, H, W) with its channels split over ``comm``; see
     :class:`ChannelParallelConvNd` for the arguments."""
 
-    dims, dense_type = 2, nn.Conv2d
+    spatial_dims, dense_type = 2, nn.Conv2d
 
 
 class ChannelParallelConv3d(ChannelParallelConvNd):
     """``torch.nn.Conv3d`` on (N, C, D, H, W) with its channels split over ``comm``; see
     :class:`ChannelParallelConvNd` for the arguments."""
 
-    dims, dense_type = 3, nn.Conv3d
+    spatial_dims, dense_type = 3, nn.Conv3d
 
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}

@@ -32,7 +32,7 @@ class ChannelParallelConvTransposeNd(nn.Module):
     """``nn.ConvTranspose{dims}d`` with its output (or input) channels split over ``comm``; use
     :class:`ChannelParallelConvTranspose1d`, ``2d`` or ``3d``."""
 
-    dims: int = 2
+    spatial_dims: int = 2
     """Spatial dimensions: 1 (N, C, L), 2 (N, C, H, W), 3 (N, C, D, H, W)."""
     dense_type: type[nn.Module] = nn.ConvTranspose2d
 
@@ -69,20 +69,20 @@ class ChannelParallelConvTransposeNd(nn.Module):
             self.bias = nn.Parameter(b.narrow(0, start, n).clone() if split == "out" else b.clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != self.dims + 2 or x.shape[1] != self.in_channels:
-            spatial = {1: "L", 2: "H, W", 3: "D, H, W"}[self.dims]
+        if x.dim() != self.spatial_dims + 2 or x.shape[1] != self.in_channels:
+            spatial = {1: "L", 2: "H, W", 3: "D, H, W"}[self.spatial_dims]
             raise ValueError(
                 f"{type(self).__name__}: expected (N, {self.in_channels}, {spatial}), got "
                 f"{tuple(x.shape)}"
             )
-        conv = CONV_TRANSPOSE[self.dims]
+        conv = CONV_TRANSPOSE[self.spatial_dims]
         args = (self.stride, self.padding, self.output_padding, 1, self.dilation)
         if self.split == "out":
             y = conv(pkf.copy_to_group(x, self.comm), self.weight, self.bias, *args)
             return pkf.gather_from_group(y, self.comm, 1, self.sizes)
         x_shard = pkf.scatter_to_group(x, self.comm, 1, self.sizes)
         y = pkf.reduce_from_group(conv(x_shard, self.weight, None, *args), self.comm)
-        return y if self.bias is None else y + self.bias.view(-1, *[1] * self.dims)
+        return y if self.bias is None else y + self.bias.view(-1, *[1] * self.spatial_dims)
 
     @classmethod
     def from_dense(
@@ -119,17 +119,17 @@ class ChannelParallelConvTransposeNd(nn.Module):
 class ChannelParallelConvTranspose1d(ChannelParallelConvTransposeNd):
     """``nn.ConvTranspose1d`` on (N, C, L), its channels split over ``comm``."""
 
-    dims, dense_type = 1, nn.ConvTranspose1d
+    spatial_dims, dense_type = 1, nn.ConvTranspose1d
 
 
 class ChannelParallelConvTranspose2d(ChannelParallelConvTransposeNd):
     """``nn.ConvTranspose2d`` on (N, C, H, W), its channels split over ``comm``."""
 
-    dims, dense_type = 2, nn.ConvTranspose2d
+    spatial_dims, dense_type = 2, nn.ConvTranspose2d
 
 
 class ChannelParallelConvTranspose3d(ChannelParallelConvTransposeNd):
     """``nn.ConvTranspose3d`` on (N, C, D, H, W), its channels split over ``comm``."""
 
-    dims, dense_type = 3, nn.ConvTranspose3d
+    spatial_dims, dense_type = 3, nn.ConvTranspose3d
 

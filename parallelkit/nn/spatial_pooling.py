@@ -31,12 +31,12 @@ from parallelkit.spatial.pool import (
 class _SpatialPool(SpatialLayer, nn.Module):
     """Common part of max and average pooling: the windows and the whole size."""
 
-    dims = 2
+    spatial_dims = 2
 
     def __init__(self, kernel_size, stride, padding, dilation, ceil_mode, comm, grid) -> None:
         super().__init__()
         self.windows = pool_windows(kernel_size, stride, padding, dilation, ceil_mode,
-                                    self.dims, type(self).__name__)  # fmt: skip
+                                    self.spatial_dims, type(self).__name__)  # fmt: skip
         self.kernel_size = tuple(w.kernel for w in self.windows)
         self.stride = tuple(w.stride for w in self.windows)
         self.padding = tuple(w.pad_lo for w in self.windows)
@@ -100,11 +100,11 @@ class SpatialMaxPool2d(_SpatialPool):
 
 
 class SpatialMaxPool1d(SpatialMaxPool2d):
-    dims, dense = 1, nn.MaxPool1d
+    spatial_dims, dense = 1, nn.MaxPool1d
 
 
 class SpatialMaxPool3d(SpatialMaxPool2d):
-    dims, dense = 3, nn.MaxPool3d
+    spatial_dims, dense = 3, nn.MaxPool3d
 
 
 class SpatialAvgPool2d(_SpatialPool):
@@ -147,7 +147,7 @@ class SpatialAvgPool2d(_SpatialPool):
         )  # fmt: skip
 
     def to_dense(self) -> nn.Module:
-        extra = () if self.dims == 1 else (self.divisor_override,)
+        extra = () if self.spatial_dims == 1 else (self.divisor_override,)
         return self.dense(
             self.kernel_size, self.stride, self.padding, self.ceil_mode, self.count_include_pad,
             *extra,
@@ -155,11 +155,11 @@ class SpatialAvgPool2d(_SpatialPool):
 
 
 class SpatialAvgPool1d(SpatialAvgPool2d):
-    dims, dense = 1, nn.AvgPool1d
+    spatial_dims, dense = 1, nn.AvgPool1d
 
 
 class SpatialAvgPool3d(SpatialAvgPool2d):
-    dims, dense = 3, nn.AvgPool3d
+    spatial_dims, dense = 3, nn.AvgPool3d
 
 
 class SpatialGlobalAvgPool2d(SpatialLayer, nn.Module):
