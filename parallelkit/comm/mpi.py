@@ -49,8 +49,20 @@ def _cuda_aware() -> bool:
 
 
 def _buf(t: torch.Tensor, count: Any = None) -> list[Any]:
-    """mpi4py buffer spec viewing ``t``'s memory (no copy)."""
-    data = t if t.is_cuda else t.view(torch.int16).numpy() if t.dtype in _HALF else t.numpy()
+    """mpi4py buffer spec over contiguous ``t``'s memory (no copy). A host tensor is passed by
+    its address, which costs a tenth of a NumPy view (``Tensor.numpy()``, about 0.7 us, twice
+    per call: most of a small message's time); it does not keep ``t`` alive, so every caller
+    holds ``t`` until MPI is done with it (``_MPIWork`` for requests in flight). 16-bit floats
+    travel as their bits."""
+    if not t.is_contiguous():  # an address alone would read the wrong elements
+        raise ValueError(f"mpi: a {tuple(t.shape)} tensor with strides {t.stride()} is not "
+                         "contiguous; collectives move contiguous tensors")  # fmt: skip
+    if t.is_cuda:
+        data = t
+    elif t.nbytes:
+        data = MPI.buffer.fromaddress(t.data_ptr(), t.nbytes)
+    else:  # no memory to point at
+        data = t.view(torch.int16).numpy() if t.dtype in _HALF else t.numpy()
     if count is None:
         return [data, _MPI_TYPES[t.dtype]]
     return [data, count, _MPI_TYPES[t.dtype]]
@@ -95,7 +107,7 @@ class MPICommunicator(Communicator):
     # Every blocking MPI call runs under the watchdog. Device tensors go through host memory
     # unless the MPI library can read them (CUDA-aware); 16-bit floats are reduced in float32.
     def _host(self, t: torch.Tensor) -> torch.Tensor:
-        direct = t.device.type == "cpu" or (t.is_cuda and self.cuda_aware)
+        direct = t.is_cpu or (t.is_cuda and self.cuda_aware)
         return t if direct else t.cpu()
 
     def _reduction_buffers(

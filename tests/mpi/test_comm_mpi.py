@@ -67,7 +67,10 @@ def test_buffers_are_zero_copy_views():
     from parallelkit.comm.mpi import _buf
 
     for dtype in DTYPES:
-        t = torch.zeros(6, dtype=dtype)
-        array = _buf(t)[0]
-        assert array.__array_interface__["data"][0] == t.data_ptr()
-        assert array.nbytes == t.numel() * t.element_size()
+        t = torch.zeros(6, dtype=dtype)[2:]  # an offset into its storage
+        spec = _buf(t)[0]
+        assert spec.address == t.data_ptr()
+        assert spec.nbytes == t.numel() * t.element_size()
+    assert _buf(torch.zeros(0))[0].nbytes == 0  # no memory: an empty view
+    with pytest.raises(ValueError, match="not contiguous"):  # an address would read wrongly
+        _buf(torch.zeros(4, 4).t())
