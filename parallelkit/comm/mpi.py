@@ -1,11 +1,12 @@
 """MPI backend through mpi4py, for ``mpiexec`` / ``srun`` launched jobs.
 
-Tensors travel through mpi4py's buffer interface as zero-copy NumPy views of contiguous CPU
-tensors (never pickled). MPI has no 16-bit float types: float16 and bfloat16 are moved as
-16-bit integers (bit-exact) and reduced in float32, then rounded once. CUDA tensors are passed
-straight to a CUDA-aware MPI when the library reports one (or ``PARALLELKIT_MPI_CUDA_AWARE=1``);
-tensors on any other device (CUDA without a CUDA-aware MPI, XLA, lazy) are staged through host
-memory explicitly: copied out, moved, copied back into the caller's device buffer.
+Contiguous CPU tensors travel by their address (``MPI.buffer.fromaddress``: zero-copy, never
+pickled, and cheaper than a NumPy view, which matters for small messages). MPI has no 16-bit
+float types: float16 and bfloat16 are moved as 16-bit integers (bit-exact) and reduced in
+float32, then rounded once. CUDA tensors are passed straight to a CUDA-aware MPI when the
+library reports one (or ``PARALLELKIT_MPI_CUDA_AWARE=1``); tensors on any other device (CUDA
+without a CUDA-aware MPI, XLA, lazy) are staged through host memory explicitly: copied out,
+moved, copied back into the caller's device buffer.
 
 MPI collectives cannot time out, so a watchdog thread aborts the whole job (``MPI_Abort``) when
 one has not finished within the communicator's timeout, and an except hook aborts the job when
