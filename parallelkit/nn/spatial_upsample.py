@@ -15,7 +15,7 @@ from parallelkit.comm import Communicator
 from parallelkit.nn.blocks import SpatialLayer
 from parallelkit.spatial import layout
 from parallelkit.spatial.grid import SpatialGrid, grid_of
-from parallelkit.spatial.pool import INTERPOLATING, check_upsample, upsample_blocks
+from parallelkit.spatial.pool import check_upsample, upsample_blocks, upsample_factor
 
 
 class SpatialUpsample(SpatialLayer, nn.Module):
@@ -36,14 +36,8 @@ class SpatialUpsample(SpatialLayer, nn.Module):
         ``F.interpolate`` rule."""
         sf = module.scale_factor
         factors = sf if isinstance(sf, tuple) else (sf,)
-        return (
-            module.size is None
-            and factors[0] is not None
-            and len(set(factors)) == 1
-            and float(factors[0]).is_integer()
-            and module.mode in ("nearest", *INTERPOLATING)
-            and not module.align_corners
-        )
+        return module.size is None and upsample_factor(factors, module.mode,
+                                                       module.align_corners) is not None
 
     def __init__(
         self,

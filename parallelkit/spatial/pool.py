@@ -19,7 +19,7 @@ from parallelkit.spatial.fetch import crop, empty_output, fetch, fetch_ranges
 from parallelkit.spatial.grid import SpatialGrid
 
 MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
-INTERPOLATING = ("linear", "bilinear", "trilinear")
+INTERPOLATING = {"linear": 1, "bilinear": 2, "trilinear": 3}  # mode: its spatial dimensions
 
 
 def pool_windows(
@@ -117,16 +117,32 @@ def _counted(x: torch.Tensor, windows: Sequence[Window], grid: SpatialGrid,
     return mask
 
 
+def upsample_factor(
+    factors: Sequence[float | None], mode: str, align_corners: bool | None, ndim: int | None = None
+) -> int | None:
+    """The one integer factor (at least 1) of an upsampling that :func:`upsample_blocks` does
+    exactly: the same factor along every dimension, mode "nearest" or the linear mode of
+    ``ndim`` spatial dimensions (of any, where ``ndim`` is None), without ``align_corners``;
+    None for any other (the layer stays dense, the rule resamples by weights)."""
+    dims = INTERPOLATING.get(mode)
+    if align_corners or (mode != "nearest" and (dims is None or ndim not in (None, dims))):
+        return None
+    if factors[0] is None or len(set(factors)) != 1 or not float(factors[0]).is_integer():
+        return None
+    return int(factors[0]) if factors[0] >= 1 else None
+
+
 def check_upsample(scale_factor: float, mode: str, align_corners: bool | None, name: str) -> int:
-    """The integer factor of an upsampling the kernel below covers, or a ``ValueError``."""
-    if mode not in ("nearest", *INTERPOLATING) or align_corners:
+    """:func:`upsample_factor` of one ``scale_factor``, or a ``ValueError`` saying what the
+    kernel takes."""
+    factor = upsample_factor((scale_factor,), mode, align_corners)
+    if factor is None:
         raise ValueError(
-            f"{name}: mode must be 'nearest', 'linear', 'bilinear' or 'trilinear' with "
-            f"align_corners=False, got mode={mode!r}, align_corners={align_corners}"
+            f"{name}: takes a positive integer scale_factor and mode 'nearest', 'linear', "
+            f"'bilinear' or 'trilinear' with align_corners=False, got scale_factor="
+            f"{scale_factor}, mode={mode!r}, align_corners={align_corners}"
         )
-    if int(scale_factor) != scale_factor or scale_factor < 1:
-        raise ValueError(f"{name}: scale_factor must be a positive integer, got {scale_factor}")
-    return int(scale_factor)
+    return factor
 
 
 def upsample_blocks(

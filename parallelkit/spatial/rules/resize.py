@@ -16,11 +16,10 @@ from torch import Tensor
 from parallelkit.geometry import per_dim
 from parallelkit.spatial import resample
 from parallelkit.spatial.grid import scatter
-from parallelkit.spatial.pool import upsample_blocks
+from parallelkit.spatial.pool import upsample_blocks, upsample_factor
 from parallelkit.spatial.rules.registry import Call, Guard, channels_first, rule, whole_size
 
 Size = tuple[int, ...]
-INTERPOLATING = {"linear": 1, "bilinear": 2, "trilinear": 3}
 
 
 @rule(F.interpolate,
@@ -44,21 +43,18 @@ def interpolate(g: Guard, call: Call) -> Any:
         factors = tuple(o / max(n, 1) for o, n in zip(whole_out, size, strict=True))
     else:
         factors = per_dim(call["scale_factor"], ndim)
-    covered = (mode == "nearest" or INTERPOLATING.get(mode) == ndim) and not call["align_corners"]
-    integer = len(set(factors)) == 1 and int(factors[0]) == factors[0] and factors[0] >= 1
-    if not covered or call["antialias"] or not integer:
-        return _resampled(g, call, x, whole_out)
-    scale = int(factors[0])
+    scale = upsample_factor(factors, mode, call["align_corners"], ndim)
+    if scale is None or call["antialias"]:
+        return _resampled(g, call, x, size, whole_out)
     return g.marked(upsample_blocks(x, scale, mode, g.grid, size),
                     size=tuple(n * scale for n in size))  # fmt: skip
 
 
-def _resampled(g: Guard, call: Call, x: Tensor, whole_out: Size | None) -> Tensor:
+def _resampled(g: Guard, call: Call, x: Tensor, size: Size, whole_out: Size | None) -> Tensor:
     """``F.interpolate`` of the block by per-dimension weights
     (:mod:`parallelkit.spatial.resample`), to ``whole_out`` (the whole size a ``size=`` stands
-    for) or by ``scale_factor``."""
+    for) or by ``scale_factor``; ``size`` is the block's whole size."""
     ndim = x.dim() - 2
-    size = whole_size(g, x)
     nothing = (None,) * ndim
     outs = whole_out or nothing
     scales = nothing if whole_out else per_dim(call["scale_factor"], ndim)
