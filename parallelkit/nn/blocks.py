@@ -51,8 +51,10 @@ class SpatialLayer:
     @classmethod
     def covers(cls, module: nn.Module) -> bool:
         """Whether this layer does exactly what ``module`` does (else it stays dense, and its
-        functional calls meet the guard's rules)."""
-        return True
+        functional calls meet the guard's rules). By default, unless it pads other than by
+        zeros: a convolution's ``padding_mode="reflect"`` runs its forward's ``F.pad`` and
+        ``F.conv2d``, whose rules fetch the mirrored rows."""
+        return getattr(module, "padding_mode", "zeros") == "zeros"
 
 
 def takes_blocks(module: nn.Module) -> TakesBlocks | None:

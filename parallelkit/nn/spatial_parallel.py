@@ -57,12 +57,6 @@ class _SpatialConv(SpatialLayer):
     dense: type[nn.Module]
     overlap = False
 
-    @classmethod
-    def covers(cls, module: nn.Module) -> bool:
-        """A ``padding_mode`` other than zeros stays dense: its forward's ``F.pad`` and
-        ``F.conv2d`` meet the guard, whose rules fetch the mirrored rows."""
-        return module.padding_mode == "zeros"
-
     def __init__(
         self,
         in_channels: int,
@@ -178,10 +172,6 @@ class _SpatialConvTranspose(SpatialLayer):
     """
 
     dense: type[nn.Module]
-
-    @classmethod
-    def covers(cls, module: nn.Module) -> bool:
-        return module.padding_mode == "zeros"
 
     def __init__(
         self,
