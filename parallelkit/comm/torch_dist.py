@@ -224,10 +224,12 @@ class TorchCommunicator(Communicator):
         with self._errors("barrier"):
             dist.barrier(group=self._host_group)
 
-    def _host_all_gather(self, row: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def _host_all_gather(self, row: list[int]) -> list[list[int]]:
+        mine = torch.tensor(row, dtype=torch.int64)
+        table = mine.new_empty(self.size * len(row))  # gloo takes the flat form only
         with self._errors("all_gather_ints"):
-            _all_gather_single(out, row, group=self._host_group)
-        return out
+            _all_gather_single(table, mine, group=self._host_group)
+        return table.view(self.size, len(row)).tolist()
 
     def _split(self, color: int, key: int) -> TorchCommunicator:
         # torch has no comm_split for gloo: learn every rank's (color, key), then each new group

@@ -235,8 +235,8 @@ class XlaCommunicator(Communicator):
             members, groups, timeout=self.timeout, debug=self.debug, pin_layout=self.pin_layout
         )
 
-    def _host_all_gather(self, row: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        return torch.cat(self._host_gather(row), out=out)
+    def _host_all_gather(self, row: list[int]) -> list[list[int]]:
+        return [list(r) for r in self._host_gather(row)]  # replicas in threads share objects
 
     # ------------------------------------------------------------------ helpers
     def _check_device(self, t: torch.Tensor, name: str) -> None:
