@@ -143,8 +143,9 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/plan_vs_measured.py
 
 # The peers side by side (~3 min, plus ~2 min to create .venv-chainer the first time):
-# ChainerMN in $(CHAINER_VENV) under its mpiexec, torch's DDP, SyncBatchNorm and DTensor in
-# $(VENV); results and plots under benchmarks/results/.
+# ChainerMN in $(CHAINER_VENV) under its mpiexec; parallelkit in $(VENV) on MPI under $(VENV)'s
+# mpiexec (ChainerMN's transport) and on gloo, next to torch's DDP, SyncBatchNorm and DTensor;
+# results and plots under benchmarks/results/.
 bench-peers: $(VENV)/.installed $(CHAINER_VENV)/.installed
 	$(PY) benchmarks/peers.py --chainer-python $(CHAINER_PY)
 

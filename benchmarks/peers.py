@@ -2,7 +2,7 @@
 
     make bench-peers       # creates .venv-chainer on first use, then runs this (~3 min here)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/peers.py --chainer-python .venv-chainer/bin/python
-    ... --quick            # short blocks, a smoke test (~1.5 min)
+    ... --quick            # short blocks, a smoke test (~2.5 min)
 
 The same workloads in each framework, in one run, on the same inputs and weights (drawn here,
 written to a temporary WORKDIR as inputs.npz), each reported as speed next to exactness:
@@ -19,8 +19,17 @@ written to a temporary WORKDIR as inputs.npz), each reported as speed next to ex
 
 Each at 1 and 2 ranks, so that each framework's parallel overhead shows apart from its raw
 speed (chainer computes in numpy, torch in ATen). ChainerMN runs in .venv-chainer under its own
-mpiexec (peers_chainer.py, the ``naive`` communicator); the torch side in gloo ranks
-(peers_torch.py, ``parallelkit.testing.Ranks``).
+mpiexec (peers_chainer.py, the ``naive`` communicator). The torch side (peers_torch.py) runs
+twice: under this venv's mpiexec on pk.init("mpi") (this script with the hidden ``--worker
+mpi``), the parallelkit variants only, on the same transport as ChainerMN (both venvs install
+the same pip ``mpich``); and in gloo ranks (``parallelkit.testing.Ranks``), parallelkit next
+to torch's DDP, SyncBatchNorm and DTensor, which need torch.distributed. Every row names its
+transport ("gloo", or the MPI library's name: "MPICH").
+
+Overheads (bn, dp) are reported as a ratio and as milliseconds added per step, each against
+the framework's own times: its 2-rank step against its 1-rank step, and against its baseline
+without communication in the same processes; the report's goal line compares parallelkit's
+added milliseconds with ChainerMN's, both on MPI (peers_report.py).
 
 Exactness: every result in float64 against the dense single-process torch computation on the
 whole batch or image; the error is max |a - ref| / max |ref| per quantity (output, input
@@ -35,7 +44,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -48,7 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from _common import OtherLoad, command_line, environment, library_state, save
-from peers_report import key_ratios, report
+from peers_report import GLOO, key_ratios, mpi_transport, overheads, report
 from peers_torch import SmallCNN
 
 WORKER_TIMEOUT_S = 1800.0
@@ -198,10 +209,17 @@ def total(results: list[dict], key: str) -> torch.Tensor:
     return torch.stack([r[key] for r in results]).sum(0)
 
 
-def torch_rows(res: list[dict], refs: dict[str, dict], inp: dict, cfg: Config) -> list[dict]:
-    """The exactness rows of the torch side at one rank count (``res``: by rank)."""
+def torch_rows(
+    res: list[dict], refs: dict[str, dict], inp: dict, cfg: Config, transport: str
+) -> list[dict]:
+    """The exactness rows of the torch side at one rank count (``res``: by rank); torch's own
+    (SyncBatchNorm, DDP, DTensor) where they ran, on gloo."""
     n, r0 = len(res), res[0]
     rows = []
+
+    def row(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        return make_row(*args, transport=transport, **kwargs)
+
     for split in cfg.bn_splits[str(n)]:
         ranks = [r[f"bn_{split}"] for r in res]
         got = {
@@ -213,13 +231,16 @@ def torch_rows(res: list[dict], refs: dict[str, dict], inp: dict, cfg: Config) -
             "running_var": ranks[0]["running_var"],
         }
         rows.append(row("bn", "parallelkit SyncBatchNorm", n, split, compare(got, refs["bn"])))
-    rows.append(row("bn", "torch.nn.SyncBatchNorm", n, "even", {}, note=r0["torch_syncbn"]))
+    if "torch_syncbn" in r0:
+        rows.append(row("bn", "torch.nn.SyncBatchNorm", n, "even", {}, note=r0["torch_syncbn"]))
     conv = [r["conv"] for r in res]
     got = {"y": conv[0]["y"], "gx": conv[0]["gx"], "gweight": cat(conv, "gweight_blk")}
     rows.append(
         row("conv", "parallelkit ChannelParallelConv2d", n, "split out", compare(got, refs["conv"]))
     )
     for key, name in (("dp_pk", "parallelkit DataParallel"), ("dp_ddp", "torch DDP")):
+        if key not in r0:
+            continue
         update = {k: v - inp[f"dp_{k}"] for k, v in r0[key].items()}
         rows.append(row("dp", name, n, "even", compare(update, refs["dp"])))
     for dim in (2, 3):
@@ -239,25 +260,37 @@ def torch_rows(res: list[dict], refs: dict[str, dict], inp: dict, cfg: Config) -
                 compare(got, refs["spatial"]),
             )
         )
-        rows.append(dtensor_row([r[f"dtensor_{dim}"] for r in res], refs["spatial"], n, dim))
+        if f"dtensor_{dim}" in r0:
+            dtensor = [r[f"dtensor_{dim}"] for r in res]
+            rows.append(dtensor_row(dtensor, refs["spatial"], n, dim, transport))
     return rows
 
 
-def dtensor_row(res: list[dict], ref: dict[str, torch.Tensor], n: int, dim: int) -> dict:
+def dtensor_row(
+    res: list[dict], ref: dict[str, torch.Tensor], n: int, dim: int, transport: str
+) -> dict:
     """DTensor's blocks put together along ``dim`` (what its placements should have meant)."""
     r0 = res[0]
     case = f"Shard({dim})"
     if "error" in r0:
-        return row("spatial", "DTensor conv", n, case, {}, note=r0["error"])
+        return make_row("spatial", "DTensor conv", n, case, {}, r0["error"], transport)
     got = {"y": cat(res, "y", dim), "gx": r0["gx"], "gweight": r0["gweight"], "gbias": r0["gbias"]}
     note = f"output placements {r0['y_placements']}, global shape {tuple(r0['y_shape'])}"
-    return row("spatial", "DTensor conv", n, case, compare(got, ref), note=note)
+    return make_row("spatial", "DTensor conv", n, case, compare(got, ref), note, transport)
 
 
 def chainer_rows(
-    res: dict[str, np.ndarray], refs: dict[str, dict], inp: dict, n: int, cfg: Config
+    res: dict[str, np.ndarray],
+    refs: dict[str, dict],
+    inp: dict,
+    n: int,
+    cfg: Config,
+    transport: str,
 ) -> list[dict]:
     """The exactness rows of ChainerMN at ``n`` ranks (``res``: chainer_<n>.npz)."""
+
+    def row(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        return make_row(*args, transport=transport, **kwargs)
 
     def part(prefix: str) -> dict[str, np.ndarray]:
         return {k.split("/", 1)[1]: v for k, v in res.items() if k.startswith(prefix + "/")}
@@ -291,12 +324,19 @@ def chainer_rows(
     return rows
 
 
-def row(
-    workload: str, framework: str, ranks: int, case: str, errors: dict, note: str = ""
+def make_row(
+    workload: str,
+    framework: str,
+    ranks: int,
+    case: str,
+    errors: dict,
+    note: str = "",
+    transport: str = "",
 ) -> dict[str, Any]:
     return {
         "workload": workload,
         "framework": framework,
+        "transport": transport,
         "ranks": ranks,
         "case": case,
         "errors": errors,
@@ -317,7 +357,7 @@ def run_chainer(python: str, workdir: Path, n: int) -> tuple[dict, dict]:
     return arrays, json.loads((workdir / f"chainer_{n}.json").read_text())
 
 
-def run_torch(n: int, cfg: dict, workdir: Path) -> tuple[list[dict], dict]:
+def run_torch_gloo(n: int, cfg: dict, workdir: Path) -> tuple[list[dict], dict]:
     """peers_torch.py's exactness (by rank) and timings (rank 0) on ``n`` gloo ranks."""
     from parallelkit.testing import Ranks
 
@@ -329,9 +369,29 @@ def run_torch(n: int, cfg: dict, workdir: Path) -> tuple[list[dict], dict]:
     return exact, times
 
 
-def chainer_time_rows(record: dict) -> list[dict]:
+def run_torch_mpi(n: int, workdir: Path) -> dict[str, Any]:
+    """peers_torch.mpi_worker on ``n`` ranks under this venv's mpiexec (this script with the
+    hidden ``--worker mpi``): {"exact": by rank, "times": rank 0's, "mpi": library version}."""
+    mpiexec = Path(sys.prefix, "bin", "mpiexec")
+    cmd = [
+        str(mpiexec) if mpiexec.exists() else shutil.which("mpiexec") or "mpiexec",
+        "-n",
+        str(n),
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        "mpi",
+        "--workdir",
+        str(workdir),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(cmd, check=True, env=env, timeout=WORKER_TIMEOUT_S)
+    return torch.load(workdir / f"torch_mpi_{n}.pt")
+
+
+def chainer_time_rows(record: dict, transport: str) -> list[dict]:
     return [
-        {"workload": w, "framework": v, "ranks": record["ranks"], **t}
+        {"workload": w, "framework": v, "transport": transport, "ranks": record["ranks"], **t}
         for w, variants in record["times"].items()
         for v, t in variants.items()
     ]
@@ -351,16 +411,24 @@ TORCH_NAMES = {
 }
 
 
-def torch_time_rows(times: dict, n: int) -> list[dict]:
+def torch_time_rows(times: dict, n: int, transport: str) -> list[dict]:
     return [
-        {"workload": w, "framework": TORCH_NAMES.get((w, v), v), "ranks": n, **t}
+        {
+            "workload": w,
+            "framework": TORCH_NAMES.get((w, v), v),
+            "transport": transport,
+            "ranks": n,
+            **t,
+        }
         for w, variants in times.items()
         for v, t in variants.items()
     ]
 
 
 def run_all(cfg: Config, python: str, workdir: Path) -> tuple[list, list, dict, dict]:
-    """Both sides at every rank count: exactness rows, time rows, chainer versions, load."""
+    """Both sides at every rank count: exactness rows, time rows, versions (the chainer venv's
+    and the MPI library of the torch side), load. Per rank count: ChainerMN on MPI, then
+    parallelkit on MPI, then the torch side on gloo."""
     inputs = make_inputs(cfg)
     np.savez(workdir / "inputs.npz", **inputs)
     cfg_json = json.loads(json.dumps(asdict(cfg)))
@@ -376,12 +444,18 @@ def run_all(cfg: Config, python: str, workdir: Path) -> tuple[list, list, dict, 
     for n in cfg.ranks:
         load, start = OtherLoad(), time.monotonic()
         arrays, record = run_chainer(python, workdir, n)
-        exact += chainer_rows(arrays, refs, inp, n, cfg)
-        timed += chainer_time_rows(record)
-        versions = record["versions"]
-        results, times = run_torch(n, cfg_json, workdir)
-        exact += torch_rows(results, refs, inp, cfg)
-        timed += torch_time_rows(times, n)
+        chainer_mpi = mpi_transport(record["versions"]["mpi"])
+        exact += chainer_rows(arrays, refs, inp, n, cfg, chainer_mpi)
+        timed += chainer_time_rows(record, chainer_mpi)
+        versions = {f"chainer venv: {k}": v for k, v in record["versions"].items()}
+        mpi = run_torch_mpi(n, workdir)
+        torch_mpi = mpi_transport(mpi["mpi"])
+        versions["torch venv: mpi"] = mpi["mpi"]
+        exact += torch_rows(mpi["exact"], refs, inp, cfg, torch_mpi)
+        timed += torch_time_rows(mpi["times"], n, torch_mpi)
+        results, times = run_torch_gloo(n, cfg_json, workdir)
+        exact += torch_rows(results, refs, inp, cfg, GLOO)
+        timed += torch_time_rows(times, n, GLOO)
         others[n] = load.cores()
         print(
             f"{n} rank(s): {time.monotonic() - start:.0f} s, others used {others[n]:.2f} cores",
@@ -400,21 +474,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--quick", action="store_true", help="short blocks, a smoke test")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/peers.md"))
+    p.add_argument("--worker", choices=["mpi"], help=argparse.SUPPRESS)
+    p.add_argument("--workdir", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
 def main() -> None:
     args = parse_args()
+    if args.worker == "mpi":  # one rank under mpiexec, started by run_torch_mpi
+        import peers_torch
+
+        peers_torch.mpi_worker(args.workdir)
+        return
     cfg = Config(repeats=3, target_s=0.1) if args.quick else Config()
     os.environ["OMP_NUM_THREADS"] = "1"
     env = environment(parallelkit=library_state())
     with tempfile.TemporaryDirectory(prefix="peers-") as tmp:
         exact, timed, versions, others = run_all(cfg, args.chainer_python, Path(tmp))
-    env.update({f"chainer venv: {k}": v for k, v in versions.items()})
-    ratios = key_ratios(timed)
-    text = report(exact, timed, ratios, others, env, command_line())
+    env.update(versions)
+    ratios, over = key_ratios(timed), overheads(timed)
+    text = report(exact, timed, ratios, others, env, command_line(), over)
     json_path = save(
-        args.out, text, env, cfg, timed, exactness=exact, ratios=ratios, other_load_cores=others
+        args.out,
+        text,
+        env,
+        cfg,
+        timed,
+        exactness=exact,
+        ratios=ratios,
+        overheads=over,
+        other_load_cores=others,
     )
     print(text)
     print(f"wrote {args.out} and {json_path}")

@@ -1,7 +1,15 @@
-"""The torch side of benchmarks/peers.py: what every gloo rank runs (started by testing.Ranks).
+"""The torch side of benchmarks/peers.py: what every torch rank runs, on gloo or on MPI.
 
 parallelkit and torch's own distributed tools on the same inputs as the ChainerMN worker
-(peers_chainer.py), which peers.py wrote to ``WORKDIR/inputs.npz``:
+(peers_chainer.py), which peers.py wrote to ``WORKDIR/inputs.npz``. Two transports:
+
+    gloo  ranks started by parallelkit.testing.Ranks: every variant below
+    MPI   ``mpiexec -n N python benchmarks/peers.py --worker mpi --workdir WORKDIR``, the
+          ranks on pk.init("mpi") (``mpi_worker``): the parallelkit variants only, since
+          torch's DDP, SyncBatchNorm and DTensor need torch.distributed; on the same MPI
+          library as ChainerMN, parallelkit's overhead is measured like for like
+
+The workloads:
 
     bn       parallelkit SyncBatchNorm; torch.nn.SyncBatchNorm (refuses on CPU: recorded)
     conv     parallelkit ChannelParallelConv2d(split="out"), the dense convolution
@@ -12,7 +20,8 @@ parallelkit and torch's own distributed tools on the same inputs as the ChainerM
 ``exact_rank`` returns this rank's float64 results (peers.py assembles and compares them with
 the dense reference); ``time_rank`` the float32 step times of every variant, timed with
 _common.py in alternating order. What raises is returned as its message, never hidden.
-Legend: ``_blk`` this rank's block of a split tensor.
+``mpi_worker`` runs both on an MPI rank and writes every rank's exactness results and rank 0's
+times to ``WORKDIR/torch_mpi_<ranks>.pt``. Legend: ``_blk`` this rank's block of a split tensor.
 """
 
 from __future__ import annotations
@@ -29,9 +38,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _common import WARMUP, alternating, choose_iters, time_block, torch_sync
+from _common import WARMUP, Sync, alternating, choose_iters, time_block, torch_sync
 
 if TYPE_CHECKING:
+    from parallelkit.comm.base import Communicator
     from parallelkit.comm.torch_dist import TorchCommunicator
 
 Step = Callable[[], object]
@@ -71,9 +81,28 @@ def error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first}"
 
 
+def on_torch_dist(comm: Communicator) -> bool:
+    """Whether ``comm`` runs on torch.distributed (gloo), where DDP, torch's SyncBatchNorm and
+    DTensor can run next to parallelkit; on MPI only parallelkit's variants run."""
+    from parallelkit.comm.torch_dist import TorchCommunicator
+
+    return isinstance(comm, TorchCommunicator)
+
+
+def rank_sync(comm: Communicator) -> Sync:
+    """The raw backend's barrier and max-reduction around timed blocks: torch.distributed on
+    the process group, or mpi4py on the MPI communicator."""
+    if on_torch_dist(comm):
+        return torch_sync(comm.group)
+    from mpi4py import MPI
+
+    mc = comm.comm
+    return Sync(mc.Barrier, lambda x: mc.allreduce(x, op=MPI.MAX))
+
+
 # ---------------------------------------------------------------------------- exactness
 def bn_exact(
-    comm: TorchCommunicator,
+    comm: Communicator,
     x: torch.Tensor,
     dy: torch.Tensor,
     cfg: dict,
@@ -111,7 +140,7 @@ def torch_syncbn_refusal(x: torch.Tensor) -> str:
     return "ran"
 
 
-def conv_exact(comm: TorchCommunicator, inputs: dict[str, torch.Tensor], pad: int) -> dict:
+def conv_exact(comm: Communicator, inputs: dict[str, torch.Tensor], pad: int) -> dict:
     """ChannelParallelConv2d(split="out"): output and input gradient (whole on every rank),
     this rank's block of the weight gradient (output channels)."""
     from parallelkit.nn import ChannelParallelConv2d
@@ -127,7 +156,7 @@ def conv_exact(comm: TorchCommunicator, inputs: dict[str, torch.Tensor], pad: in
 
 
 def dp_exact(
-    comm: TorchCommunicator, inputs: dict[str, torch.Tensor], lr: float, wrapper: str
+    comm: Communicator, inputs: dict[str, torch.Tensor], lr: float, wrapper: str
 ) -> dict[str, torch.Tensor]:
     """The parameters after one SGD step on this rank's share of the batch."""
     from parallelkit.parallel import DataParallel
@@ -145,7 +174,7 @@ def dp_exact(
 
 
 def spatial_exact(
-    comm: TorchCommunicator, inputs: dict[str, torch.Tensor], pad: int, dim: int
+    comm: Communicator, inputs: dict[str, torch.Tensor], pad: int, dim: int
 ) -> dict[str, torch.Tensor]:
     """SpatialParallelConv2d with the image split along ``dim`` (2: rows, 3: columns):
     this rank's output and input-gradient blocks, and its weight and bias gradients."""
@@ -201,21 +230,24 @@ def raised_in(exc: BaseException) -> str:
     )
 
 
-def exact_rank(comm: TorchCommunicator, cfg: dict, workdir: str) -> dict[str, Any]:
-    """Every float64 exactness case on this rank."""
+def exact_rank(comm: Communicator, cfg: dict, workdir: str) -> dict[str, Any]:
+    """Every float64 exactness case on this rank (torch's own only on torch.distributed)."""
     inputs = load_inputs(workdir)
     x, dy = inputs["bn_x"], inputs["bn_dy"]
+    peers = on_torch_dist(comm)
     out: dict[str, Any] = {
-        "torch_syncbn": torch_syncbn_refusal(x),
         "conv": conv_exact(comm, inputs, cfg["pad"]),
         "dp_pk": dp_exact(comm, inputs, cfg["lr"], "pk"),
-        "dp_ddp": dp_exact(comm, inputs, cfg["lr"], "ddp"),
     }
+    if peers:
+        out["torch_syncbn"] = torch_syncbn_refusal(x)
+        out["dp_ddp"] = dp_exact(comm, inputs, cfg["lr"], "ddp")
     for split_name, sizes in cfg["bn_splits"][str(comm.size)].items():
         out[f"bn_{split_name}"] = bn_exact(comm, x, dy, cfg, inputs, sizes)
     for dim in (2, 3):
         out[f"spatial_{dim}"] = spatial_exact(comm, inputs, cfg["pad"], dim)
-        out[f"dtensor_{dim}"] = dtensor_exact(comm, inputs, cfg["pad"], dim)
+        if peers:
+            out[f"dtensor_{dim}"] = dtensor_exact(comm, inputs, cfg["pad"], dim)
     return out
 
 
@@ -232,7 +264,7 @@ def fwd_bwd(
     return step
 
 
-def bn_steps(comm: TorchCommunicator, shape: list[int], eps: float) -> dict[str, Step]:
+def bn_steps(comm: Communicator, shape: list[int], eps: float) -> dict[str, Step]:
     from parallelkit.nn import SyncBatchNorm
 
     gen = torch.Generator().manual_seed(comm.rank)
@@ -244,7 +276,7 @@ def bn_steps(comm: TorchCommunicator, shape: list[int], eps: float) -> dict[str,
     }
 
 
-def conv_steps(comm: TorchCommunicator, shape: list[int], c_out: int, pad: int) -> dict[str, Step]:
+def conv_steps(comm: Communicator, shape: list[int], c_out: int, pad: int) -> dict[str, Step]:
     from parallelkit.nn import ChannelParallelConv2d
 
     gen = torch.Generator().manual_seed(0)
@@ -256,16 +288,18 @@ def conv_steps(comm: TorchCommunicator, shape: list[int], c_out: int, pad: int) 
 
 
 def dp_steps(
-    comm: TorchCommunicator, inputs: dict[str, torch.Tensor], batch: int, size: int, lr: float
+    comm: Communicator, inputs: dict[str, torch.Tensor], batch: int, size: int, lr: float
 ) -> dict[str, Step]:
-    """bare (no communication), parallelkit DataParallel and DDP: each its own model copy."""
+    """bare (no communication), parallelkit DataParallel and (on torch.distributed) DDP: each
+    its own model copy."""
     from parallelkit.parallel import DataParallel
 
     gen = torch.Generator().manual_seed(comm.rank)
     x = torch.randn(batch, 3, size, size, generator=gen)
     t = torch.randint(0, 10, (batch,), generator=gen)
     steps = {}
-    for name in ("bare", "parallelkit", "DDP"):
+    names = ("bare", "parallelkit", "DDP") if on_torch_dist(comm) else ("bare", "parallelkit")
+    for name in names:
         model = small_cnn(inputs, torch.float32)
         if name == "parallelkit":
             wrapped = DataParallel(model, comm)
@@ -288,8 +322,9 @@ def train_step(
     return step
 
 
-def spatial_steps(comm: TorchCommunicator, shape: list[int], pad: int) -> dict[str, Step]:
-    """Dense on the whole image, parallelkit on rows / columns, DTensor Shard(2) / Shard(3)."""
+def spatial_steps(comm: Communicator, shape: list[int], pad: int) -> dict[str, Step]:
+    """Dense on the whole image, parallelkit on rows / columns, and (on torch.distributed)
+    DTensor Shard(2) / Shard(3)."""
     import parallelkit as pk
     from parallelkit.nn import SpatialParallelConv2d
 
@@ -306,7 +341,7 @@ def spatial_steps(comm: TorchCommunicator, shape: list[int], pad: int) -> dict[s
         hw = tuple(shape[2:])  # given, so that no size all-gather runs
         step = fwd_bwd(lambda v, m=layer, hw=hw: m(v, size=hw), x_blk, dy_blk)
         steps[f"parallelkit {where}"] = step
-        dt = dtensor_step(comm, dense, x, dy, dim, pad)
+        dt = dtensor_step(comm, dense, x, dy, dim, pad) if on_torch_dist(comm) else None
         if dt is not None:
             steps[f"DTensor Shard({dim})"] = dt
     return steps
@@ -336,11 +371,8 @@ def dtensor_step(
     return step
 
 
-def measure(
-    steps: dict[str, Step], comm: TorchCommunicator, repeats: int, target_s: float
-) -> dict[str, Any]:
+def measure(steps: dict[str, Step], sync: Sync, repeats: int, target_s: float) -> dict[str, Any]:
     """Warm up, size the blocks, time them alternating; median of the slowest rank per step."""
-    sync = torch_sync(comm.group)
     for fn in steps.values():
         for _ in range(WARMUP):
             fn()
@@ -354,9 +386,10 @@ def measure(
     }
 
 
-def time_rank(comm: TorchCommunicator, cfg: dict, workdir: str) -> dict[str, Any]:
+def time_rank(comm: Communicator, cfg: dict, workdir: str) -> dict[str, Any]:
     """Every workload's variants, float32, on this rank; rank 0's answer is everyone's."""
     inputs = load_inputs(workdir)
+    sync = rank_sync(comm)
     torch.manual_seed(0)
     workloads = {
         "bn": lambda: bn_steps(comm, cfg["bn_shape"], cfg["eps"]),
@@ -365,6 +398,28 @@ def time_rank(comm: TorchCommunicator, cfg: dict, workdir: str) -> dict[str, Any
         "spatial": lambda: spatial_steps(comm, cfg["spatial_shape"], cfg["pad"]),
     }
     return {
-        name: measure(make(), comm, cfg["repeats"], cfg["target_s"])
+        name: measure(make(), sync, cfg["repeats"], cfg["target_s"])
         for name, make in workloads.items()
     }
+
+
+# ---------------------------------------------------------------------------- MPI ranks
+def mpi_worker(workdir: str) -> None:
+    """One rank under mpiexec on pk.init("mpi"): the exactness cases and the timings, as on
+    gloo; rank 0 writes ``WORKDIR/torch_mpi_<ranks>.pt``: {"exact": every rank's results,
+    "times": rank 0's, "mpi": the MPI library's version line}."""
+    import json
+
+    from mpi4py import MPI
+
+    import parallelkit as pk
+
+    torch.set_num_threads(1)
+    comm = pk.init("mpi", timeout=300)
+    cfg = json.loads((Path(workdir) / "config.json").read_text())
+    exact = comm.comm.gather(exact_rank(comm, cfg, workdir), root=0)
+    times = time_rank(comm, cfg, workdir)
+    if comm.rank == 0:
+        mpi = " ".join(MPI.Get_library_version().splitlines()[0].split())
+        record = {"exact": exact, "times": times, "mpi": mpi}
+        torch.save(record, Path(workdir) / f"torch_mpi_{comm.size}.pt")

@@ -204,20 +204,21 @@ def peers(record: dict, out: Path) -> list[Path]:
 
 
 def peers_times(timed: list[dict], path: Path) -> Path:
-    """One panel per workload: every framework's step time at each rank count."""
+    """One panel per workload: every framework's step time at each rank count, per transport
+    (a record saved before rows named their transport: by framework alone)."""
     workloads = list(dict.fromkeys(r["workload"] for r in timed))
     ranks = sorted({r["ranks"] for r in timed})
     fig, axes = plt.subplots(1, len(workloads), figsize=(4.2 * len(workloads), 4.2), squeeze=False)
     width = 0.8 / len(ranks)
     for ax, w in zip(axes[0], workloads, strict=True):
-        frameworks = list(dict.fromkeys(r["framework"] for r in timed if r["workload"] == w))
+        frameworks = list(dict.fromkeys(peers_label(r) for r in timed if r["workload"] == w))
         for i, n in enumerate(ranks):
             ms = [
                 next(
                     (
                         r["s"] * 1e3
                         for r in timed
-                        if (r["workload"], r["framework"], r["ranks"]) == (w, f, n)
+                        if (r["workload"], peers_label(r), r["ranks"]) == (w, f, n)
                     ),
                     0.0,
                 )
@@ -241,12 +242,12 @@ def peers_exactness(exact: list[dict], path: Path) -> Path:
     refused to run is named under the axis."""
     most = max(r["ranks"] for r in exact)
     rows = [r for r in exact if r["ranks"] == most and r["errors"]]
-    refused = sorted({r["framework"] for r in exact if r["ranks"] == most and not r["errors"]})
+    refused = sorted({peers_label(r) for r in exact if r["ranks"] == most and not r["errors"]})
     worst = [max((e if isinstance(e, float) else 1.0) for e in r["errors"].values()) for r in rows]
     fig, ax = plt.subplots(figsize=(8, 0.35 * len(rows) + 1.8))
     colors = ["C2" if e <= 1e-9 else "C3" for e in worst]
     ax.barh(range(len(rows)), [max(e, ERROR_FLOOR) for e in worst], color=colors)
-    labels = [f"{r['workload']}: {short(r['framework'])} ({r['case']})" for r in rows]
+    labels = [f"{r['workload']}: {short(peers_label(r))} ({r['case']})" for r in rows]
     ax.set_yticks(range(len(rows)), labels, fontsize=7)
     ax.set_xscale("log")
     ax.axvline(1e-9, color="black", lw=0.8, ls=":")
@@ -256,6 +257,12 @@ def peers_exactness(exact: list[dict], path: Path) -> Path:
         xlabel += "\nrefused, not drawn: " + ", ".join(refused)
     ax.set(xlabel=xlabel, title=f"exactness at {most} ranks")
     return save_fig(fig, path)
+
+
+def peers_label(row: dict) -> str:
+    """A peers row's framework with its transport ("parallelkit SyncBatchNorm, MPICH")."""
+    transport = row.get("transport")
+    return f"{row['framework']}, {transport}" if transport else row["framework"]
 
 
 def short(framework: str) -> str:

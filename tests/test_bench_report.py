@@ -18,25 +18,44 @@ import peers_report
 
 CHAINER_BN = "ChainerMN MultiNodeBatchNormalization"
 PK_BN = "parallelkit SyncBatchNorm"
+CHAINER_DP, PK_DP = "ChainerMN multi-node optimizer", "parallelkit DataParallel"
 
 
 def timed_rows() -> list[dict]:
+    def t(workload: str, framework: str, transport: str, ranks: int, s: float) -> dict:
+        return {
+            "workload": workload,
+            "framework": framework,
+            "transport": transport,
+            "ranks": ranks,
+            "s": s,
+        }
+
     return [
-        {"workload": "bn", "framework": "chainer local BatchNormalization", "ranks": 2, "s": 0.01},
-        {"workload": "bn", "framework": "torch local BatchNorm2d", "ranks": 2, "s": 0.004},
-        {"workload": "bn", "framework": CHAINER_BN, "ranks": 1, "s": 0.010},
-        {"workload": "bn", "framework": CHAINER_BN, "ranks": 2, "s": 0.015},
-        {"workload": "bn", "framework": PK_BN, "ranks": 1, "s": 0.004},
-        {"workload": "bn", "framework": PK_BN, "ranks": 2, "s": 0.005},
-        {"workload": "spatial", "framework": "DTensor Shard(2)", "ranks": 2, "s": 0.08},
+        t("bn", "chainer local BatchNormalization", "MPICH", 2, 0.01),
+        t("bn", CHAINER_BN, "MPICH", 1, 0.010),
+        t("bn", CHAINER_BN, "MPICH", 2, 0.015),
+        t("bn", "torch local BatchNorm2d", "MPICH", 2, 0.004),
+        t("bn", PK_BN, "MPICH", 1, 0.004),
+        t("bn", PK_BN, "MPICH", 2, 0.005),
+        t("bn", "torch local BatchNorm2d", "gloo", 2, 0.003),
+        t("bn", PK_BN, "gloo", 1, 0.004),
+        t("bn", PK_BN, "gloo", 2, 0.006),
+        t("dp", "chainer bare (plain SGD)", "MPICH", 2, 0.100),
+        t("dp", CHAINER_DP, "MPICH", 1, 0.090),
+        t("dp", CHAINER_DP, "MPICH", 2, 0.101),
+        t("dp", "torch bare (plain SGD)", "MPICH", 2, 0.020),
+        t("dp", PK_DP, "MPICH", 1, 0.010),
+        t("dp", PK_DP, "MPICH", 2, 0.023),
+        t("spatial", "DTensor Shard(2)", "gloo", 2, 0.08),
     ]
 
 
 def exact_rows() -> list[dict]:
     row = {"workload": "bn", "ranks": 2, "case": "uneven", "note": ""}
     return [
-        {**row, "framework": PK_BN, "errors": {"y": 4e-16, "gx": 6e-16}},
-        {**row, "framework": CHAINER_BN, "errors": {"y": 5.7e-2, "gx": 1.9e-1}},
+        {**row, "framework": PK_BN, "transport": "MPICH", "errors": {"y": 4e-16, "gx": 6e-16}},
+        {**row, "framework": CHAINER_BN, "transport": "MPICH", "errors": {"y": 5.7e-2, "gx": 0.19}},
         {**row, "framework": "DTensor conv", "errors": {"y": 1e-16, "gx": "not produced"}},
         {**row, "framework": "torch.nn.SyncBatchNorm", "errors": {}, "note": "ValueError: GPU"},
     ]
@@ -47,24 +66,98 @@ def test_verdicts() -> None:
     assert verdicts == ["exact", "WRONG", "WRONG", "refused"]
 
 
-def test_key_ratios_take_only_measured_pairs() -> None:
-    ratios = {r["measure"]: r["ratio"] for r in peers_report.key_ratios(timed_rows())}
-    assert ratios["ChainerMN overhead: MultiNodeBN / local BN, 2 ranks"] == pytest.approx(1.5)
-    key = "parallelkit overhead: SyncBatchNorm / local BatchNorm2d, 2 ranks"
-    assert ratios[key] == pytest.approx(1.25)
-    assert ratios["ChainerMN / parallelkit, 2 ranks (different times)"] == pytest.approx(3.0)
+def test_mpi_transport() -> None:
+    assert peers_report.mpi_transport("MPICH Version:      5.0.2") == "MPICH"
+    assert peers_report.mpi_transport("Open MPI v4.1.5, package: Open MPI") == "Open MPI"
+    assert peers_report.mpi_transport("MVAPICH2 Version      :\t2.3.7") == "MVAPICH"
+
+
+def test_key_ratios_take_only_measured_pairs_on_their_transport() -> None:
+    rows = peers_report.key_ratios(timed_rows())
+    ratios = {r["measure"]: r["ratio"] for r in rows if r["workload"] == "bn"}
+    assert ratios["ChainerMN overhead (MPICH): MultiNodeBN / local BN, 2 ranks"] == pytest.approx(
+        1.5
+    )
+    mpi = "parallelkit overhead (MPICH): SyncBatchNorm / local BatchNorm2d, 2 ranks"
+    gloo = "parallelkit overhead (gloo): SyncBatchNorm / local BatchNorm2d, 2 ranks"
+    assert ratios[mpi] == pytest.approx(1.25)  # the MPICH rows, not gloo's
+    assert ratios[gloo] == pytest.approx(2.0)
+    key = "ChainerMN / parallelkit, 2 ranks, both MPICH (different times)"
+    assert ratios[key] == pytest.approx(3.0)
     # no 1-rank local batch norm was timed: no raw-speed ratio
     # parallelkit's spatial rows were not timed: no DTensor ratio, no division by nothing
-    assert not any("DTensor" in m or "raw speed" in m for m in ratios)
+    assert not any("DTensor" in r["measure"] or "raw speed" in r["measure"] for r in rows)
+
+
+def test_overheads_ratio_and_added_ms() -> None:
+    over = {(o["workload"], o["framework"], o["transport"]): o for o in overheads()}
+    assert len(over) == 5  # no DDP timed, no gloo DataParallel
+    chainer = over["bn", CHAINER_BN, "MPICH"]
+    assert chainer["ratio"] == pytest.approx(1.5)
+    assert chainer["added_ms"] == pytest.approx(5.0)  # 15 ms at 2 ranks - 10 ms at 1
+    assert chainer["base_ratio"] == pytest.approx(1.5)
+    assert chainer["base_added_ms"] == pytest.approx(5.0)  # over local BN, 10 ms
+    pk = over["bn", PK_BN, "gloo"]
+    assert pk["added_ms"] == pytest.approx(2.0)
+    assert pk["base_added_ms"] == pytest.approx(3.0)  # over gloo's local BN, not MPICH's
+    pk_dp = over["dp", PK_DP, "MPICH"]
+    assert pk_dp["added_ms"] == pytest.approx(13.0)
+    assert pk_dp["base_added_ms"] == pytest.approx(3.0)
+    table = peers_report.overhead_table(list(over.values()))
+    assert f"| bn | {CHAINER_BN} | MPICH | 10.00 | 15.00 | 1.50 | +5.00 ms | 10.00 | 1.50 " in table
+    assert "| added per step (2 − 1) |" in table
+
+
+def overheads() -> list[dict]:
+    return peers_report.overheads(timed_rows())
+
+
+def test_goal_verdict() -> None:
+    # SyncBN: parallelkit adds 1 ms (vs 5) over 1 rank and 1 ms (vs 5) over local BN: met.
+    # DP: 13 ms (vs 11) over 1 rank, 3 ms (vs 1) over plain SGD: missed.
+    line = peers_report.goal_verdict(overheads())
+    assert line.startswith("**Goal, parallelkit's added time per step at or below ChainerMN's,")
+    assert "both on MPICH: not met.**" in line
+    assert "SyncBN met (parallelkit +1.00 ms vs ChainerMN +5.00 ms over its 1-rank step;" in line
+    assert "DP missed (parallelkit +13.00 ms vs ChainerMN +11.00 ms" in line
+    assert "\n" not in line
+    # parallelkit's DP adds less than ChainerMN's over plain SGD, more over 1 rank: split
+    pk_dp = {1: 0.005, 2: 0.0205}  # +15.5 ms over 1 rank (11), +0.5 ms over plain SGD (1)
+    faster = [{**r, "s": pk_dp[r["ranks"]]} if r["framework"] == PK_DP else r for r in timed_rows()]
+    line = peers_report.goal_verdict(peers_report.overheads(faster))
+    assert "DP split" in line and "not met" in line
+    both = [r for r in faster if r["workload"] == "bn"]
+    both += [
+        {**r, "s": 0.0101} if r["framework"] == PK_DP and r["ranks"] == 2 else r
+        for r in timed_rows()
+        if r["workload"] == "dp"
+    ]
+    assert "MPICH: met.**" in peers_report.goal_verdict(peers_report.overheads(both))
+    # parallelkit on gloo only: nothing on MPI to set beside ChainerMN
+    gloo = [
+        r
+        for r in timed_rows()
+        if not r["framework"].startswith("parallelkit") or r["transport"] == "gloo"
+    ]
+    assert "SyncBN not measured on MPI" in peers_report.goal_verdict(peers_report.overheads(gloo))
+    # another MPI library than ChainerMN's: not like for like
+    other = [{**r, "transport": "Open MPI"} if r["framework"] == PK_BN else r for r in timed_rows()]
+    other = [r for r in other if r["transport"] != "gloo"]
+    line = peers_report.goal_verdict(peers_report.overheads(other))
+    assert "SyncBN not comparable (ChainerMN on MPICH, parallelkit on Open MPI)" in line
 
 
 def test_tables() -> None:
     times = peers_report.time_table(timed_rows())
-    assert f"| bn | {CHAINER_BN} | 10.00 | 15.00 | 1.50 |" in times
-    assert "| spatial | DTensor Shard(2) | - | 80.00 | - |" in times
+    assert f"| bn | {CHAINER_BN} | MPICH | 10.00 | 15.00 | 1.50 | +5.00 |" in times
+    assert f"| bn | {PK_BN} | gloo | 4.00 | 6.00 | 1.50 | +2.00 |" in times
+    assert "| spatial | DTensor Shard(2) | gloo | - | 80.00 | - | - |" in times
     exact = peers_report.exact_table(exact_rows())
-    assert "| WRONG | y 5.7e-02, gx 1.9e-01 |" in exact
+    assert f"| {CHAINER_BN} | MPICH | 2 | uneven | WRONG | y 5.7e-02, gx 1.9e-01 |" in exact
     assert "| refused |  | ValueError: GPU |" in exact
+    text = peers_report.report(exact_rows(), timed_rows(), [], {2: 0.5}, {"torch": "2"}, "cmd")
+    assert "## Parallel overhead per step" in text
+    assert peers_report.goal_verdict(overheads()) in text
 
 
 def test_plots_write_pngs(tmp_path: Path) -> None:
