@@ -7,6 +7,11 @@ spawned ranks inherit that path). What lives here is the part they share to the 
 - timing on the ranks: ``Sync`` (barrier and max-reduction over the ranks), ``torch_sync``,
   ``time_block`` / ``time_block_cpu`` (seconds per call on the slowest rank), ``choose_iters``
   (calls per block) and ``alternating`` (the order of the variants round by round);
+  ``comm_sync`` picks the barrier of a gloo or an MPI communicator;
+- the ceiling of a scaling benchmark: ``ceiling_rows`` (the rows a rank's dense share runs
+  on) and ``scaling`` (speedup, ceiling speedup and efficiency from the step times);
+- ranks under MPI: ``run_mpi`` starts a script's ranks under mpiexec, ``mpi_worker`` is the
+  rank's side (a hidden ``--worker JOB OUT`` flag of the script);
 - the split of a step: ``timed_methods`` adds up the time spent inside each kind of the
   communicator's collectives (``CATEGORIES``), and ``ByteCounter`` the halo bytes;
 - the load that other processes put on the machine meanwhile, from /proc (``OtherLoad``);
@@ -23,10 +28,12 @@ import contextlib
 import datetime
 import json
 import os
+import pickle
 import platform
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
@@ -42,10 +49,20 @@ MAX_ITERS = 10_000
 
 # ---------------------------------------------------------------------------- timing (ranks)
 class Sync(NamedTuple):
-    """The raw backend's barrier and max-reduction of one float, used around timed blocks."""
+    """The raw backend's barrier and max-reduction of one float, used around timed blocks.
+
+    ``idle`` is a barrier for a rank that has nothing to do while another computes alone: it
+    must not take a core from it. gloo's barrier sleeps; MPI's spins (MPICH's takes ~30 % of a
+    core), so MPI's ``idle`` polls a non-blocking barrier with short sleeps.
+    """
 
     barrier: Callable[[], None]
     max: Callable[[float], float]
+    idle: Callable[[], None] | None = None
+
+    def wait_idle(self) -> None:
+        """``idle`` where there is one, else ``barrier``."""
+        (self.idle or self.barrier)()
 
 
 def torch_sync(group: Any) -> Sync:
@@ -58,6 +75,23 @@ def torch_sync(group: Any) -> Sync:
         return t.item()
 
     return Sync(lambda: dist.barrier(group=group), allmax)
+
+
+def mpi_sync(mc: Any) -> Sync:
+    """``Sync`` on an mpi4py communicator."""
+    from mpi4py import MPI
+
+    def idle() -> None:
+        request = mc.Ibarrier()
+        while not request.Test():
+            time.sleep(1e-3)
+
+    return Sync(mc.Barrier, lambda x: mc.allreduce(x, op=MPI.MAX), idle)
+
+
+def comm_sync(comm: Any) -> Sync:
+    """``Sync`` on a parallelkit communicator: its process group (gloo) or its mpi4py comm."""
+    return mpi_sync(comm.comm) if comm.backend == "mpi" else torch_sync(comm.group)
 
 
 def time_block(fn: Callable[[], object], iters: int, sync: Sync) -> float:
@@ -100,6 +134,81 @@ def alternating(names: Sequence[str], rounds: int) -> Iterator[str]:
     """The variants to time, round by round: in order on even rounds, reversed on odd ones."""
     for r in range(rounds):
         yield from names if r % 2 == 0 else names[::-1]
+
+
+# ---------------------------------------------------------------------------- ceiling
+def ceiling_rows(total: int, parts: int, rank: int, halo: int, align: int = 1) -> slice:
+    """The rows of a ``total``-row dimension that rank ``rank`` of ``parts`` runs its dense
+    share of a ceiling variant on: its ``torch.tensor_split`` block, extended by ``halo`` rows
+    on each side that has a neighbour, then by as many more as make its length a multiple of
+    ``align`` (a network whose shapes need it, as a U-Net's skips do), within the dimension.
+
+    The ceiling is each rank computing its share of the dense work with no communication; the
+    halo stands for the rows a rank needs from its neighbours, not the network's whole
+    receptive field (that would recompute work no parallel variant does, and flatter them).
+    """
+    from parallelkit.geometry import tensor_split_sizes
+
+    sizes = tensor_split_sizes(total, parts)
+    start = sum(sizes[:rank])
+    lo, hi = max(0, start - halo), min(total, start + sizes[rank] + halo)
+    while (hi - lo) % align and (hi - lo) < total:
+        if hi < total:
+            hi += 1
+        else:
+            lo -= 1
+    return slice(lo, hi)
+
+
+def scaling(dense: float, ceiling: float, variant: float) -> dict[str, float]:
+    """Speedup, ceiling speedup and efficiency of a parallel variant, from three step times.
+
+    speedup = dense / variant; ceiling speedup = dense / ceiling, the step every rank takes
+    running its own share of the dense work at the same time as the others, without
+    communication (on a shared CPU node less than P: the ranks share memory bandwidth and
+    clocks); efficiency = speedup / ceiling speedup (= ceiling / variant), the part of the
+    attainable speedup the variant gets.
+    """
+    speedup, ceiling_speedup = dense / variant, dense / ceiling
+    return {
+        "speedup": speedup,
+        "ceiling_speedup": ceiling_speedup,
+        "efficiency": speedup / ceiling_speedup,
+    }
+
+
+# ---------------------------------------------------------------------------- MPI ranks
+def mpiexec() -> str:
+    """The mpiexec next to this Python (a venv's mpi4py), else the one on PATH."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.exists() else "mpiexec"
+
+
+def run_mpi(script: str, n: int, args: tuple, timeout: float) -> list[Any]:
+    """``n`` ranks of ``script --worker JOB OUT`` under mpiexec; every rank's result, by rank.
+
+    ``args`` travel to the ranks by pickle in the file JOB, the results back in OUT. The ranks
+    run the script as ``__main__``, as the parent does, so its classes unpickle on both sides.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        job, out = Path(tmp, "job.pkl"), Path(tmp, "out.pkl")
+        job.write_bytes(pickle.dumps(args))
+        command = [mpiexec(), "-n", str(n), sys.executable, script, "--worker", str(job), str(out)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        subprocess.run(command, check=True, env=env, timeout=timeout)
+        return pickle.loads(out.read_bytes())
+
+
+def mpi_worker(fn: Callable[..., Any], job: str, out: str, timeout: float) -> None:
+    """One rank under mpiexec: ``fn(comm, *args)`` on ``pk.init("mpi")``; rank 0 writes every
+    rank's result to ``out``."""
+    torch.set_num_threads(1)
+    import parallelkit as pk
+
+    comm = pk.init("mpi", timeout=timeout)
+    results = comm.comm.gather(fn(comm, *pickle.loads(Path(job).read_bytes())), root=0)
+    if comm.rank == 0:
+        Path(out).write_bytes(pickle.dumps(results))
 
 
 # ---------------------------------------------------------------------------- split (ranks)

@@ -9,11 +9,14 @@ random images per rank. A step is ``zero_grad`` + forward + cross-entropy + back
 (momentum) step. Every variant trains its own copy of the same initial weights with its own
 optimizer on the same batch, all in the same processes:
 
-    1 rank    bare        the model, unwrapped
+    1 rank    dense       the model, unwrapped, on the global batch of the comparison (the
+                          per-rank batch x ``--ranks`` images): the reference of the speedups
+              bare        the model, unwrapped
               pk          DataParallel(model, LocalCommunicator())
               ddp         DistributedDataParallel(model, process_group=<gloo group of 1 rank>)
     2 ranks   bare        the model, unwrapped, on both ranks at once: no communication, but
-                          the same contention for cores, caches and memory as the others
+                          the same contention for cores, caches and memory as the others; the
+                          ceiling (every rank its share of the global batch at the same time)
               ddp         DistributedDataParallel(model, process_group=comm.group)  (25 MiB)
               pk          DataParallel(model, comm)                                 (25 MiB)
               pk cap=C    DataParallel(model, comm, bucket_cap_mb=C): the bucket sweep,
@@ -28,9 +31,15 @@ reversed on odd ones, so drift and noise hit all variants alike. A block starts 
 and its time is all-reduced with max; a variant's step time is the median over rounds of the
 slowest rank's time per step. The JSON file next to the markdown holds every block.
 
+Speedup = dense step on 1 rank / a variant's step on the ranks (the same global batch); the
+ceiling speedup = dense / bare on the ranks: on a shared CPU node less than the rank count, as
+the ranks share memory bandwidth and clocks, and the honest limit; efficiency = speedup /
+ceiling speedup (= bare / variant).
+
 Goals (measured, not tuned for): pk/ddp step time <= 1.00 at 2 ranks; pk on 1 rank within 3 %
-of the bare model. The parent launches the ranks with ``parallelkit.testing.Ranks`` (gloo), one
-thread each, and saves the results under ``benchmarks/results/``.
+of the bare model; efficiency >= 0.9 at 2 ranks. The parent launches the ranks
+with ``parallelkit.testing.Ranks`` (gloo), one thread each, and saves the results under
+``benchmarks/results/``.
 """
 
 from __future__ import annotations
@@ -56,6 +65,7 @@ from _common import (
     environment,
     library_state,
     save,
+    scaling,
     time_block_cpu,
     torch_sync,
 )
@@ -67,6 +77,7 @@ WORKER_TIMEOUT_S = 1800.0
 NUM_CLASSES = 10
 GOAL_PK_OVER_DDP = 1.00  # at 2 ranks
 GOAL_PK_OVER_BARE = 1.03  # on 1 rank
+GOAL_EFFICIENCY = 0.9  # speedup / ceiling speedup, at 2 ranks
 
 
 @dataclass
@@ -89,6 +100,7 @@ class Variant:
     name: str
     wrapper: str
     bucket_cap_mb: float = 25.0
+    global_batch: bool = False  # the whole batch of ``Config.ranks`` ranks, not one rank's
 
 
 # ---------------------------------------------------------------------------- the model
@@ -187,8 +199,14 @@ def rank_run(
     gen = torch.Generator().manual_seed(1000 + comm.rank)  # every rank its own batch
     x = torch.randn(cfg.batch, 3, image_size, image_size, generator=gen)
     y = torch.randint(0, NUM_CLASSES, (cfg.batch,), generator=gen)
+    whole = cfg.batch * cfg.ranks  # the global batch, for the 1-rank dense reference
+    x_all = torch.randn(whole, 3, image_size, image_size, generator=gen)
+    y_all = torch.randint(0, NUM_CLASSES, (whole,), generator=gen)
     models = {v.name: wrap(copy.deepcopy(base), v, comm) for v in variants}
-    steps = {name: make_step(m, x, y) for name, m in models.items()}
+    steps = {
+        v.name: make_step(models[v.name], *((x_all, y_all) if v.global_batch else (x, y)))
+        for v in variants
+    }
     sync = torch_sync(comm.group)
     for step in steps.values():
         for _ in range(cfg.warmup):
@@ -211,7 +229,12 @@ def rank_run(
 # ---------------------------------------------------------------------------- launch (parent)
 def variants_for(n: int, cfg: Config, sweep: bool) -> list[Variant]:
     if n == 1:
-        return [Variant("bare", "bare"), Variant("pk", "pk"), Variant("ddp", "ddp")]
+        return [
+            Variant("dense", "bare", global_batch=True),
+            Variant("bare", "bare"),
+            Variant("pk", "pk"),
+            Variant("ddp", "ddp"),
+        ]
     caps = [c for c in cfg.sweep if c != 25.0] if sweep else []
     return [
         Variant("bare", "bare"),
@@ -323,6 +346,40 @@ def _ratio(hw, label, row_a, a, row_b, b, goal) -> dict[str, Any]:
     }
 
 
+def scaling_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per image size, rank count > 1 and wrapper: speedup over the 1-rank dense step on the
+    global batch, the ceiling's (bare on the ranks) and the efficiency."""
+    out = []
+    for r in rows:
+        one = next(o for o in rows if o["image_size"] == r["image_size"] and o["ranks"] == 1)
+        if r["ranks"] == 1 or "dense" not in one["times"]:
+            continue
+        dense, ceiling = median(one, "dense") * 1e3, median(r, "bare") * 1e3
+        for name in ("ddp", "pk"):
+            ms = median(r, name) * 1e3
+            got = scaling(dense, ceiling, ms)
+            out.append({"image_size": r["image_size"], "ranks": r["ranks"], "variant": name,
+                        "dense_ms": dense, "ceiling_ms": ceiling, "ms": ms, **got})  # fmt: skip
+    return out
+
+
+def scaling_table(scaled: list[dict[str, Any]]) -> str:
+    lines = [
+        "| image | ranks | dense 1 rank, global batch (ms) | ceiling = bare (ms) "
+        "| ceiling speedup | variant | step (ms) | speedup | efficiency |",
+        "|---|--:|--:|--:|--:|---|--:|--:|--:|",
+    ]
+    for s in scaled:
+        goal = "met" if s["efficiency"] >= GOAL_EFFICIENCY else "MISSED"
+        lines.append(
+            f"| {s['image_size']}x{s['image_size']} | {s['ranks']} | {s['dense_ms']:.0f} "
+            f"| {s['ceiling_ms']:.0f} | {s['ceiling_speedup']:.2f} | {s['variant']} "
+            f"| {s['ms']:.0f} | {s['speedup']:.2f} | {s['efficiency']:.2f} "
+            f"(goal >= {GOAL_EFFICIENCY}: {goal}) |"
+        )
+    return "\n".join(lines)
+
+
 def summary_table(summary: list[dict[str, Any]]) -> str:
     lines = [
         "| image | measure | numerator (ms) | denominator (ms) | ratio | goal |",
@@ -339,7 +396,13 @@ def summary_table(summary: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def report(rows: list[dict[str, Any]], summary: list[dict[str, Any]], env, cfg: Config) -> str:
+def report(
+    rows: list[dict[str, Any]],
+    summary: list[dict[str, Any]],
+    env,
+    cfg: Config,
+    scaled: list[dict[str, Any]] = (),
+) -> str:
     """The whole markdown document."""
     params = rows[0]["params"]
     pairs = zip(cfg.image_sizes, cfg.repeats, strict=True)
@@ -375,6 +438,16 @@ def report(rows: list[dict[str, Any]], summary: list[dict[str, Any]], env, cfg: 
         "## Summary",
         "",
         summary_table(summary),
+        "",
+        "## Scaling against the ceiling",
+        "",
+        f"dense = the bare model on 1 rank with the global batch ({cfg.ranks} x {cfg.batch} "
+        f"images); ceiling = 'bare' on {cfg.ranks} ranks, every rank its share of that batch at "
+        "the same time, no communication: what the ranks can reach on this machine, below the "
+        "rank count where they share memory bandwidth and clocks. speedup = dense / variant; "
+        "ceiling speedup = dense / ceiling; efficiency = speedup / ceiling speedup.",
+        "",
+        scaling_table(list(scaled)),
     ]
     for row in rows:
         parts += ["", f"## {run_title(row)}", "", run_table(row)]
@@ -430,10 +503,12 @@ def main() -> None:
     env = environment(parallelkit=library_state())
     start = time.monotonic()
     rows = run_all(cfg)
-    summary = summary_rows(rows)
+    summary, scaled = summary_rows(rows), scaling_rows(rows)
     print("\n## Summary\n\n" + summary_table(summary))
+    print("\n## Scaling against the ceiling\n\n" + scaling_table(scaled))
     print(f"\ntotal {time.monotonic() - start:.0f} s")
-    json_path = save(args.out, report(rows, summary, env, cfg), env, cfg, rows, summary=summary)
+    text = report(rows, summary, env, cfg, scaled)
+    json_path = save(args.out, text, env, cfg, rows, summary=summary, scaling=scaled)
     print(f"\nwrote {args.out} and {json_path}")
 
 

@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/spatial_volume.py   # ~5 min, 2 free cores
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/spatial_volume.py --quick   # smoke, < 1 min
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/spatial_volume.py --backend mpi  # mpiexec
 
 Two workloads, each one training step without the optimizer (forward + backward of the loss,
 every parameter's gradient), batch 1, float32:
@@ -15,12 +16,15 @@ every parameter's gradient), batch 1, float32:
             256^3 volume (a tensor is 512 MiB: C = 8 keeps the dense step within ~4 GiB, and
             C = 4 falls onto a slow path of torch's CPU Conv3d); loss = mean of y^2
 
-Variants, in one pool of 2 gloo ranks (``parallelkit.testing.Ranks``, one compute thread each,
-so a rank stands for one device), round by round in alternating order:
+Variants, in one pool of 2 gloo ranks (``parallelkit.testing.Ranks``) or, with ``--backend
+mpi``, 2 ranks per workload that the script starts under mpiexec (the one next to this Python)
+with ``pk.init("mpi")``; one compute thread each, so a rank stands for one device; round by
+round in alternating order:
 
     dense   the plain model on the whole volume, on rank 0 alone; rank 1 waits in a barrier
             (its CPU time meanwhile is reported: it must be ~0, or the dense step would share
-            the cores with it)
+            the cores with it; MPI's barrier spins, so under MPI rank 1 polls a non-blocking
+            one with 1 ms sleeps)
     pk      ``pk.parallelize(model, comm, "spatial", spatial_input="blocks",
             spatial_output="blocks", spatial_size=(D, H, W))`` on both ranks: D split in two,
             every rank passing only its half of the volume (and of the labels) and computing
@@ -40,6 +44,19 @@ so a rank stands for one device), round by round in alternating order:
             The whole volume meets the line less often, but not never: dense / "dense, pk's
             kernel" says how much of the ratio is the kernel, and "dense, pk's kernel" / pk
             what the split alone gives
+    ceiling the plain model, no communication, on both ranks at once, each on its
+            torch.tensor_split half of D plus the plane the first 3x3x3 convolution reads
+            past it, extended for the U-Net to a multiple of 4 planes (its two poolings' skips
+            need it: 64 + 4 of 128 planes, ~6 % more than its share; the stack: 128 + 1 of
+            256), and its labels' planes. Not the network's receptive field: pk fetches each
+            layer's halo rather than recomputing it, and a ceiling that did more work would
+            flatter pk. Its Conv3d go through the spatial layers' kernel choice, as pk's do:
+            on torch's own, a half-depth block falls onto ``slow_conv3d`` (below), and in a
+            smoke run the ceiling was slower than the whole dense step. Ceiling speedup =
+            dense / ceiling: on a shared CPU node less than 2, as the ranks share memory
+            bandwidth and clocks; it is the honest limit of the 2-rank speedup. Efficiency =
+            (dense / pk) / (dense / ceiling) = ceiling / pk (goals over MPI: U-Net
+            128^3 speedup >= 1.7, efficiency >= 0.9)
 
 Every variant runs in the same processes at the same time of the run, so the other processes'
 load on this shared machine falls on both alike. Timing: ``--warmup`` untimed rounds, then
@@ -89,15 +106,21 @@ from _common import (
     ByteCounter,
     OtherLoad,
     alternating,
+    ceiling_rows,
+    comm_sync,
     command_line,
     environment,
+    mpi_worker,
+    run_mpi,
     save,
+    scaling,
     timed_methods,
-    torch_sync,
 )
 
 PARTS = ("halo exchange", "reductions", "host metadata", "compute and the rest")
-GOAL = 1.6  # dense step / 2-rank step
+GOAL = 1.7  # dense step / 2-rank step
+GOAL_EFFICIENCY = 0.9  # speedup / ceiling speedup
+CEILING_HALO = 1  # planes: what a 3x3x3 convolution, padding 1, reads past a block
 RANKS = 2
 WORKER_TIMEOUT_S = 3000.0
 
@@ -112,6 +135,7 @@ class Config:
     warmup: int = 1
     repeats: int = 3
     kernel_diagnostic: bool = True  # also time dense with the spatial layers' Conv3d kernels
+    backend: str = "gloo"  # or "mpi": ranks under mpiexec
 
 
 # ---------------------------------------------------------------------------- the models
@@ -132,6 +156,11 @@ def workload(name: str, cfg: Config) -> tuple[nn.Module, tuple[int, ...], str]:
     s = cfg.stack_size
     shape = (1, cfg.stack_channels, s, s, s)
     return conv_stack(cfg.stack_channels, cfg.stack_layers), shape, "mean square"
+
+
+def ceiling_align(name: str, cfg: Config) -> int:
+    """The multiple of planes a workload's input depth must be: the U-Net's total pooling."""
+    return 2 ** (len(cfg.unet_widths) - 1) if name == "unet" else 1
 
 
 def loss_sum(y: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
@@ -178,6 +207,21 @@ def rank_job(comm: Any, cfg: Config, name: str) -> dict[str, Any]:
     count *= 1 if target is not None else shape[1]
     x_blk = x.tensor_split(comm.size, dim=2)[comm.rank].clone()  # this rank's half of D
     t_blk = None if target is None else target.tensor_split(comm.size, dim=1)[comm.rank].clone()
+    # The ceiling's share: this rank's half of D with its halo planes, on the plain model.
+    planes = ceiling_rows(shape[2], comm.size, comm.rank, CEILING_HALO, ceiling_align(name, cfg))
+    x_ceil = x[:, :, planes].clone()
+    t_ceil = None if target is None else target[:, planes].clone()
+    ceil_model = copy.deepcopy(base)
+    ceil_params = list(ceil_model.parameters())
+
+    def ceiling_step() -> tuple[float, float]:
+        for p in ceil_params:
+            p.grad = None
+        start = time.perf_counter()
+        loss = loss_sum(ceil_model(x_ceil), t_ceil) / count
+        loss.backward()
+        return time.perf_counter() - start, loss.item()
+
     if comm.rank != 0:
         del x, target  # only rank 0 runs the dense model on the whole volume
 
@@ -212,7 +256,7 @@ def rank_job(comm: Any, cfg: Config, name: str) -> dict[str, Any]:
     def dense_or_wait() -> tuple[float, float]:
         return dense_step() if dense_step is not None else (0.0, 0.0)
 
-    sync = torch_sync(comm.group)
+    sync = comm_sync(comm)
     times: dict[str, list[float]]
     losses: dict[str, float] = {}
     idle = {"cpu_s": 0.0, "wall_s": 0.0}  # rank 1 while rank 0 runs the dense step
@@ -221,6 +265,7 @@ def rank_job(comm: Any, cfg: Config, name: str) -> dict[str, Any]:
     bytes_bwd: dict[str, int] = {}
     spent: dict[str, float] = defaultdict(float)
     names = ["dense", "pk"] + (["dense, pk's kernel"] if cfg.kernel_diagnostic else [])
+    names.append("ceiling")
     times = {v: [] for v in names}
     cpu_times: dict[str, list[float]] = {v: [] for v in names}
     for round_, variant in enumerate(alternating(names, cfg.warmup + cfg.repeats)):
@@ -230,10 +275,16 @@ def rank_job(comm: Any, cfg: Config, name: str) -> dict[str, Any]:
         if variant == "dense, pk's kernel":
             with pk_kernels():
                 t, loss = dense_or_wait()
+            sync.wait_idle()  # rank 1 waits without taking a core from rank 0
+            t = sync.max(t)
+        elif variant == "ceiling":  # both ranks at once, no communication, pk's Conv3d kernel
+            with pk_kernels():
+                t, loss = ceiling_step()
             t = sync.max(t)
         elif variant == "dense":
             cpu, wall = time.process_time(), time.perf_counter()
             t, loss = dense_or_wait()
+            sync.wait_idle()
             t = sync.max(t)
             if comm.rank != 0 and timed:
                 idle["cpu_s"] += time.process_time() - cpu
@@ -254,7 +305,7 @@ def rank_job(comm: Any, cfg: Config, name: str) -> dict[str, Any]:
             t = sync.max(t)
             if timed:
                 split_rows.append(row)
-        ran = variant.startswith("pk") or comm.rank == 0
+        ran = variant in ("pk", "ceiling") or comm.rank == 0
         cpu = sync.max(time.process_time() - cpu0 if ran else 0.0)  # all of the rank's threads
         losses.setdefault(variant, loss)
         if timed:
@@ -332,14 +383,21 @@ def predicted_halo(name: str, cfg: Config, parts: int = RANKS) -> list[dict[str,
 
 # ---------------------------------------------------------------------------- parent
 def run(cfg: Config, names: list[str]) -> list[dict[str, Any]]:
-    """Every workload in one pool of 2 gloo ranks; rank 0's result plus both ranks' bytes."""
+    """Every workload on 2 ranks (gloo: one pool; mpi: mpiexec per workload); rank 0's result
+    plus both ranks' bytes."""
     from parallelkit.testing import Ranks
 
     rows = []
-    with Ranks(RANKS, "gloo", comm_timeout=WORKER_TIMEOUT_S) as ranks:
+    with contextlib.ExitStack() as stack:
+        if cfg.backend == "gloo":
+            ranks = stack.enter_context(Ranks(RANKS, "gloo", comm_timeout=WORKER_TIMEOUT_S))
         for name in names:
             load, start = OtherLoad(), time.monotonic()
-            results = ranks.run(rank_job, cfg, name, timeout=WORKER_TIMEOUT_S)
+            if cfg.backend == "mpi":
+                script = str(Path(__file__).resolve())
+                results = run_mpi(script, RANKS, (cfg, name), WORKER_TIMEOUT_S)
+            else:
+                results = ranks.run(rank_job, cfg, name, timeout=WORKER_TIMEOUT_S)
             row = {"workload": name, "ranks": RANKS, **results[0]}
             row["seconds"] = time.monotonic() - start
             row["other_load_cores"] = load.cores()
@@ -348,15 +406,23 @@ def run(cfg: Config, names: list[str]) -> list[dict[str, Any]]:
             row["bytes_bwd"] = [r["bytes_bwd"] for r in results]
             row["layers"] = predicted_halo(name, cfg)
             row["halo"] = halo_check(row)
+            row["scaling"] = row_scaling(row)
             ms = row["ms"]
             print(
                 f"{name}: dense {ms['dense']:.0f} ms, pk {ms['pk']:.0f} ms, ratio "
-                f"{ms['dense'] / ms['pk']:.2f} ({row['seconds']:.0f} s, other load "
+                f"{ms['dense'] / ms['pk']:.2f}, ceiling {ms['ceiling']:.0f} ms, efficiency "
+                f"{row['scaling']['pk']['efficiency']:.2f} ({row['seconds']:.0f} s, other load "
                 f"{row['other_load_cores']:.2f} cores)",
                 flush=True,
             )
             rows.append(row)
     return rows
+
+
+def row_scaling(row: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per 2-rank variant: speedup, ceiling speedup and efficiency, in wall time."""
+    ms = row["ms"]
+    return {v: scaling(ms["dense"], ms["ceiling"], ms[v]) for v in ("pk", "ceiling")}
 
 
 def halo_check(row: dict[str, Any]) -> dict[str, Any]:
@@ -397,10 +463,12 @@ def report(cfg: Config, rows: list[dict[str, Any]], env: dict[str, str], seconds
         f"Command: `{env['command']}` ({seconds:.0f} s)",
         "",
         *(f"- {k}: {v}" for k, v in env.items() if k != "command"),
-        "- gloo ranks from parallelkit.testing.Ranks, one compute thread each; dense = the "
+        f"- {ranks_text(cfg.backend)}, one compute thread each; dense = the "
         "plain model on rank 0 alone while rank 1 waits, pk = pk.parallelize(model, comm, "
         '"spatial") on both ranks, D split in two, blocks in and out (no rank holds a whole '
-        "sample)",
+        "sample); ceiling = the plain model on both ranks at once, each on its half of D with "
+        "its halo planes, Conv3d on the spatial layers' kernel choice, no communication: "
+        "efficiency = speedup / ceiling's speedup (its first loss is rank 0's share's)",
         f"- {cfg.warmup} warm-up round(s), then {cfg.repeats} rounds of one step of each variant "
         "in alternating order, all in the same processes; a step = forward + backward, "
         "the slowest rank's time; median over rounds",
@@ -418,6 +486,13 @@ def report(cfg: Config, rows: list[dict[str, Any]], env: dict[str, str], seconds
             f"{ms['pk']:.0f} ms, ratio {ratio:.2f} (goal >= {GOAL}): "
             f"{'met' if ratio >= GOAL else 'MISSED'}"
         )
+        if "scaling" in r:
+            pk, ceiling = r["scaling"]["pk"], r["scaling"]["ceiling"]["speedup"]
+            lines.append(
+                f"  - ceiling {ms['ceiling']:.0f} ms, ceiling speedup {ceiling:.2f}; efficiency "
+                f"{pk['efficiency']:.2f} (goal >= {GOAL_EFFICIENCY}): "
+                f"{'met' if pk['efficiency'] >= GOAL_EFFICIENCY else 'MISSED'}"
+            )
         if "dense, pk's kernel" in ms:
             same = ms["dense, pk's kernel"]
             lines.append(
@@ -466,19 +541,29 @@ HALO_NOTE = (
 )
 
 
+def ranks_text(backend: str) -> str:
+    if backend == "mpi":
+        return 'MPI ranks under mpiexec, pk.init("mpi")'
+    return "gloo ranks from parallelkit.testing.Ranks"
+
+
 def step_table(rows: list[dict[str, Any]], cfg: Config) -> str:
+    """Every variant's step; efficiency = (dense / variant) / (dense / ceiling)."""
     lines = [
-        "| workload | variant | ranks | step (ms) | dense / variant | each round (ms) "
-        "| CPU time per rank (ms) | dense / variant, CPU | first loss |",
-        "|---|---|--:|--:|--:|---|--:|--:|--:|",
+        "| workload | variant | ranks | step (ms) | dense / variant | efficiency (vs ceiling) "
+        "| each round (ms) | CPU time per rank (ms) | dense / variant, CPU | first loss |",
+        "|---|---|--:|--:|--:|--:|---|--:|--:|--:|",
     ]
     for r in rows:
         dense, dense_cpu = r["ms"]["dense"], r["cpu_ms"]["dense"]
         for v, ms in r["ms"].items():
             each = ", ".join(f"{t * 1e3:.0f}" for t in r["times"][v])
-            n, cpu = RANKS if v.startswith("pk") else 1, r["cpu_ms"][v]
+            n, cpu = RANKS if v in ("pk", "ceiling") else 1, r["cpu_ms"][v]
+            eff = r.get("scaling", {}).get(v) if n > 1 else None
+            eff_text = f"{eff['efficiency']:.2f}" if eff else "-"
             lines.append(
                 f"| {title(r['workload'], cfg)} | {v} | {n} | {ms:.0f} | {dense / ms:.2f} "
+                f"| {eff_text} "
                 f"| {each} | {cpu:.0f} | {dense_cpu / cpu:.2f} | {r['loss'][v]:.6f} |"
             )
     return "\n".join(lines)
@@ -540,22 +625,37 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stack-layers", type=int)
     p.add_argument("--warmup", type=int)
     p.add_argument("--repeats", type=int)
-    p.add_argument("--no-kernel-diagnostic", action="store_true",
-                   help="skip timing the dense model on the spatial layers' Conv3d kernels")
+    p.add_argument(
+        "--no-kernel-diagnostic",
+        action="store_true",
+        help="skip timing the dense model on the spatial layers' Conv3d kernels",
+    )
+    p.add_argument(
+        "--backend",
+        choices=["gloo", "mpi"],
+        default="gloo",
+        help="gloo: spawned ranks; mpi: ranks under mpiexec, pk.init('mpi')",
+    )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/spatial_volume.md"))
+    p.add_argument("--worker", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.worker:  # one rank under mpiexec (run_mpi)
+        mpi_worker(rank_job, *args.worker, timeout=WORKER_TIMEOUT_S)
+        return
     cfg = Config(unet_size=32, stack_size=64, repeats=1) if args.quick else Config()
-    for key in ("unet_size", "stack_size", "stack_channels", "stack_layers", "warmup", "repeats"):
+    keys = ("unet_size", "stack_size", "stack_channels", "stack_layers", "warmup", "repeats")
+    for key in (*keys, "backend"):
         if getattr(args, key) is not None:
             setattr(cfg, key, getattr(args, key))
     cfg.kernel_diagnostic = not args.no_kernel_diagnostic
     cfg.warmup = max(1, cfg.warmup)  # the first pk step counts the halo bytes, untimed
-    env = environment(command=command_line())
+    env = environment(command=command_line(), backend=cfg.backend)
     start = time.monotonic()
     rows = run(cfg, args.workloads)
     markdown = report(cfg, rows, env, time.monotonic() - start)
     print(markdown)
-    out = args.out if not args.quick else Path("/tmp/spatial_volume_quick/spatial_volume.md")
+    quick = Path(f"/tmp/spatial_volume_quick_{cfg.backend}/spatial_volume.md")
+    out = args.out if not args.quick else quick
     save(out, markdown, env, cfg, rows)
     bad = [r["workload"] for r in rows if not r["halo"]["agree"]]
     assert not bad, f"halo bytes: counted != predicted for {bad}"

@@ -225,8 +225,8 @@ def test_spatial_volume_report_and_halo_check() -> None:
     assert rows[0]["halo"]["agree"]
     env = {"command": "python benchmarks/spatial_volume.py --quick", "torch": "2.13.0"}
     text = sv.report(sv.Config(unet_size=32, stack_size=64, repeats=1), rows, env, 9.0)
-    assert "dense 100 ms, 2 ranks 50 ms, ratio 2.00 (goal >= 1.6): met" in text
-    assert "dense 100 ms, 2 ranks 80 ms, ratio 1.25 (goal >= 1.6): MISSED" in text
+    assert "dense 100 ms, 2 ranks 50 ms, ratio 2.00 (goal >= 1.7): met" in text
+    assert "dense 100 ms, 2 ranks 80 ms, ratio 1.25 (goal >= 1.7): MISSED" in text
     assert "dense 100 ms, 2 ranks 25 ms, ratio 4.00" in text  # CPU time per rank
     assert "counted == predicted by geometry on every rank: yes" in text
     assert "| 2 (4%) | 1 (2%) | 0 (0%) | 47 (94%) | 50 |" in text  # the split of the unet step
@@ -242,3 +242,114 @@ def test_spatial_volume_plot(tmp_path: Path) -> None:
     path.write_text(json.dumps({"rows": [volume_row("unet", 100.0, 50.0)]}))
     assert [p.name for p in plots.plot(path)] == ["spatial_volume.png"]
     assert (tmp_path / "spatial_volume.png").read_bytes().startswith(b"\x89PNG")
+
+
+# ---------------------------------------------------------------------------- ceiling, efficiency
+def test_scaling_is_speedup_over_the_ceilings() -> None:
+    from _common import scaling
+
+    got = scaling(dense=100.0, ceiling=60.0, variant=80.0)
+    assert got["speedup"] == pytest.approx(1.25)
+    assert got["ceiling_speedup"] == pytest.approx(100 / 60)
+    assert got["efficiency"] == pytest.approx(0.75)  # = ceiling / variant
+
+
+def test_ceiling_rows_are_the_block_and_its_halo() -> None:
+    from _common import ceiling_rows
+
+    assert ceiling_rows(512, 2, 0, 3) == slice(0, 259)  # no halo past the image's edge
+    assert ceiling_rows(512, 2, 1, 3) == slice(253, 512)
+    assert ceiling_rows(7, 3, 1, 1) == slice(2, 6)  # tensor_split blocks 3, 2, 2: both sides
+    assert ceiling_rows(128, 2, 0, 1, align=4) == slice(0, 68)  # a multiple of 4 rows
+    assert ceiling_rows(128, 2, 1, 1, align=4) == slice(60, 128)
+
+
+def test_spatial_resnet_efficiency_columns() -> None:
+    import spatial_resnet as sr
+
+    def ran(ms: dict[str, float]) -> dict:
+        return {"ms": ms, "times": {k: [v / 1e3] for k, v in ms.items()}, "other_load_cores": 0}
+
+    results = {
+        1: ran({"dense": 1000.0, "pk": 1010.0}),
+        2: ran({"pk": 625.0, "pk, overlap": 600.0, "leaf layers": 800.0, "ceiling": 550.0}),
+    }
+    sr.add_scaling(results)
+    assert results[2]["scaling"]["pk"]["efficiency"] == pytest.approx(0.88)
+    text = sr.report(sr.Config(size=128, batch=1), results, {"command": "x"})
+    assert "| 2 | pk | 625 | 1.60 | 0.88 | 625 |" in text
+    assert "| 2 | ceiling | 550 | 1.82 | 1.00 | 550 |" in text
+    assert "| 1 | dense | 1000 | 1.00 | - | 1000 |" in text
+    assert "ceiling 1.82x, efficiency 0.88 (goal >= 0.9: MISSED)" in text
+
+
+def test_spatial_volume_efficiency_columns() -> None:
+    import spatial_volume as sv
+
+    row = volume_row("unet", 100.0, 50.0)
+    row["ms"]["ceiling"], row["times"]["ceiling"] = 55.0, [0.055]
+    row["cpu_ms"]["ceiling"], row["loss"]["ceiling"] = 30.0, 0.4
+    row["halo"], row["scaling"] = sv.halo_check(row), sv.row_scaling(row)
+    assert row["scaling"]["pk"]["efficiency"] == pytest.approx(1.1)
+    env = {"command": "python benchmarks/spatial_volume.py --quick", "torch": "2.13.0"}
+    text = sv.report(sv.Config(unet_size=32, stack_size=64, repeats=1), [row], env, 9.0)
+    assert "ceiling 55 ms, ceiling speedup 1.82; efficiency 1.10 (goal >= 0.9): met" in text
+    assert "| pk | 2 | 50 | 2.00 | 1.10 | 50 |" in text
+    assert "| ceiling | 2 | 55 | 1.82 | 1.00 | 55 |" in text
+    assert "| dense | 1 | 100 | 1.00 | - | 100 |" in text
+
+
+def test_model_parallel_efficiency_columns() -> None:
+    import model_parallel as mp
+
+    err = {"pk out": 1e-7, "grouped": 0.7}
+    rows = [
+        {"part": "channel", "size": 64, "ranks": 1, "ms": {"dense": 90.0, "pk out": 92.0},
+         "rel_err": {"pk out": 1e-7}},
+        {"part": "channel", "size": 64, "ranks": 2, "rel_err": err,
+         "ms": {"pk out": 60.0, "grouped": 30.0, "ceiling": 50.0}},
+        {"part": "network", "size": 128, "ranks": 1, "ms": {"dense": 400.0},
+         "loss": {"dense": 2.5}},
+        {"part": "network", "size": 128, "ranks": 2,
+         "ms": {"spatial": 300.0, "data": 250.0, "ceiling, rows": 240.0, "ceiling, batch": 220.0},
+         "loss": {"spatial": 2.5, "data": 2.5}},
+    ]  # fmt: skip
+    mp.add_scaling(rows)
+    assert rows[1]["scaling"]["pk out"]["efficiency"] == pytest.approx(50 / 60)
+    assert "grouped" not in rows[1]["scaling"]  # not the dense convolution: no efficiency
+    # dense 90, pk out 60 (1.50x), ceiling 50 (1.80x): efficiency 0.83
+    assert "| 64 -> 64 | 2 | 90.0 | 60.0 | 1.50 | 50.0 | 1.80 | 0.83 | - | - | - |" in (
+        mp.channel_table(rows, set())
+    )
+    network = mp.network_table(rows, 2)
+    assert "| 128x128 | spatial | 2 | 2 | 300 | 1.33 | ceiling, rows | 0.80 |" in network
+    assert "| 128x128 | data | 2 | 1 | 250 | 1.60 | ceiling, batch | 0.88 |" in network
+    assert "| 128x128 | ceiling, batch | 2 | 1 | 220 | 1.82 | - | - | - | - |" in network
+    for row in rows[:2]:
+        row["size"] = 256  # the channel goal's width
+    mp.add_scaling(rows)
+    cfg = mp.config(mp.parse_args(["--quick", "--ranks", "1", "2"]))
+    env = {"date": "today", "python": "3", "torch": "2", "cpu": "cpu", "nproc": "2"}
+    rows = [{**r, "other_load_cores": 0.0} for r in rows]
+    text = mp.report(rows, env, cfg, 1.0)
+    assert "channel, 256 ch, 2 ranks: speedup 1.50 (goal >= 1.5): met; efficiency 0.83 " in text
+    assert "(goal >= 0.9): MISSED" in text
+
+
+def test_data_parallel_efficiency_rows() -> None:
+    import data_parallel as dp
+
+    def row(ranks: int, ms: dict[str, float]) -> dict:
+        return {"ranks": ranks, "image_size": 32, "times": {k: [v / 1e3] for k, v in ms.items()}}
+
+    rows = [
+        row(1, {"dense": 200.0, "bare": 100.0, "pk": 101.0, "ddp": 102.0}),
+        row(2, {"bare": 110.0, "ddp": 125.0, "pk": 120.0}),
+    ]
+    scaled = {s["variant"]: s for s in dp.scaling_rows(rows)}
+    assert scaled["pk"]["ceiling_speedup"] == pytest.approx(200 / 110)
+    assert scaled["pk"]["speedup"] == pytest.approx(200 / 120)
+    assert scaled["pk"]["efficiency"] == pytest.approx(110 / 120)
+    table = dp.scaling_table(list(scaled.values()))
+    assert "| 32x32 | 2 | 200 | 110 | 1.82 | pk | 120 | 1.67 | 0.92 (goal >= 0.9: met) |" in table
+    assert "| ddp | 125 | 1.60 | 0.88 (goal >= 0.9: MISSED) |" in table
