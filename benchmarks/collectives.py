@@ -38,7 +38,6 @@ import argparse
 import itertools
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -58,6 +57,8 @@ from _common import (
     choose_iters,
     command_line,
     environment,
+    mpi_sync,
+    mpiexec,
     save,
     time_block,
     torch_sync,
@@ -240,12 +241,6 @@ def run_benchmark(
     return rows
 
 
-def mpi_sync(mc: Any) -> Sync:
-    from mpi4py import MPI
-
-    return Sync(mc.Barrier, lambda x: mc.allreduce(x, op=MPI.MAX))
-
-
 def gloo_rank(comm: TorchCommunicator, cfg: Config) -> list[dict[str, Any]]:
     """One gloo rank (started by parallelkit.testing.Ranks); returns its rows."""
     return run_benchmark(comm, torch_sync(comm.group), torch_variants, cfg)
@@ -274,9 +269,8 @@ def launch_gloo(n: int, cfg: Config, json_path: str) -> None:
 
 def launch_mpi(n: int, cfg: Config, json_path: str) -> None:
     """Run ``n`` ranks of this script under mpiexec; raise if it fails."""
-    mpiexec = Path(sys.prefix, "bin", "mpiexec")
     command = [
-        str(mpiexec) if mpiexec.exists() else shutil.which("mpiexec") or "mpiexec",
+        mpiexec(),
         "-n",
         str(n),
         sys.executable,

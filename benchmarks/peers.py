@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -58,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _common import OtherLoad, command_line, environment, library_state, save
+from _common import OtherLoad, command_line, environment, library_state, mpiexec, save
 from peers_report import GLOO, key_ratios, mpi_transport, overheads, report
 from peers_torch import SmallCNN
 
@@ -372,9 +371,8 @@ def run_torch_gloo(n: int, cfg: dict, workdir: Path) -> tuple[list[dict], dict]:
 def run_torch_mpi(n: int, workdir: Path) -> dict[str, Any]:
     """peers_torch.mpi_worker on ``n`` ranks under this venv's mpiexec (this script with the
     hidden ``--worker mpi``): {"exact": by rank, "times": rank 0's, "mpi": library version}."""
-    mpiexec = Path(sys.prefix, "bin", "mpiexec")
     cmd = [
-        str(mpiexec) if mpiexec.exists() else shutil.which("mpiexec") or "mpiexec",
+        mpiexec(),
         "-n",
         str(n),
         sys.executable,
