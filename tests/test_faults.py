@@ -265,6 +265,13 @@ def test_sigkill_of_the_launcher_takes_the_ranks_along(tmp_path):
 def test_sigterm_under_mpiexec(tmp_path):
     with Job(tmp_path / "run", *LONG, "parallel.backend=mpi") as job:
         job.wait_until(lambda: job.steps_logged() >= 3, 120, "step 3")
+        # 9: the ranks' sockets are on loopback; only Hydra's control port, which mpiexec
+        # opens and its proxy and ranks inherit, listens on every interface.
+        if shutil.which("ss"):
+            pids = job.alive()
+            hydra = [p for p in pids if Path(f"/proc/{p}/comm").read_text().startswith("mpiexec")]
+            outside = {a for a in listeners(pids) if not a.startswith("127.0.0.1:")}
+            assert hydra and outside == set(listeners(hydra)) and len(outside) == 1, outside
         sent = job.signal(signal.SIGTERM)
         status, seconds = job.gone_within(BOUND_S, sent)
     report("SIGTERM to the local launcher (mpiexec, 2 ranks)", seconds)

@@ -114,7 +114,7 @@ def launch(command: list[str], ranks: int = 1) -> int:
     how = "mpiexec" if command[: len(PACKAGE_CLI)] != PACKAGE_CLI else "processes"
     env[STARTED] = f"{ranks} local ranks started by parallelkit ({how}): {launcher.detect().why}"
     if command[: len(PACKAGE_CLI)] != PACKAGE_CLI:  # mpiexec, which cleans up its ranks
-        return supervise([Child(command, env, "mpiexec")])
+        return supervise([Child(command, {**mpi_loopback_env(), **env}, "mpiexec")])
     env[LAUNCHER_PID] = str(os.getpid())
     with loopback_store() as port:
         children = [
@@ -142,6 +142,17 @@ def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
         if loopback and var not in os.environ:
             env[var] = loopback
     return env
+
+
+def mpi_loopback_env() -> dict[str, str]:
+    """The variables that keep the MPI ranks' own sockets on the loopback interface (libfabric's
+    tcp and sockets providers, UCX); the user's settings win. Hydra's control port, which
+    ``mpiexec`` opens for its proxies, listens on every interface whatever its options
+    (``-iface``, ``-host``, ``-localhost``): measured with ``ss -ltnp``, docs/training.md."""
+    loopback = _loopback_interface()
+    if loopback is None:
+        return {}
+    return {var: loopback for var in ("FI_TCP_IFACE", "FI_SOCKETS_IFACE", "UCX_NET_DEVICES")}
 
 
 @contextlib.contextmanager
