@@ -117,3 +117,21 @@ def test_debug_and_timeout_come_from_the_environment(monkeypatch):
     comm = pk.init("local")
     assert comm.debug and comm.timeout == 7.5
     assert not pk.init("local", debug=False).debug
+
+
+@pytest.mark.parametrize(
+    ("backend", "mpi", "cuda", "says"),
+    [("auto", True, False, True), ("gloo", True, False, False), ("auto", False, False, False),
+     ("auto", True, True, False)],
+)  # fmt: skip
+def test_the_header_says_why_local_ranks_use_gloo(monkeypatch, backend, mpi, cuda, says):
+    # The launcher's line of the run's header names the transport auto chose for local ranks,
+    # and the faster one it passed over, only where MPI would run and the ranks use gloo.
+    from parallelkit.train import launch
+
+    seen = {}
+    monkeypatch.setattr(launch, "mpi_available", lambda: mpi)
+    monkeypatch.setattr(launch, "cuda_available", lambda: cuda)
+    monkeypatch.setattr(launch, "supervise", lambda children: seen.update(children[0].env) or 0)
+    assert launch.launch([*launch.PACKAGE_CLI, "train"], 2, backend) == 0
+    assert ("parallel.backend=mpi is faster" in seen[launch.STARTED]) == says

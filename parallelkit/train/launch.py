@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib.util
 import os
 import shutil
 import socket
@@ -106,13 +107,30 @@ def local_command(cfg: Config, argv: list[str], command: str = "train") -> list[
     return [*worker, *argv]
 
 
-def launch(command: list[str], ranks: int = 1) -> int:
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def mpi_available() -> bool:
+    """mpi4py and an ``mpiexec`` beside this Python: ``parallel.backend=mpi`` would run here."""
+    beside = shutil.which("mpiexec", path=str(Path(sys.executable).parent))
+    return beside is not None and importlib.util.find_spec("mpi4py") is not None
+
+
+def launch(command: list[str], ranks: int = 1, backend: str = "auto") -> int:
     """Run :func:`local_command`'s command (``ranks`` copies for torch backends) under
     supervision and wait; the exit status is the job's."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores
     how = "mpiexec" if command[: len(PACKAGE_CLI)] != PACKAGE_CLI else "processes"
     env[STARTED] = f"{ranks} local ranks started by parallelkit ({how}): {launcher.detect().why}"
+    if backend == "auto" and how == "processes" and mpi_available() and not cuda_available():
+        env[STARTED] += (
+            "; gloo, which keeps every socket on loopback (parallel.backend=mpi is faster on "
+            "CPUs, but mpiexec listens on every interface: docs/training.md)"
+        )
     if command[: len(PACKAGE_CLI)] != PACKAGE_CLI:  # mpiexec, which cleans up its ranks
         return supervise([Child(command, {**mpi_loopback_env(), **env}, "mpiexec")])
     env[LAUNCHER_PID] = str(os.getpid())
