@@ -223,3 +223,23 @@ def test_a_pickle_with_code_is_refused_in_one_line_without_torchs_warnings(tmp_p
         with pytest.raises(Unreadable, match=r"shard-0.pt holds pickled objects other than"):
             load_shard(tmp_path, manifest, "shard-0.pt")
     assert seen == [] and not ran.exists()
+
+
+def test_a_passed_over_checkpoint_that_cannot_be_moved_aside_is_not_deleted(tmp_path, monkeypatch):
+    # The save that meets a folder resuming passed over moves it aside; where the move fails
+    # (a read-only checkpoints/ folder, say), the save stops and the folder stays untouched.
+    import parallelkit as pk
+    from parallelkit.train import checkpoint
+    from parallelkit.train.agree import Stop
+
+    damaged = tmp_path / "checkpoints" / "step-000000004"
+    damaged.mkdir(parents=True)
+    (damaged / "shard-0.pt").write_bytes(b"the user's bytes")
+
+    def refuse(self, target):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "rename", refuse)
+    with pytest.raises(Stop, match="could not be written"):
+        checkpoint.save(tmp_path, 4, {"w": torch.ones(1)}, pk.Grid(pk.init("local")))
+    assert (damaged / "shard-0.pt").read_bytes() == b"the user's bytes"

@@ -299,6 +299,44 @@ def test_files_no_library_can_read_are_named_with_the_librarys_message(fmt, tmp_
     assert str(e.value).startswith(str(path)) and "\n" not in str(e.value), e.value
 
 
+@pytest.mark.parametrize(
+    ("name", "write"),
+    [
+        ("x.nii", write_nifti),
+        ("x.nii.gz", write_nifti),
+        ("x.tif", write_tiff),
+        ("x.tif", lambda p, a: write_tiff(p, a, tile=(16, 16))),
+        ("x.tif", lambda p, a: write_tiff(p, a, compression="zlib")),
+    ],
+    ids=["nii", "nii.gz", "tiff-striped", "tiff-tiled", "tiff-zlib"],
+)
+def test_a_file_cut_off_in_its_data_is_refused_with_its_header(name, write, tmp_path):
+    """Issue 31: a NIfTI or TIFF file cut short after its header passed the launcher's checks
+    and failed on the ranks. Its header now says where its data end: a ``.nii`` file's size, a
+    ``.nii.gz`` stream's length, a TIFF's strip and tile offsets."""
+    path = tmp_path / name
+    rng = np.random.default_rng(0)
+    write(path, rng.random((32, 32, 4) if "nii" in name else (48, 40)).astype(np.float32))
+    SampleReader(path).read()
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) * 7 // 10])
+    with pytest.raises(ValueError, match="cannot read its header") as e:
+        SampleReader(path)
+    assert str(e.value).startswith(str(path)) and "\n" not in str(e.value), e.value
+
+
+def test_a_nifti_stream_of_several_gzip_members_is_read(tmp_path):
+    """The gzip trailer gives the length of the last member only: the stream is inflated to
+    check it, not refused."""
+    import gzip
+
+    a = np.random.default_rng(0).random((12, 10, 6)).astype(np.float32)
+    write_nifti(tmp_path / "x.nii", a)
+    raw = (tmp_path / "x.nii").read_bytes()
+    (tmp_path / "y.nii.gz").write_bytes(gzip.compress(raw[:1000]) + gzip.compress(raw[1000:]))
+    assert np.array_equal(SampleReader(tmp_path / "y.nii.gz").read()[0], a)
+
+
 # ---------------------------------------------------- only the chunks a block touches are read
 def chunk_reads(monkeypatch, store_cls):
     """The chunk keys that ``store_cls.get`` serves from now on (metadata keys left out)."""

@@ -49,6 +49,7 @@ of fewer levels) is a ``ValueError`` naming the file.
 from __future__ import annotations
 
 import contextlib
+import gzip
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -127,6 +128,10 @@ class ArrayReader:
     def read(self, index: tuple[slice | int, ...]) -> np.ndarray:
         return np.asarray(self._array[index])
 
+    def check_whole(self) -> None:
+        """Raise ``ValueError`` where the file is shorter than its header says (cut off),
+        when that can be seen without reading its data; called once, with the header."""
+
     def close(self) -> None:
         pass
 
@@ -181,6 +186,7 @@ class TiffReader(ArrayReader):
 
     def __init__(self, path: str | Path, level: int = 0) -> None:
         tifffile = _need("tifffile")
+        self._path, self._level = path, level
         with tifffile.TiffFile(path) as tif:
             levels = tif.series[0].levels
             if level >= len(levels):
@@ -202,6 +208,22 @@ class TiffReader(ArrayReader):
                 f"0's shape {self.shape} at level {level}"
             )
 
+    def check_whole(self) -> None:
+        """Every strip or tile of the series' pages at this level ends inside the file."""
+        tifffile = _need("tifffile")
+        with tifffile.TiffFile(self._path) as tif:
+            ends = [
+                int(np.max(np.add(page.dataoffsets, page.databytecounts)))
+                for page in tif.series[0].levels[self._level].pages
+                if page is not None and len(page.dataoffsets)
+            ]
+            size = tif.filehandle.size
+        if ends and max(ends) > size:
+            raise ValueError(
+                f"its image data run to byte {max(ends)}, past the end of the file ({size} "
+                "bytes: a truncated file)"
+            )
+
     def close(self) -> None:
         if (store := getattr(self, "_store", None)) is not None:
             store.close()
@@ -216,6 +238,7 @@ class NiftiReader(ArrayReader):
         _single_level(path, level, "a NIfTI image")
         image = _need("nibabel").load(str(path))
         self._array, self.shape = image.dataobj, tuple(image.shape)
+        self._path, self._header = Path(path), image.header
         # (X, Y, Z), (X, Y, Z, C), (X, Y, Z, 1, C); anything else needs layout=
         named = {3: "XYZ", 4: "XYZC", 5: "XYZTC" if self.shape[3:4] == (1,) else None}
         self.axes = named.get(len(self.shape))
@@ -223,6 +246,29 @@ class NiftiReader(ArrayReader):
     @property
     def dtype(self) -> np.dtype:  # the scaled values' type: that of one voxel read
         return np.asarray(self._array[(0,) * len(self.shape)]).dtype
+
+    def check_whole(self) -> None:
+        """The voxels end where the header says: a ``.nii`` file's size; a ``.nii.gz``
+        stream's length from its gzip trailer (the uncompressed size modulo 2^32), and where
+        that differs (a stream of several gzip members, or one cut off) by inflating it. A
+        truncated file is then refused with the header, not when a rank reaches its end."""
+        h = self._header
+        need = int(h.get_data_offset()) + math.prod(self.shape) * h.get_data_dtype().itemsize
+        if not self._path.name.lower().endswith(".gz"):
+            have = self._path.stat().st_size
+        else:
+            with self._path.open("rb") as f:
+                f.seek(-4, 2)
+                if int.from_bytes(f.read(4), "little") == need % 2**32:
+                    return
+            have = 0
+            with gzip.open(self._path) as g:  # EOFError where the stream is cut off
+                while chunk := g.read(1 << 22):
+                    have += len(chunk)
+        if have < need:
+            raise ValueError(
+                f"its voxels hold {have} bytes where its header asks for {need} (a truncated file)"
+            )
 
 
 def open_array(path: str | Path, level: int = 0) -> ArrayReader:
@@ -328,6 +374,7 @@ class SampleReader:
         with _naming(path, "header"), open_array(path, level) as array:
             self.shape, self.dtype, self.mode = array.shape, array.dtype, array.mode
             _check_dtype(self.dtype, mask, path)
+            array.check_whole()
             self.layout = Layout.resolve(array.shape, dims, array.axes, layout, str(path), channels)
         self.size = self.layout.size(self.shape)
         self.channels = self.layout.channels(self.shape)

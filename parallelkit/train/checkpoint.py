@@ -79,7 +79,9 @@ def save(
     problem = ""
     if grid.comm.rank == 0:
         problem = _written(folder, lambda: _fresh(folder))
-    _agree_on_write(grid, problem, folder)
+    # Nothing of this save to remove yet: a folder there is one that resuming passed over,
+    # which stays as it is when moving it aside failed.
+    _agree_on_write(grid, problem, folder, remove=False)
     if grid.coords[0] == 0:
         name = shards[model_rank(grid)]
 
@@ -134,12 +136,13 @@ def _written(path: Path, write: Callable[[], None]) -> str:
     return ""
 
 
-def _agree_on_write(grid: Grid, problem: str, folder: Path) -> None:
-    """Where any rank failed to write, remove the unfinished checkpoint and stop every rank."""
+def _agree_on_write(grid: Grid, problem: str, folder: Path, remove: bool = True) -> None:
+    """Where any rank failed to write, remove the unfinished checkpoint (``remove``) and stop
+    every rank."""
     try:
         agree(grid.comm, problem, status=1)
     except Stop as stop:
-        if grid.comm.rank == 0:
+        if grid.comm.rank == 0 and remove:
             shutil.rmtree(folder, ignore_errors=True)
         previous = [p for p in complete(folder.parent.parent) if p != folder]
         kept = f"; the previous checkpoint {previous[-1]} is kept" if previous else ""
