@@ -98,9 +98,7 @@ def local_command(cfg: Config, argv: list[str], command: str = "train") -> list[
     if backend == "local":
         raise ValueError(f"parallel.backend=local runs one rank; got parallel.ranks={n}")
     if backend == "mpi":
-        mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which(
-            "mpiexec"
-        )
+        mpiexec = find_mpiexec()
         if mpiexec is None:
             raise ValueError("parallel.backend=mpi: no mpiexec found (pip install mpich)")
         return [mpiexec, "-n", str(n), *worker, *argv]
@@ -113,10 +111,16 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def mpi_available() -> bool:
-    """mpi4py and an ``mpiexec`` beside this Python: ``parallel.backend=mpi`` would run here."""
+def find_mpiexec() -> str | None:
+    """The ``mpiexec`` that ``parallel.backend=mpi`` starts: the one next to this Python (a
+    venv's pip-installed MPICH), else the one on PATH."""
     beside = shutil.which("mpiexec", path=str(Path(sys.executable).parent))
-    return beside is not None and importlib.util.find_spec("mpi4py") is not None
+    return beside or shutil.which("mpiexec")
+
+
+def mpi_available() -> bool:
+    """mpi4py and an ``mpiexec``: ``parallel.backend=mpi`` would run here."""
+    return find_mpiexec() is not None and importlib.util.find_spec("mpi4py") is not None
 
 
 def launch(command: list[str], ranks: int = 1, backend: str = "auto") -> int:
