@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sync_batchnorm.py            # full run, ~4 min
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sync_batchnorm.py --quick    # smoke test, <1 min
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sync_batchnorm.py --backend mpi  # mpiexec
 
 Shapes are (N, C, H, W) of ResNet-18's batch norms on 224x224 images, batch 32 per rank:
 (32, 64, 56, 56), (32, 128, 28, 28), (32, 256, 14, 14), (32, 512, 7, 7). Every rank holds a
@@ -14,12 +15,24 @@ output gradient, in alternating order:
                  rank's packed (n, mean (C), M2 (C)) and the backward's all_reduce of
                  (sum dy (C), sum dy*xhat (C))
 
+and, on more than one rank, two stand-ins that take sync's added time apart:
+
+    no messages  sync's arithmetic on a communicator of as many ranks that sends nothing
+                 (the all_gather repeats this rank's statistics, the all_reduce multiplies):
+                 what sync computes beyond local, without waiting for any peer
+    barriers     the same, with a barrier of the real communicator where each collective
+                 is: the waiting for the slower rank, without the messages
+
+so that sync - local = (no messages - local: computing) + (barriers - no messages: waiting)
++ (sync - barriers: the messages).
+
 One call is ``y = bn(x)`` and ``torch.autograd.grad(y, (x, weight, bias), dy)``. On 1 rank
 sync runs on a LocalCommunicator, where SyncBatchNorm takes plain ``F.batch_norm``. Each
 variant calls until a block lasts about ``--target-s``; t is the median, over ``--repeats``
 blocks in alternating order, of the slowest rank's time per call (each block starts after a
 barrier; its time is all-reduced with max). The ranks are gloo processes with one thread each,
-started by ``parallelkit.testing.Ranks``; 4 ranks on a 2-core machine oversubscribe it.
+started by ``parallelkit.testing.Ranks``, or with ``--backend mpi`` MPI ranks under the mpiexec
+next to this Python (``pk.init("mpi")``); 4 ranks on a 2-core machine oversubscribe it.
 
 Goal (measured, not tuned for): sync <= 1.3 x local at 2 ranks for (32, 64, 56, 56).
 """
@@ -44,16 +57,19 @@ from _common import (
     Sync,
     alternating,
     choose_iters,
+    comm_sync,
     command_line,
     environment,
     library_state,
+    mpi_worker,
+    run_mpi,
     save,
     time_block_cpu,
-    torch_sync,
 )
 
 if TYPE_CHECKING:
     from parallelkit.comm.base import Communicator
+    from parallelkit.comm.mpi import MPICommunicator
     from parallelkit.comm.torch_dist import TorchCommunicator
 
 DEFAULT_SHAPES = [(32, 64, 56, 56), (32, 128, 28, 28), (32, 256, 14, 14), (32, 512, 7, 7)]
@@ -61,6 +77,7 @@ QUICK_SHAPES = [(32, 64, 56, 56), (32, 512, 7, 7)]
 GOAL_SHAPE, GOAL_RANKS, GOAL = (32, 64, 56, 56), 2, 1.3
 WORKER_TIMEOUT_S = 1200.0
 LOCAL, SYNC, COLL = "local", "sync", "collectives"
+NO_MESSAGES, BARRIERS = "no messages", "barriers"
 
 Variants = dict[str, Callable[[], object]]  # variant name -> one forward + backward
 
@@ -73,6 +90,7 @@ class Config:
     repeats: int  # timed blocks per variant, alternating
     target_s: float  # rough duration of one timed block
     ranks: list[int]  # rank counts of the whole run
+    backend: str = "gloo"  # or "mpi": ranks under mpiexec
 
 
 # ---------------------------------------------------------------------------- timing (ranks)
@@ -110,6 +128,28 @@ def collectives(comm: Communicator, c: int) -> Callable[[], object]:
     return both
 
 
+def unsent(comm: Communicator, barriers: bool) -> Communicator:
+    """A communicator of ``comm``'s rank and size that sends nothing: an all_gather repeats this
+    rank's tensor, an all_reduce multiplies it by the size (the same arithmetic as the real
+    ones, on other numbers). With ``barriers``, each first waits at a barrier of ``comm``."""
+    from parallelkit.comm.local import LocalCommunicator
+
+    class Unsent(LocalCommunicator):
+        def _all_gather(self, t: torch.Tensor, sizes: list[int], out: torch.Tensor) -> torch.Tensor:
+            if barriers:
+                comm.barrier()
+            return out.copy_(t.expand(len(sizes), *t.shape[1:]))
+
+        def _all_reduce(self, t: torch.Tensor, op: Any, out: torch.Tensor) -> torch.Tensor:
+            if barriers:
+                comm.barrier()
+            return torch.mul(t, self.size, out=out)
+
+    stand_in = Unsent()
+    stand_in.rank, stand_in.size = comm.rank, comm.size
+    return stand_in
+
+
 def variants_for(comm: Communicator, shape: tuple[int, int, int, int]) -> Variants:
     from parallelkit.nn.sync_batchnorm import SyncBatchNorm
 
@@ -117,20 +157,25 @@ def variants_for(comm: Communicator, shape: tuple[int, int, int, int]) -> Varian
     gen = torch.Generator().manual_seed(comm.rank)
     x = torch.randn(shape, generator=gen).requires_grad_()
     dy = torch.randn(shape, generator=gen)
-    return {
+    variants = {
         LOCAL: forward_backward(nn.BatchNorm2d(c), x, dy),
         SYNC: forward_backward(SyncBatchNorm(c, comm=comm), x, dy),
         COLL: collectives(comm, c),
     }
+    if comm.size > 1:
+        for name, barriers in ((NO_MESSAGES, False), (BARRIERS, True)):
+            bn = SyncBatchNorm(c, comm=unsent(comm, barriers))
+            variants[name] = forward_backward(bn, x, dy)
+    return variants
 
 
 # ---------------------------------------------------------------------------- worker (ranks)
-def gloo_rank(comm: TorchCommunicator, cfg: Config) -> list[dict[str, Any]]:
-    """Every shape on this rank (started by parallelkit.testing.Ranks); returns its rows."""
+def rank_rows(comm: TorchCommunicator | MPICommunicator, cfg: Config) -> list[dict[str, Any]]:
+    """Every shape on this rank (started by parallelkit.testing.Ranks or mpiexec); its rows."""
     from parallelkit.comm.local import LocalCommunicator
 
     pk_comm = LocalCommunicator() if comm.size == 1 else comm
-    sync = torch_sync(comm.group)
+    sync = comm_sync(comm)
     rows = []
     for shape in cfg.shapes:
         result = measure(variants_for(pk_comm, shape), sync, cfg)
@@ -154,8 +199,11 @@ def run_one(n: int, cfg: Config) -> tuple[list[dict[str, Any]], float]:
     from parallelkit.testing import Ranks
 
     load = OtherLoad()
-    with Ranks(n, "gloo", comm_timeout=300) as ranks:
-        rows = ranks.run(gloo_rank, cfg, timeout=WORKER_TIMEOUT_S)[0]
+    if cfg.backend == "mpi":
+        rows = run_mpi(__file__, n, (cfg,), WORKER_TIMEOUT_S)[0]
+    else:
+        with Ranks(n, "gloo", comm_timeout=300) as ranks:
+            rows = ranks.run(rank_rows, cfg, timeout=WORKER_TIMEOUT_S)[0]
     # The ranks have been joined: their CPU time is in this process's cutime and cstime.
     return [{"ranks": n, **row} for row in rows], load.cores()
 
@@ -173,7 +221,37 @@ def add_ratios(row: dict[str, Any]) -> dict[str, Any]:
         "sync_over_local_cpu": row["sync_cpu_s"] / row["local_cpu_s"],
         "added_s": row["sync_s"] - row["local_s"],
         "added_beyond_collectives_s": row["sync_s"] - row["local_s"] - row["collectives_s"],
+        **breakdown(row),
     }
+
+
+def breakdown(row: dict[str, Any]) -> dict[str, float]:
+    """sync - local as computing, waiting for the slower rank, and the messages (s)."""
+    if "no messages_s" not in row:
+        return {}
+    return {
+        "computing_s": row["no messages_s"] - row["local_s"],
+        "waiting_s": row["barriers_s"] - row["no messages_s"],
+        "messages_s": row["sync_s"] - row["barriers_s"],
+    }
+
+
+def breakdown_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| ranks | shape (N, C, H, W) per rank | local (ms) | no messages (ms) | barriers (ms) "
+        "| sync (ms) | sync - local (ms) | = computing | + waiting | + messages |",
+        "|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for r in rows:
+        if "computing_s" in r:
+            ms = {k: r[k] * 1e3 for k in ("local_s", "no messages_s", "barriers_s", "sync_s")}
+            lines.append(
+                f"| {r['ranks']} | {shape_label(r['shape'])} | {ms['local_s']:.2f} "
+                f"| {ms['no messages_s']:.2f} | {ms['barriers_s']:.2f} | {ms['sync_s']:.2f} "
+                f"| {r['added_s'] * 1e3:+.2f} | {r['computing_s'] * 1e3:+.2f} "
+                f"| {r['waiting_s'] * 1e3:+.2f} | {r['messages_s'] * 1e3:+.2f} |"
+            )
+    return "\n".join(lines)
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
@@ -225,7 +303,8 @@ def report(rows, others: dict[int, float], env: dict[str, str], cfg: Config) -> 
         f"Command: `{command_line()}`",
         "",
         f"- date: {env['date']}",
-        f"- python {env['python']}, torch {env['torch']}, gloo; parallelkit {env['parallelkit']}",
+        f"- python {env['python']}, torch {env['torch']}, {transport(cfg.backend)}; "
+        f"parallelkit {env['parallelkit']}",
         f"- CPU: {env['cpu']}, nproc {env['nproc']}",
         f"- {cfg.repeats} timed blocks per variant of ~{cfg.target_s:g} s each, variants "
         "alternating; time = median over blocks of the slowest rank's time per call",
@@ -244,8 +323,24 @@ def report(rows, others: dict[int, float], env: dict[str, str], cfg: Config) -> 
         goal_line(rows),
         "",
         markdown_table(rows),
+        "",
+        "## Where sync's added time goes",
+        "",
+        "'no messages' runs sync on a stand-in communicator of as many ranks that sends "
+        "nothing (the same arithmetic on other numbers); 'barriers' adds a barrier of the real "
+        "communicator where each of the two collectives is. So sync - local = computing (no "
+        "messages - local: the statistics' packing and merge, the running statistics, the "
+        "input gradient's extra pass) + waiting (barriers - no messages: for the slower rank, "
+        "twice a step) + messages (sync - barriers). Each term is a difference of medians, "
+        "so small ones are within the noise.",
+        "",
+        breakdown_table(rows),
     ]
     return "\n".join(parts) + "\n"
+
+
+def transport(backend: str) -> str:
+    return 'MPI ranks under mpiexec, pk.init("mpi")' if backend == "mpi" else "gloo"
 
 
 # ---------------------------------------------------------------------------- command line
@@ -264,7 +359,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="two shapes and short blocks")
     p.add_argument("--repeats", type=int, help="timed blocks per variant (default 9, quick 3)")
     p.add_argument("--target-s", type=float, help="seconds per timed block (default 0.3)")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/sync_batchnorm.md"))
+    p.add_argument("--backend", choices=["gloo", "mpi"], default="gloo")
+    p.add_argument("--out", type=Path, help="default benchmarks/results/sync_batchnorm[_mpi].md")
+    p.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)  # one rank under mpiexec
     return p.parse_args(argv)
 
 
@@ -272,12 +369,17 @@ def config(args: argparse.Namespace) -> Config:
     shapes = args.shapes or (QUICK_SHAPES if args.quick else DEFAULT_SHAPES)
     repeats = args.repeats or (3 if args.quick else 9)
     target_s = args.target_s or (0.05 if args.quick else 0.3)
-    return Config(shapes=shapes, repeats=repeats, target_s=target_s, ranks=args.ranks)
+    return Config(shapes, repeats, target_s, args.ranks, args.backend)
 
 
 def main() -> None:
     args = parse_args()
+    if args.worker:  # one rank under mpiexec (run_mpi)
+        mpi_worker(rank_rows, *args.worker, timeout=WORKER_TIMEOUT_S)
+        return
     cfg = config(args)
+    suffix = "_mpi" if cfg.backend == "mpi" else ""
+    out = args.out or Path(f"benchmarks/results/sync_batchnorm{suffix}.md")
     os.environ["OMP_NUM_THREADS"] = "1"
     # At the start: the code and the date of what is measured.
     env = environment(parallelkit=library_state())
@@ -289,11 +391,13 @@ def main() -> None:
         seconds = time.monotonic() - start
         print(f"\n## {n} rank(s) ({seconds:.0f} s; others used {others[n]:.2f} cores)\n")
         print(markdown_table(mine), flush=True)
+        if n > 1:
+            print("\n" + breakdown_table(mine), flush=True)
         rows += mine
     print("\n" + goal_line(rows))
     text = report(rows, others, env, cfg)
-    json_path = save(args.out, text, env, cfg, rows, other_load_cores=others)
-    print(f"\nwrote {args.out} and {json_path}")
+    json_path = save(out, text, env, cfg, rows, other_load_cores=others)
+    print(f"\nwrote {out} and {json_path}")
 
 
 if __name__ == "__main__":
