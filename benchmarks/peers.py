@@ -57,7 +57,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _common import OtherLoad, command_line, environment, library_state, mpiexec, save
+from _common import (
+    OtherLoad,
+    command_line,
+    environment,
+    keep_freed_memory,
+    library_state,
+    mpiexec,
+    save,
+)
 from peers_report import GLOO, key_ratios, mpi_transport, overheads, report
 from peers_torch import SmallCNN
 
@@ -471,6 +479,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="python of the venv holding chainer, mpi4py and mpich",
     )
     p.add_argument("--quick", action="store_true", help="short blocks, a smoke test")
+    p.add_argument("--glibc-defaults", action="store_true", help="leave malloc's settings alone")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/peers.md"))
     p.add_argument("--worker", choices=["mpi"], help=argparse.SUPPRESS)
     p.add_argument("--workdir", help=argparse.SUPPRESS)
@@ -487,6 +496,7 @@ def main() -> None:
     cfg = Config(repeats=3, target_s=0.1) if args.quick else Config()
     os.environ["OMP_NUM_THREADS"] = "1"
     env = environment(parallelkit=library_state())
+    env["malloc"] = keep_freed_memory(args.glibc_defaults)
     with tempfile.TemporaryDirectory(prefix="peers-") as tmp:
         exact, timed, versions, others = run_all(cfg, args.chainer_python, Path(tmp))
     env.update(versions)

@@ -60,6 +60,7 @@ from _common import (
     comm_sync,
     command_line,
     environment,
+    keep_freed_memory,
     library_state,
     mpi_worker,
     run_mpi,
@@ -306,6 +307,7 @@ def report(rows, others: dict[int, float], env: dict[str, str], cfg: Config) -> 
         f"- python {env['python']}, torch {env['torch']}, {transport(cfg.backend)}; "
         f"parallelkit {env['parallelkit']}",
         f"- CPU: {env['cpu']}, nproc {env['nproc']}",
+        f"- malloc: {env['malloc']}",
         f"- {cfg.repeats} timed blocks per variant of ~{cfg.target_s:g} s each, variants "
         "alternating; time = median over blocks of the slowest rank's time per call",
         f"- cores used by processes outside this benchmark meanwhile: {load}",
@@ -360,6 +362,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, help="timed blocks per variant (default 9, quick 3)")
     p.add_argument("--target-s", type=float, help="seconds per timed block (default 0.3)")
     p.add_argument("--backend", choices=["gloo", "mpi"], default="gloo")
+    p.add_argument("--glibc-defaults", action="store_true", help="leave malloc's settings alone")
     p.add_argument("--out", type=Path, help="default benchmarks/results/sync_batchnorm[_mpi].md")
     p.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)  # one rank under mpiexec
     return p.parse_args(argv)
@@ -383,6 +386,7 @@ def main() -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     # At the start: the code and the date of what is measured.
     env = environment(parallelkit=library_state())
+    env["malloc"] = keep_freed_memory(args.glibc_defaults)
     rows, others = [], {}
     for n in cfg.ranks:
         start = time.monotonic()

@@ -46,6 +46,7 @@ from parallelkit.inference.predictor import fitting_multiple, sample_paths
 from parallelkit.parallel import Grid
 from parallelkit.train import checkpoint
 from parallelkit.train.agree import agree, same_everywhere
+from parallelkit.train.allocator import keep_freed_memory
 from parallelkit.train.config import Config, grid_dims
 from parallelkit.train.files import atomic_text
 from parallelkit.train.monitor import table
@@ -233,6 +234,7 @@ def check_sample(cfg: Config, sample: Sample, dense: nn.Module, counts: dict[str
 # ------------------------------------------------------------------------------ the ranks
 def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
     """Predict every sample (collective over the world); returns the summary."""
+    keep_freed_memory()  # each step reuses the last one's memory: no page faults
     comm = comm or pk.init(cfg.parallel.backend, timeout=cfg.parallel.timeout,
                            device=requested_device(cfg.parallel.device))
     try:

@@ -39,6 +39,7 @@ from parallelkit.data.loader import block_layout, share_statistics
 from parallelkit.parallel import Grid
 from parallelkit.train import checkpoint, launch, preflight, rundir, tasks
 from parallelkit.train.agree import agree, same_everywhere
+from parallelkit.train.allocator import keep_freed_memory
 from parallelkit.train.config import Config, to_yaml
 from parallelkit.train.faults import maybe_fail
 from parallelkit.train.files import atomic_text, atomic_torch_save, remove_stale
@@ -236,6 +237,7 @@ def check_first_batches(loaders: dict[str, Loader], comm: pk.Communicator) -> No
 
 def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
     """Train as configured; returns the final metrics (the same on every rank)."""
+    keep_freed_memory()  # each step reuses the last one's memory: no page faults
     comm = comm or pk.init(
         cfg.parallel.backend,
         timeout=cfg.parallel.timeout,
