@@ -39,15 +39,17 @@ def faults(mode: str, **env: str) -> tuple[str, int]:
 
 def test_freed_blocks_are_reused_without_page_faults():
     made, kept = faults("keep")
-    assert made == "True" and kept < 200  # 0 measured
+    # 0 measured here, 2048 once in a loaded CI run: the two blocks faulted in once at most,
+    # where faulting them in every step costs 20 x 4096 (the control: 81960).
+    assert made == "True" and kept <= 2 * 2048 + 200
     # Negative control: glibc's starting threshold (128 KiB), held, maps and faults in every
     # step's blocks again. (Left to move, glibc's threshold makes the count vary from run to
     # run: 0 to 20481 measured here.)
     _, default = faults("default", MALLOC_MMAP_THRESHOLD_="131072")
-    assert default > 10 * 2048  # 8 MiB is 2048 pages
+    assert default > 15 * 4096  # two 8 MiB blocks a step: 4096 pages
 
 
 def test_the_user_can_keep_glibc_defaults():
     assert faults("keep", PARALLELKIT_KEEP_FREED_MEMORY="0")[0] == "False"
     made, count = faults("keep", MALLOC_MMAP_THRESHOLD_="131072")  # the user's setting holds
-    assert made == "False" and count > 10 * 2048
+    assert made == "False" and count > 15 * 4096
