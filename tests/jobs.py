@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from parallelkit.train.procs import forked_name
+
 if not Path("/proc/self/stat").exists():
     pytest.skip("the fault tests read /proc (Linux)", allow_module_level=True)
 
@@ -184,16 +186,22 @@ def report(name: str, seconds: float) -> None:
 
 
 def rank_pid(job: Job, rank: int) -> int | None:
-    """The pid of local rank ``rank`` of ``job`` (its ``RANK`` variable), or None."""
+    """The pid of local rank ``rank`` of ``job``, or None."""
     job.track()
-    for pid in job.alive():
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in environ and pid != job.proc.pid:
-            return pid
-    return None
+    return next((pid for pid in job.alive() if pid != job.proc.pid and is_rank(pid, rank)), None)
+
+
+def is_rank(pid: int, rank: int) -> bool:
+    """Whether process ``pid`` is local rank ``rank``: its ``RANK`` variable where it started as
+    a new program, its name where it is a fork of ``parallelkit train``."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        name = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return False
+    if name.startswith("pk-rank-"):
+        return name == forked_name(f"rank {rank}")
+    return f"RANK={rank}".encode() in environ
 
 
 UNMAPPED_UID = 54321  # owns what the job may not touch, when the tests run as root

@@ -132,6 +132,33 @@ def test_the_header_says_why_local_ranks_use_gloo(monkeypatch, backend, mpi, cud
     seen = {}
     monkeypatch.setattr(launch, "mpi_available", lambda: mpi)
     monkeypatch.setattr(launch, "cuda_available", lambda: cuda)
-    monkeypatch.setattr(launch, "supervise", lambda children: seen.update(children[0].env) or 0)
+    monkeypatch.setattr(
+        launch, "supervise", lambda children, **_: seen.update(children[0].env) or 0
+    )
     assert launch.launch([*launch.PACKAGE_CLI, "train"], 2, backend) == 0
     assert ("parallel.backend=mpi is faster" in seen[launch.STARTED]) == says
+
+
+@pytest.mark.parametrize(
+    ("backend", "cuda", "variable", "forked"),
+    [("auto", False, None, True), ("gloo", False, None, True), ("auto", True, None, False),
+     ("nccl", True, None, False), ("auto", False, "0", False), ("auto", False, "1", True)],
+)  # fmt: skip
+def test_cpu_ranks_are_forks_of_the_launcher(monkeypatch, backend, cuda, variable, forked):
+    # On Linux CPUs each local rank is a fork that runs the same command line; GPU ranks and
+    # PARALLELKIT_FORK_RANKS=0 start new processes. The header says which.
+    from parallelkit.train import launch
+
+    if not sys.platform.startswith("linux"):
+        forked = False
+    if variable is None:
+        monkeypatch.delenv(launch.FORK_RANKS, raising=False)
+    else:
+        monkeypatch.setenv(launch.FORK_RANKS, variable)
+    seen = []
+    monkeypatch.setattr(launch, "cuda_available", lambda: cuda)
+    monkeypatch.setattr(launch, "supervise", lambda children, **_: seen.extend(children) or 0)
+    assert launch.launch([*launch.PACKAGE_CLI, "train", "a=1"], 2, backend) == 0
+    assert [c.forked is not None for c in seen] == [forked, forked]
+    assert ("(forked processes)" in seen[0].env[launch.STARTED]) == forked
+    assert [c.env["RANK"] for c in seen] == ["0", "1"]

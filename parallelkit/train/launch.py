@@ -11,7 +11,12 @@ outlives the launcher):
                          rendezvous store itself, on a socket bound to 127.0.0.1, and the
                          ranks' gloo/NCCL sockets use the loopback interface: nothing listens
                          on another interface. (torchrun cannot do this: its stores bind every
-                         interface whatever --rdzv-endpoint says.)
+                         interface whatever --rdzv-endpoint says.) On Linux CPUs each rank is a
+                         fork of the launcher, after its checks and before its store starts a
+                         thread: a new Python would import torch again, about two seconds of
+                         CPU per rank with what the checks load. GPU ranks start as new
+                         processes (CUDA does not survive a fork), and so does every rank when
+                         ``PARALLELKIT_FORK_RANKS=0``.
     mpi                  mpiexec -n N (the mpiexec next to this Python, else on PATH)
     xla                  torch_xla.launch (one process per local XLA device)
 
@@ -28,7 +33,7 @@ import os
 import shutil
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import yaml
@@ -41,6 +46,9 @@ WORKER = [sys.executable, "-m", "parallelkit.cli", "train"]
 PACKAGE_CLI = WORKER[:3]  # the worker of any command: python -m parallelkit.cli COMMAND
 LOOPBACK = "127.0.0.1"
 
+
+FORK_RANKS = "PARALLELKIT_FORK_RANKS"
+"""``0``: every local rank is a new Python process, not a fork of the launcher."""
 
 STARTED = "PARALLELKIT_STARTED"
 """Set in the ranks that ``parallelkit train`` starts: why it started them, for the header."""
@@ -128,22 +136,50 @@ def launch(command: list[str], ranks: int = 1, backend: str = "auto") -> int:
     supervision and wait; the exit status is the job's."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores
-    how = "mpiexec" if command[: len(PACKAGE_CLI)] != PACKAGE_CLI else "processes"
+    processes = command[: len(PACKAGE_CLI)] == PACKAGE_CLI  # else mpiexec
+    fork = processes and forks_ranks(backend)
+    how = "forked processes" if fork else "processes" if processes else "mpiexec"
     env[STARTED] = f"{ranks} local ranks started by parallelkit ({how}): {launcher.detect().why}"
-    if backend == "auto" and how == "processes" and mpi_available() and not cuda_available():
+    if backend == "auto" and processes and mpi_available() and not cuda_available():
         env[STARTED] += (
             "; gloo, which keeps every socket on loopback (parallel.backend=mpi is faster on "
             "CPUs, but mpiexec listens on every interface: docs/training.md)"
         )
-    if command[: len(PACKAGE_CLI)] != PACKAGE_CLI:  # mpiexec, which cleans up its ranks
+    if not processes:  # mpiexec, which cleans up its ranks
         return supervise([Child(command, {**mpi_loopback_env(), **env}, "mpiexec")])
     env[LAUNCHER_PID] = str(os.getpid())
-    with loopback_store() as port:
+    with loopback_socket() as sock:
+        port = sock.getsockname()[1]
         children = [
-            Child(command, {**env, **rank_env(rank, ranks, port)}, f"rank {rank}")
+            Child(
+                command,
+                {**env, **rank_env(rank, ranks, port)},
+                f"rank {rank}",
+                forked=forked_rank(command[len(PACKAGE_CLI) :], sock) if fork else None,
+            )
             for rank in range(ranks)
         ]
-        return supervise(children)
+        return supervise(children, serve=lambda: store_on(sock))
+
+
+def forks_ranks(backend: str) -> bool:
+    """Whether the local ranks are forks of this process: on Linux, for CPU ranks, unless
+    ``PARALLELKIT_FORK_RANKS=0``."""
+    if os.environ.get(FORK_RANKS, "1") == "0" or not sys.platform.startswith("linux"):
+        return False
+    return backend in ("auto", "gloo") and not cuda_available()
+
+
+def forked_rank(args: list[str], listening: socket.socket) -> Callable[[], int]:
+    """What a forked rank runs: ``parallelkit ARGS``, as the new process would."""
+
+    def rank() -> int:
+        listening.close()  # the launcher's store socket: a rank is one of its clients
+        from parallelkit.cli import main
+
+        return main(args)
+
+    return rank
 
 
 def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
@@ -178,35 +214,39 @@ def mpi_loopback_env() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def loopback_store() -> Iterator[int]:
-    """A TCPStore served from this process on 127.0.0.1 only; yields its port.
+def loopback_socket() -> Iterator[socket.socket]:
+    """A listening socket bound to 127.0.0.1 only, for the launcher's store (:func:`store_on`).
 
-    The socket is bound here and handed to the store (``master_listen_fd``), because the
-    store binds every interface when it opens the socket itself.
+    It is bound here and handed to the store (``master_listen_fd``), because the store binds
+    every interface when it opens the socket itself. Ranks may connect before the store
+    serves: the kernel queues them.
     """
-    import torch.distributed as dist
-
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.bind((LOOPBACK, 0))
         sock.listen(128)
-        port = sock.getsockname()[1]
-        store = dist.TCPStore(
+        yield sock
+    finally:
+        sock.close()  # the store has a copy of the descriptor (see store_on)
+
+
+def store_on(sock: socket.socket) -> object:
+    """A TCPStore served from this process on ``sock``; serves until it is dropped."""
+    import torch.distributed as dist
+
+    fd = os.dup(sock.fileno())  # the store closes the descriptor it was given
+    try:
+        return dist.TCPStore(
             LOOPBACK,
-            port,
+            sock.getsockname()[1],
             is_master=True,
             wait_for_workers=False,
-            master_listen_fd=sock.fileno(),
+            master_listen_fd=fd,
             timeout=datetime.timedelta(seconds=300),
         )
     except BaseException:
-        sock.close()
+        os.close(fd)
         raise
-    sock.detach()  # the store owns the socket now and closes it
-    try:
-        yield port
-    finally:
-        del store
 
 
 def _loopback_interface() -> str | None:

@@ -17,10 +17,15 @@ gloo/NCCL, or one ``mpiexec``) and stays in front of them:
   only (once), and the launcher decides. Each rank also asks the kernel for SIGKILL
   when the launcher dies (``PR_SET_PDEATHSIG``), so even ``kill -9`` of the launcher leaves no
   rank behind. mpiexec (Hydra) cleans up its own ranks when it dies.
+- A child with a ``forked`` function is a fork of the launcher that calls it, instead of a new
+  Python that runs ``command``: it keeps what the launcher imported and checked (torch alone
+  is about a second of CPU per process), and is watched as a started command is
+  (:class:`Forked`).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import os
@@ -28,7 +33,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from parallelkit.comm.base import PEER_FAILED_EXIT
 from parallelkit.train.agree import REFUSED as REFUSED_EXIT
@@ -42,11 +49,13 @@ _BLAME_S = 1.0  # how long a peer's failure may take to show after the ranks it 
 
 @dataclass
 class Child:
-    """One process to start: its command, environment and the name used in messages."""
+    """One process to start: its command, environment and the name used in messages; with
+    ``forked``, a fork of this process that runs ``forked()`` (its exit status) in ``env``."""
 
     command: list[str]
     env: dict[str, str]
     name: str
+    forked: Callable[[], int] | None = None
 
 
 @dataclass
@@ -58,11 +67,15 @@ class _State:
     signals: list[int] = field(default_factory=list)
 
 
-def supervise(children: list[Child], grace: float = GRACE_S) -> int:
+def supervise(
+    children: list[Child], grace: float = GRACE_S, serve: Callable[[], object] | None = None
+) -> int:
     """Start ``children``, each in a new session, wait, and return the job's exit status:
-    0 when all exit 0, else the first failure's status (128 + signal after a signal)."""
+    0 when all exit 0, else the first failure's status (128 + signal after a signal).
+    ``serve()`` is called once they are started (a fork then copies none of its threads), and
+    what it returns is kept until they have exited."""
     state = _State()
-    procs: list[subprocess.Popen] = []
+    procs: list[subprocess.Popen | Forked] = []
     previous = {}
 
     def on_signal(signum: int, frame: object) -> None:
@@ -72,8 +85,14 @@ def supervise(children: list[Child], grace: float = GRACE_S) -> int:
         previous[sig] = signal.signal(sig, on_signal)
     try:
         for child in children:
-            procs.append(subprocess.Popen(child.command, env=child.env, start_new_session=True))
-        return _wait(children, procs, state, grace)
+            if child.forked is not None:
+                procs.append(Forked(child))
+            else:
+                procs.append(subprocess.Popen(child.command, env=child.env, start_new_session=True))
+        served = serve() if serve is not None else None
+        status = _wait(children, procs, state, grace)
+        del served
+        return status
     finally:
         _kill(procs, signal.SIGKILL)
         for p in procs:
@@ -83,7 +102,102 @@ def supervise(children: list[Child], grace: float = GRACE_S) -> int:
             signal.signal(sig, handler)
 
 
-def _wait(children: list[Child], procs: list[subprocess.Popen], state: _State, grace: float) -> int:
+class Forked:
+    """A child forked from this process, seen through the ``subprocess.Popen`` calls that
+    :func:`supervise` makes (``pid``, ``poll``, ``wait``, ``send_signal``).
+
+    The fork ends as a Python program ends, never through the launcher's own frames: an
+    uncaught exception goes to ``sys.excepthook`` (which a rank sets to leave at once), then
+    the ``atexit`` functions run (a rank's leave-together barrier among them), then the streams
+    are flushed. The constructor returns once the fork runs in a session of its own, so that a
+    SIGKILL sent to its process group cannot miss it.
+    """
+
+    def __init__(self, child: Child) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        ready, tell = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(ready)
+            _forked_main(child, tell)
+        os.close(tell)
+        os.read(ready, 1)  # end of file: its session began, or it died before
+        os.close(ready)
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        """The exit status (minus the signal that killed it), None while it runs."""
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0)
+            time.sleep(_POLL_S / 5)
+        return code
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+
+def _forked_main(child: Child, tell: int) -> NoReturn:
+    """The fork's side: a session of its own, Python's handlers for the signals the launcher
+    catches, the child's environment and thread count, ``child.forked()``; then the end of a
+    Python program (see :class:`Forked`)."""
+    code = 1
+    try:
+        os.setsid()
+        os.close(tell)
+        _name_process(forked_name(child.name))
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.environ.clear()
+        os.environ.update(child.env)
+        threads = child.env.get("OMP_NUM_THREADS", "")
+        if threads.isdigit() and int(threads) > 0:
+            import torch  # OpenMP read OMP_NUM_THREADS when the launcher started, not now
+
+            torch.set_num_threads(int(threads))
+        assert child.forked is not None
+        code = child.forked()
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+    finally:
+        with contextlib.suppress(BaseException):
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def forked_name(name: str) -> str:
+    """What ``ps`` and ``top`` call a forked child (``pk-rank-1``): its command line and
+    ``/proc/PID/environ`` are the launcher's, since no new program started."""
+    return "pk-" + name.replace(" ", "-")
+
+
+def _name_process(name: str) -> None:
+    """Set this process's name (``/proc/self/comm``, 15 bytes), where Linux's prctl is."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+
+
+def _wait(
+    children: list[Child], procs: list[subprocess.Popen | Forked], state: _State, grace: float
+) -> int:
     while True:
         while state.signals:
             signum = state.signals.pop(0)
@@ -139,7 +253,7 @@ def _wait(children: list[Child], procs: list[subprocess.Popen], state: _State, g
     return 0
 
 
-def _kill(procs: list[subprocess.Popen], signum: int) -> None:
+def _kill(procs: list[subprocess.Popen | Forked], signum: int) -> None:
     """Signal every started process; SIGKILL goes to each one's whole process group
     (DataLoader workers included), other signals to the process, which handles them."""
     for p in procs:
@@ -152,7 +266,7 @@ def _kill(procs: list[subprocess.Popen], signum: int) -> None:
                 p.send_signal(signum)
 
 
-def _stalled(running: list[tuple[Child, subprocess.Popen]]) -> str:
+def _stalled(running: list[tuple[Child, subprocess.Popen | Forked]]) -> str:
     """``rank 1 (its process is stopped)``: the ranks still running when the others gave up."""
     names = []
     for child, proc in running:

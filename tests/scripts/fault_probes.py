@@ -35,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from parallelkit.train.procs import forked_name
+
 PYTHON = sys.executable
 STARTED = re.compile(r"local ranks started by|uncaught exception on rank|rank \d+ of \d+ leaves")
 TINY = [  # a ResNet-18 of width 4 on 16x16 digits, as tests/jobs.py
@@ -118,17 +120,21 @@ def train(run_dir: Path, *overrides: str, timeout: float = 150, **kw) -> Run:
 
 
 def probe_pids(token: str, rank: int | None = None) -> list[int]:
-    """Processes whose environment holds this probe's token (and ``RANK=rank``)."""
+    """Processes whose environment holds this probe's token (and that are local rank ``rank``:
+    its ``RANK`` variable, or its name where it is a fork of the launcher)."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            name = Path(f"/proc/{entry}/comm").read_text().strip()
         except OSError:
             continue
         if f"PK_PROBE={token}".encode() in environ and (
-            rank is None or f"RANK={rank}".encode() in environ
+            rank is None
+            or f"RANK={rank}".encode() in environ
+            or name == forked_name(f"rank {rank}")
         ):
             found.append(int(entry))
     return found
