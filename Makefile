@@ -141,6 +141,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/spatial_resnet.py
 	$(PY) benchmarks/spatial_volume.py
 	$(PY) benchmarks/train.py
+	$(PY) benchmarks/startup.py
 	$(PY) benchmarks/plan_vs_measured.py
 
 # The peers side by side (~3 min, plus ~2 min to create .venv-chainer the first time):

@@ -143,7 +143,7 @@ def run_or_launch(name: str, run, cfg, command: list[str] | None) -> int:
             print(f"parallelkit {name}: error: {one_line(e)}", file=sys.stderr)
             return e.status if isinstance(e, Stop) else 2
         return 0
-    status = launch.launch(command, cfg.parallel.ranks, cfg.parallel.backend)
+    status = launch.launch(command, cfg.parallel.ranks, cfg.parallel.backend, entry=main)
     if status == procs.REFUSED_EXIT:
         return status  # the ranks stopped together, and one of them said why
     if status and status - 128 not in (signal.SIGINT, signal.SIGTERM):

@@ -56,12 +56,18 @@ class Job:
     """One ``parallelkit train`` (or any command), its output in ``out``, its processes in
     ``seen``. Use as a context manager: leaving kills whatever is left."""
 
-    def __init__(self, run_dir: Path, *overrides: str, command: list[str] | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        *overrides: str,
+        command: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ):
         self.out = Path(f"{run_dir}.out")
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.run_dir = run_dir
         cmd = command or [*CLI, f"train.run_dir={run_dir}", *overrides]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
         with self.out.open("w") as f:
             self.proc = subprocess.Popen(
                 cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True

@@ -301,6 +301,7 @@ def test_sigterm_to_a_users_torchrun(tmp_path):
     ("rank", "how", "launcher"),
     [
         (1, "raise", "local"),
+        (1, "raise", "local, new processes"),
         (0, "raise", "local"),
         (1, "raise_in_backward", "local"),
         (1, "exit", "local"),
@@ -316,7 +317,9 @@ def test_failure_on_one_rank_ends_the_job(tmp_path, rank, how, launcher):
     command = torchrun(run_dir, *fault) if launcher == "torchrun" else None
     if launcher == "mpiexec":
         fault.append("parallel.backend=mpi")
-    with Job(run_dir, *fault, command=command) as job:
+    # Each local rank a new Python, as GPU ranks always are, rather than a fork of the launcher.
+    env = {"PARALLELKIT_FORK_RANKS": "0"} if launcher == "local, new processes" else {}
+    with Job(run_dir, *fault, command=command, env=env) as job:
         status, _ = job.gone_within(180, time.monotonic())
     seconds = job.gone_at - job.injected_at()
     report(f"{how} on rank {rank} ({launcher}, 2 ranks, parallel.timeout=300)", seconds)
@@ -325,8 +328,9 @@ def test_failure_on_one_rank_ends_the_job(tmp_path, rank, how, launcher):
     out = job.output()
     if how != "exit":
         assert "InjectedFault" in out
-    if launcher == "local":
+    if launcher.startswith("local"):
         assert f"rank {rank} failed first" in out
+        assert ("(forked processes)" in out) == (launcher == "local")
     if launcher == "torchrun":
         assert re.search(rf"rank\s*:\s*{rank}\b", out), out[-3000:]  # torchrun's root cause
 

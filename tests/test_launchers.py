@@ -158,7 +158,15 @@ def test_cpu_ranks_are_forks_of_the_launcher(monkeypatch, backend, cuda, variabl
     seen = []
     monkeypatch.setattr(launch, "cuda_available", lambda: cuda)
     monkeypatch.setattr(launch, "supervise", lambda children, **_: seen.extend(children) or 0)
-    assert launch.launch([*launch.PACKAGE_CLI, "train", "a=1"], 2, backend) == 0
+    ran = []
+
+    def entry(args: list[str]) -> int:
+        ran.append(args)
+        return 0
+
+    assert launch.launch([*launch.PACKAGE_CLI, "train", "a=1"], 2, backend, entry=entry) == 0
     assert [c.forked is not None for c in seen] == [forked, forked]
     assert ("(forked processes)" in seen[0].env[launch.STARTED]) == forked
     assert [c.env["RANK"] for c in seen] == ["0", "1"]
+    if forked:  # a fork runs the command's arguments, as the new process would
+        assert seen[1].forked() == 0 and ran == [["train", "a=1"]]

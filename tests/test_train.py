@@ -61,10 +61,11 @@ GAN = [
 MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent))
 
 
-def train(run_dir: Path, *overrides: str, ok: bool = True, timeout: float = 300):
-    """Run ``parallelkit train``; returns the completed process (checked when ``ok``)."""
+def train(run_dir: Path, *overrides: str, ok: bool = True, timeout: float = 300, **env: str):
+    """Run ``parallelkit train`` (``env``: variables added); returns the completed process
+    (checked when ``ok``)."""
     cmd = [sys.executable, "-m", "parallelkit.cli", "train", f"train.run_dir={run_dir}", *overrides]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", **env)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if ok:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -191,6 +192,16 @@ def test_gan_curves(tmp_path, reference, strategy):
     assert_curves_equal(curve(tmp_path, "loss_g"), reference["gan_g"])
     assert (tmp_path / "samples" / "epoch-001.png").is_file()
     assert {p.name for p in tmp_path.glob("*.pt")} == {"generator.pt", "discriminator.pt"}
+
+
+def test_ranks_started_as_new_processes(tmp_path, reference):
+    # Local CPU ranks are forks of the launcher; with PARALLELKIT_FORK_RANKS=0 each is a new
+    # Python, as GPU ranks always are. Same curve, same test images, same export.
+    proc = train(tmp_path, *TINY, "parallel.ranks=2", PARALLELKIT_FORK_RANKS="0")
+    assert "2 local ranks started by parallelkit (processes)" in proc.stdout
+    assert_curves_equal(curve(tmp_path), reference["classify"])
+    assert [r["count"] for r in records(tmp_path, "eval").values()] == [359]
+    assert_dense_export(tmp_path)
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install mpich)")

@@ -131,13 +131,20 @@ def mpi_available() -> bool:
     return find_mpiexec() is not None and importlib.util.find_spec("mpi4py") is not None
 
 
-def launch(command: list[str], ranks: int = 1, backend: str = "auto") -> int:
+def launch(
+    command: list[str],
+    ranks: int = 1,
+    backend: str = "auto",
+    entry: Callable[[list[str]], int] | None = None,
+) -> int:
     """Run :func:`local_command`'s command (``ranks`` copies for torch backends) under
-    supervision and wait; the exit status is the job's."""
+    supervision and wait; the exit status is the job's. ``entry`` (``parallelkit.cli.main``)
+    runs the command's arguments in a forked rank (:func:`forks_ranks`); without it every rank
+    is a new process."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores
     processes = command[: len(PACKAGE_CLI)] == PACKAGE_CLI  # else mpiexec
-    fork = processes and forks_ranks(backend)
+    fork = processes and entry is not None and forks_ranks(backend)
     how = "forked processes" if fork else "processes" if processes else "mpiexec"
     env[STARTED] = f"{ranks} local ranks started by parallelkit ({how}): {launcher.detect().why}"
     if backend == "auto" and processes and mpi_available() and not cuda_available():
@@ -155,7 +162,7 @@ def launch(command: list[str], ranks: int = 1, backend: str = "auto") -> int:
                 command,
                 {**env, **rank_env(rank, ranks, port)},
                 f"rank {rank}",
-                forked=forked_rank(command[len(PACKAGE_CLI) :], sock) if fork else None,
+                forked=forked_rank(entry, command[len(PACKAGE_CLI) :], sock) if fork else None,
             )
             for rank in range(ranks)
         ]
@@ -170,14 +177,15 @@ def forks_ranks(backend: str) -> bool:
     return backend in ("auto", "gloo") and not cuda_available()
 
 
-def forked_rank(args: list[str], listening: socket.socket) -> Callable[[], int]:
-    """What a forked rank runs: ``parallelkit ARGS``, as the new process would."""
+def forked_rank(
+    entry: Callable[[list[str]], int] | None, args: list[str], listening: socket.socket
+) -> Callable[[], int]:
+    """What a forked rank runs: ``entry(args)``, as the new process would run its command."""
+    assert entry is not None
 
     def rank() -> int:
         listening.close()  # the launcher's store socket: a rank is one of its clients
-        from parallelkit.cli import main
-
-        return main(args)
+        return entry(args)
 
     return rank
 
