@@ -87,13 +87,13 @@ run: $(VENV)/.installed
 	$(VENV)/bin/parallelkit train train.overwrite=true
 
 # The XLA and zoo venvs (pip installs of several GB that mostly wait on the disk and the
-# network) are built in the background while the CPU-bound gloo and mpiexec tiers run; their
-# log is printed when both are done.
-test: lint
+# network) are built in the background from the start, while .venv is made and the CPU-bound
+# gloo and mpiexec tiers run; their log is printed when both are done.
+test:
 	@$(MAKE) --no-print-directory $(XLA_VENV)/.installed $(ZOO_VENV)/.installed \
-	  > $(VENV)/venv-builds.log 2>&1 & builds=$$!; \
-	$(MAKE) --no-print-directory test-py test-mpi; tiers=$$?; \
-	wait $$builds; built=$$?; cat $(VENV)/venv-builds.log; \
+	  > .venv-builds.log 2>&1 & builds=$$!; \
+	$(MAKE) --no-print-directory lint test-py test-mpi; tiers=$$?; \
+	wait $$builds; built=$$?; cat .venv-builds.log; \
 	[ $$tiers = 0 ] && [ $$built = 0 ]
 	@$(MAKE) --no-print-directory test-xla test-gpu test-zoo
 
