@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -170,3 +171,25 @@ def test_cpu_ranks_are_forks_of_the_launcher(monkeypatch, backend, cuda, variabl
     assert [c.env["RANK"] for c in seen] == ["0", "1"]
     if forked:  # a fork runs the command's arguments, as the new process would
         assert seen[1].forked() == 0 and ran == [["train", "a=1"]]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks are forked on Linux")
+@pytest.mark.parametrize(("case", "status"), [("ok", 0), ("raises", 1), ("exits", 3)])
+def test_a_forked_child_ends_as_a_python_program_does(tmp_path, case, status):
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "forked_children.py"), str(tmp_path), case],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f"status {status}" in proc.stdout
+    if case == "ok":
+        seen = json.loads((tmp_path / "child.json").read_text())
+        assert seen == {"X": "1", "own session": True, "name": "pk-rank-0"}
+        assert (tmp_path / "atexit").read_text() == "ran"
+    if case == "raises":
+        assert "ValueError: raised in the fork" in proc.stderr  # sys.excepthook's traceback
+        assert "rank 0 failed first (exit status 1)" in proc.stderr
+    if case == "exits":
+        assert "rank 0 failed first (exit status 3)" in proc.stderr

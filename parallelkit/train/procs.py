@@ -109,8 +109,10 @@ class Forked:
     The fork ends as a Python program ends, never through the launcher's own frames: an
     uncaught exception goes to ``sys.excepthook`` (which a rank sets to leave at once), then
     the ``atexit`` functions run (a rank's leave-together barrier among them), then the streams
-    are flushed. The constructor returns once the fork runs in a session of its own, so that a
-    SIGKILL sent to its process group cannot miss it.
+    are flushed. The functions registered before the fork run too, as a new Python registers
+    them on import; so the launcher forks before it holds anything they would release (a
+    temporary directory, a child process, a lock). The constructor returns once the fork runs
+    in a session of its own, so that a SIGKILL sent to its process group cannot miss it.
     """
 
     def __init__(self, child: Child) -> None:
@@ -130,9 +132,13 @@ class Forked:
     def poll(self) -> int | None:
         """The exit status (minus the signal that killed it), None while it runs."""
         if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere (SIGCHLD ignored): as Popen says, 0
+                self.returncode = 0
+            else:
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -152,7 +158,7 @@ def _forked_main(child: Child, tell: int) -> NoReturn:
     """The fork's side: a session of its own, Python's handlers for the signals the launcher
     catches, the child's environment and thread count, ``child.forked()``; then the end of a
     Python program (see :class:`Forked`)."""
-    code = 1
+    code, interrupted = 1, False
     try:
         os.setsid()
         os.close(tell)
@@ -173,13 +179,17 @@ def _forked_main(child: Child, tell: int) -> NoReturn:
             code = e.code or 0
         else:
             print(e.code, file=sys.stderr)
-    except BaseException:
+    except BaseException as e:
+        interrupted = isinstance(e, KeyboardInterrupt)
         sys.excepthook(*sys.exc_info())
     finally:
         with contextlib.suppress(BaseException):
             atexit._run_exitfuncs()
             sys.stdout.flush()
             sys.stderr.flush()
+        if interrupted:  # as Python does: killed by the SIGINT it did not handle
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
         os._exit(code)
 
 
