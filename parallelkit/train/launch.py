@@ -13,9 +13,10 @@ outlives the launcher):
                          on another interface. (torchrun cannot do this: its stores bind every
                          interface whatever --rdzv-endpoint says.) On Linux CPUs each rank is a
                          fork of the launcher, after its checks and before its store starts a
-                         thread: a new Python would import torch again, about two seconds of
-                         CPU per rank with what the checks load. GPU ranks start as new
-                         processes (CUDA does not survive a fork), and so does every rank when
+                         thread: a new Python would import torch again and redo what the
+                         checks load, about three seconds of CPU per rank
+                         (benchmarks/startup.py). GPU ranks start as new processes (CUDA does
+                         not survive a fork), and so does every rank when
                          ``PARALLELKIT_FORK_RANKS=0``.
     mpi                  mpiexec -n N (the mpiexec next to this Python, else on PATH)
     xla                  torch_xla.launch (one process per local XLA device)

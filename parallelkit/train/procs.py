@@ -18,9 +18,8 @@ gloo/NCCL, or one ``mpiexec``) and stays in front of them:
   when the launcher dies (``PR_SET_PDEATHSIG``), so even ``kill -9`` of the launcher leaves no
   rank behind. mpiexec (Hydra) cleans up its own ranks when it dies.
 - A child with a ``forked`` function is a fork of the launcher that calls it, instead of a new
-  Python that runs ``command``: it keeps what the launcher imported and checked (torch alone
-  is about a second of CPU per process), and is watched as a started command is
-  (:class:`Forked`).
+  Python that runs ``command``: it keeps what the launcher imported and checked (about three
+  seconds of CPU per rank), and is watched as a started command is (:class:`Forked`).
 """
 
 from __future__ import annotations
