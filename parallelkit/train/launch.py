@@ -145,10 +145,11 @@ def launch(
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores
     processes = command[: len(PACKAGE_CLI)] == PACKAGE_CLI  # else mpiexec
-    fork = processes and entry is not None and forks_ranks(backend)
+    cuda = processes and cuda_available()
+    fork = entry if processes and forks_ranks(backend, cuda) else None
     how = "forked processes" if fork else "processes" if processes else "mpiexec"
     env[STARTED] = f"{ranks} local ranks started by parallelkit ({how}): {launcher.detect().why}"
-    if backend == "auto" and processes and mpi_available() and not cuda_available():
+    if backend == "auto" and processes and mpi_available() and not cuda:
         env[STARTED] += (
             "; gloo, which keeps every socket on loopback (parallel.backend=mpi is faster on "
             "CPUs, but mpiexec listens on every interface: docs/training.md)"
@@ -163,26 +164,25 @@ def launch(
                 command,
                 {**env, **rank_env(rank, ranks, port)},
                 f"rank {rank}",
-                forked=forked_rank(entry, command[len(PACKAGE_CLI) :], sock) if fork else None,
+                forked=forked_rank(fork, command[len(PACKAGE_CLI) :], sock) if fork else None,
             )
             for rank in range(ranks)
         ]
         return supervise(children, serve=lambda: store_on(sock))
 
 
-def forks_ranks(backend: str) -> bool:
-    """Whether the local ranks are forks of this process: on Linux, for CPU ranks, unless
-    ``PARALLELKIT_FORK_RANKS=0``."""
+def forks_ranks(backend: str, cuda: bool) -> bool:
+    """Whether the local ranks are forks of this process: on Linux, for CPU ranks (``cuda``:
+    torch sees a GPU here), unless ``PARALLELKIT_FORK_RANKS=0``."""
     if os.environ.get(FORK_RANKS, "1") == "0" or not sys.platform.startswith("linux"):
         return False
-    return backend in ("auto", "gloo") and not cuda_available()
+    return backend in ("auto", "gloo") and not cuda
 
 
 def forked_rank(
-    entry: Callable[[list[str]], int] | None, args: list[str], listening: socket.socket
+    entry: Callable[[list[str]], int], args: list[str], listening: socket.socket
 ) -> Callable[[], int]:
     """What a forked rank runs: ``entry(args)``, as the new process would run its command."""
-    assert entry is not None
 
     def rank() -> int:
         listening.close()  # the launcher's store socket: a rank is one of its clients

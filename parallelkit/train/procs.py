@@ -200,8 +200,16 @@ def forked_name(name: str) -> str:
 
 def _name_process(name: str) -> None:
     """Set this process's name (``/proc/self/comm``, 15 bytes), where Linux's prctl is."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    _prctl(15, name.encode()[:15])  # PR_SET_NAME
+
+
+def _prctl(option: int, value: int | bytes) -> bool:
+    """Linux's ``prctl(option, value)``; False where the C library has none."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+    except (OSError, AttributeError):
+        return False
+    return True
 
 
 def _wait(
@@ -310,10 +318,7 @@ def die_with_launcher() -> None:
     launcher = os.environ.get(LAUNCHER_PID)
     if launcher is None or not sys.platform.startswith("linux") or os.getppid() != int(launcher):
         return  # not a direct child of the launcher (under mpiexec: of Hydra's proxy)
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
+    if not _prctl(1, int(signal.SIGKILL)):  # PR_SET_PDEATHSIG
         return
     if os.getppid() != int(launcher):  # the launcher died before prctl took effect
         os._exit(128 + signal.SIGKILL)

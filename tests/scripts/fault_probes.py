@@ -35,7 +35,9 @@ from pathlib import Path
 
 import numpy as np
 
-from parallelkit.train.procs import forked_name
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the jobs helpers
+
+from jobs import is_rank
 
 PYTHON = sys.executable
 STARTED = re.compile(r"local ranks started by|uncaught exception on rank|rank \d+ of \d+ leaves")
@@ -128,13 +130,10 @@ def probe_pids(token: str, rank: int | None = None) -> list[int]:
             continue
         try:
             environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
-            name = Path(f"/proc/{entry}/comm").read_text().strip()
         except OSError:
             continue
         if f"PK_PROBE={token}".encode() in environ and (
-            rank is None
-            or f"RANK={rank}".encode() in environ
-            or name == forked_name(f"rank {rank}")
+            rank is None or is_rank(int(entry), rank)
         ):
             found.append(int(entry))
     return found
