@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from torch import nn
 
@@ -36,6 +37,7 @@ def tiny(in_chans, classes, width=4):
 
 
 NOT_A_MODEL = 3
+from subprocess import run  # noqa: E402  (a standard-library function this module holds)
 """
 QUIET = ["data.image_size=16", "data.channels=1", "train.batch_size=16", "train.max_steps=3",
          "train.log_every=1", "train.progress=false", "train.tensorboard=false",
@@ -62,18 +64,47 @@ def test_channels_and_classes_go_where_the_constructor_takes_them(user_dir):
     assert imported.is_import_path("mynets:TinyNet") and not imported.is_import_path("timm:x")
 
 
+NAMES_CODE = "a config names a Module class or a function of your own that returns one"
+
+
 @pytest.mark.parametrize(
     ("name", "message"),
     [("nosuchmodule:Net", "module 'nosuchmodule' does not import"),
-     ("mynets:Nope", "mynets has no 'Nope'"), ("mynets:NOT_A_MODEL", "not a class or a function")],
+     ("mynets:Nope", "mynets has no 'Nope'"), ("mynets:NOT_A_MODEL", f"is a int: {NAMES_CODE}"),
+     ("mynets:run", "the standard library's function subprocess.run"),
+     ("subprocess:Popen", "names Python's standard library (subprocess)"),
+     ("torch.utils.data:Dataset", f"the class torch.utils.data.dataset.Dataset: {NAMES_CODE}")],
 )  # fmt: skip
 def test_bad_import_paths_are_config_errors(user_dir, name, message):
     proc = subprocess.run(
-        [sys.executable, "-m", "parallelkit.cli", "train", "--check", f"model.name={name}"],
+        [sys.executable, "-m", "parallelkit.cli", "train", "--check", f"model.name={name}",
+         "model.kwargs={args: [touch, made]}"],
         capture_output=True, text=True, timeout=120, cwd=user_dir,
     )  # fmt: skip
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+    assert not (user_dir / "made").exists()
+
+
+def test_a_run_directory_cannot_make_predict_run_code(user_dir):
+    """A trained run whose ``config.yaml`` is then edited to name other code than a model:
+    ``parallelkit predict`` refuses it in one line, and nothing it names is called."""
+    run = user_dir / "run"
+    train_curve(user_dir, "run", *SEGMENT, "train.max_steps=1", "parallel.ranks=1")
+    np.save(user_dir / "scan.npy", np.zeros((1, 16, 16), np.float32))
+    text = (run / "config.yaml").read_text()
+    for name in ("subprocess:Popen", "mynets:run"):
+        edited = text.replace("name: unet", f"name: '{name}'").replace(
+            "kwargs: {}", "kwargs: {args: [touch, made]}", 1)
+        assert edited.count(name) == 1 and "touch" in edited
+        (run / "config.yaml").write_text(edited)
+        proc = subprocess.run(
+            [sys.executable, "-m", "parallelkit.cli", "predict", f"train.run_dir={run}",
+             f"predict.output={user_dir / 'out'}", f"predict.input={user_dir / 'scan.npy'}"],
+            capture_output=True, text=True, timeout=120, cwd=user_dir,
+        )  # fmt: skip
+        assert proc.returncode == 2 and "not other code" in proc.stderr, proc.stderr
+        assert not (user_dir / "made").exists()
 
 
 def train_curve(user_dir: Path, name: str, *overrides: str) -> list[float]:

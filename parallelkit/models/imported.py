@@ -14,6 +14,13 @@ constructor takes, unless ``model.kwargs`` gives it:
 
 A module that does not import, a name it does not hold, or something that is not callable is a
 ``ValueError`` naming ``model.name``: a config error, found before any rank starts.
+
+A config names models, not arbitrary code. A run directory's ``config.yaml`` is read again by
+``parallelkit predict`` and ``--resume``, so whoever can write it chooses what is called. A
+path must therefore resolve to a class of the kind the key asks for (an ``nn.Module`` for a
+model, a ``Dataset`` for data; a loss is a function) or to a plain Python function defined outside
+Python's standard library; ``subprocess:Popen``, ``os:system`` or ``builtins:exec`` are
+refused before anything is called, and a standard-library module is not even imported.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import nn
+from torch.utils.data import Dataset
 
 from parallelkit.models.zoo import LIBRARIES
 
@@ -40,10 +48,43 @@ def is_import_path(name: str) -> bool:
     return bool(sep and module and attr) and module not in LIBRARIES
 
 
+KINDS: dict[str, tuple[type, ...]] = {"data.name": (Dataset,), "train.loss": ()}
+"""The classes a key may name, beside a function (a loss is a function of logits and mask);
+every other key: an ``nn.Module``."""
+
+
+def _standard_library(module: str) -> bool:
+    return module.partition(".")[0] in sys.stdlib_module_names
+
+
+def _check_target(target: Any, name: str, key: str) -> None:
+    """Refuse anything but a class of the key's kind or a plain function from outside the
+    standard library (see the module's docstring)."""
+    kinds = KINDS.get(key, (nn.Module,))
+    if isinstance(target, type):
+        if issubclass(target, kinds):
+            return
+        what = f"the class {target.__module__}.{target.__qualname__}"
+    elif inspect.isfunction(target):
+        if not _standard_library(target.__module__ or ""):
+            return
+        what = f"the standard library's function {target.__module__}.{target.__qualname__}"
+    else:
+        what = f"a {type(target).__name__}"
+    wanted = (f"a {' or '.join(k.__name__ for k in kinds)} class or a function of your own "
+              "that returns one") if kinds else "a function of your own"
+    raise ValueError(f"config: {key}={name!r} is {what}: a config names {wanted}, not other code")
+
+
 def load(name: str, key: str = "model.name") -> Callable[..., Any]:
-    """The callable that ``module:attribute`` names (``attribute`` may be dotted); ``key``:
-    the config key that named it, for the messages."""
+    """The class or function that ``module:attribute`` names (``attribute`` may be dotted),
+    checked to be one a config may name; ``key``: the config key that named it."""
     module_name, _, attr = name.partition(":")
+    if _standard_library(module_name):
+        raise ValueError(
+            f"config: {key}={name!r} names Python's standard library ({module_name}): a config "
+            "names a model, a loss or a data set of your own, not other code"
+        )
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.append(os.getcwd())  # as ``python -m`` would, for the console script
     try:
@@ -64,8 +105,7 @@ def load(name: str, key: str = "model.name") -> Callable[..., Any]:
         if not hasattr(target, part):
             raise ValueError(f"config: {key}={name!r}: {module_name} has no {attr!r}")
         target = getattr(target, part)
-    if not callable(target):
-        raise ValueError(f"config: {key}={name!r} is not a class or a function")
+    _check_target(target, name, key)
     return target
 
 
