@@ -11,7 +11,10 @@ images. A call that touches a block goes to its rule in the registry
 is refused with a ``ValueError`` naming the operation, the module and the ways out. Every rank
 runs the same code on the same shapes of blocks, so every rank refuses at the same operation,
 and none waits in a collective. Inside the swapped layers (and SyncBatchNorm, keep_dense
-modules) there is nothing to check: their outputs are blocks when their inputs were.
+modules) there is nothing to check: their outputs are blocks when their inputs were. The guard
+takes itself off torch's mode stack while such a layer runs, so that their many small
+operations pay nothing for it (a mode's Python handler costs microseconds per call, which on a
+fast device is more than the operation).
 
 This module keeps only that: the record, the mode, the module stack, the lookup and the
 refusal. docs/parallelism.md has the table of every rule (generated from the registry).
@@ -33,6 +36,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.nn.modules.module import (
     register_module_forward_hook,
@@ -84,6 +88,7 @@ class SpatialGuard(TorchFunctionMode):
         self._stack: list[tuple[nn.Module, bool, bool, Size | None, Any, bool] | None] = []
         self._restore: dict[int, tuple[Any, Any]] = {}
         self._trusted = 0
+        self._off_stack: nn.Module | None = None  # the trusted layer we stepped aside for
         self._hooks: list[Any] = []
 
     # ------------------------------------------------------------------ the record
@@ -199,6 +204,9 @@ class SpatialGuard(TorchFunctionMode):
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         """Leaves the mode; a model's own error on blocks leaves as a refusal (not one raised
         inside a gathered module, which computes on whole tensors)."""
+        if self._off_stack is not None:  # an error inside a trusted layer: back on, to leave
+            self._off_stack = None
+            torch._C._push_on_torch_function_stack(self)
         super().__exit__(exc_type, exc, tb)
         layout.pop()
         for hook in self._hooks:
@@ -231,6 +239,9 @@ class SpatialGuard(TorchFunctionMode):
         if kind == "norm" and not blocks and self.comm.size > 1:
             self._normalize_whole(module)
         self._trusted += trusted
+        if trusted and self._off_stack is None and self._on_top():
+            torch._C._pop_torch_function_stack()  # nothing to rule on inside: step aside
+            self._off_stack = module
         size = self.size_of(blocks[0]) if blocks else None
         folded = any(self.folds(b) for b in blocks)
         self._stack.append((module, trusted, bool(blocks) and not ends, size, whole, folded))
@@ -245,6 +256,9 @@ class SpatialGuard(TorchFunctionMode):
             module.use_communicators(*self._restore.pop(id(module)))
         if trusted:
             self._trusted -= 1
+            if self._off_stack is module:
+                self._off_stack = None
+                torch._C._push_on_torch_function_stack(self)
             if blocks_out:  # a spatial layer's output size from its geometry; norms keep it
                 out_size = module.out_size(size) if size and hasattr(module, "out_size") else size
                 self.mark(out, size=out_size)
@@ -253,6 +267,11 @@ class SpatialGuard(TorchFunctionMode):
             self.warn_once(module, gathered_message(self.names[module], module, args, out))
             return scatter_outputs(self, out, *whole)
         return None
+
+    def _on_top(self) -> bool:
+        """Whether this guard is the innermost torch function mode (so it may step aside)."""
+        n = torch._C._len_torch_function_stack()
+        return n > 0 and torch._C._get_function_stack_at(n - 1) is self
 
     def _normalize_whole(self, module: nn.Module) -> None:
         """BatchNorm on a whole tensor (DeepLab's pooled branch): every rank of the spatial

@@ -1,0 +1,258 @@
+"""The fixed cost of a parallel step: what parallelkit adds per step where the work is small.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/overhead.py                # MPI, ~3 min
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/overhead.py --backend gloo
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/overhead.py --quick        # smoke, ~1 min
+
+On a GPU or TPU a convolution of a thin network takes microseconds, so what is left of a
+parallel step is the library's own cost: Python per operation, the small operations it adds,
+one message per collective. This CPU machine hides that cost behind slow convolutions unless
+the work is small, so this script times a *thin* network, where the work is small (op-bound),
+and the same network wider and larger (compute-bound), on 2 ranks (MPI under mpiexec: a
+collective takes 5-10 us, as on fast interconnects; or gloo: about 1 ms here).
+
+Every variant is one SGD step (forward, cross-entropy, backward, ``optimizer.step``), with
+every rank running it at the same time; a step's time is the slowest rank's, the median over
+alternating rounds:
+
+    plain        the plain model on a batch of ``--batch`` on every rank, no communication
+    data         pk.parallelize(model, comm, "data"): DataParallel + SyncBatchNorm, each rank
+                 its own batch of ``--batch`` (its ceiling: plain)
+    channel      pk.parallelize(model, comm, "channel"): every convolution split by channels,
+                 the same whole batch on every rank (reported against plain)
+    spatial      pk.parallelize(model, comm, "spatial"): the batch's images split by rows
+    spatial ceiling
+                 the plain model on each rank's rows (torch.tensor_split) plus 3 halo rows,
+                 every rank at once, no communication: the most a row split can give
+
+The fixed cost is reported per operator of the plain step (what a ``TorchDispatchMode`` sees
+in one plain step: on a GPU, about one kernel launch each): (variant - its ceiling) / calls.
+``--compile`` adds, on gloo, the number of graphs ``torch._dynamo.explain`` finds in each
+variant's forward (torch's DDP on the same model for reference).
+
+Results: benchmarks/results/overhead_<backend>.md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from _common import (
+    OtherLoad,
+    alternating,
+    ceiling_rows,
+    comm_sync,
+    command_line,
+    environment,
+    mpi_worker,
+    run_mpi,
+    save,
+)
+
+CEILING_HALO = 3  # rows the stem (7x7, stride 2, padding 3) reads past a block
+VARIANTS = ("plain", "data", "channel", "spatial", "spatial ceiling")
+WORKER_TIMEOUT_S = 1800.0
+
+
+@dataclass
+class Config:
+    sizes: tuple[tuple[str, tuple[int, ...], int], ...] = (
+        ("op-bound: widths 4-32, 32x32", (4, 8, 16, 32), 32),
+        ("compute-bound: widths 16-128, 128x128", (16, 32, 64, 128), 128),
+    )
+    batch: int = 2
+    warmup: int = 3
+    repeats: int = 15
+    backend: str = "mpi"
+    compile: bool = False
+
+
+class _Count(TorchDispatchMode):
+    """Counts the operators a step runs (forward, backward, optimizer): on a GPU, about one
+    kernel launch each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _model(widths: tuple[int, ...]) -> torch.nn.Module:
+    from parallelkit.models import resnet50
+
+    torch.manual_seed(0)
+    return resnet50(widths=widths, num_classes=10)
+
+
+def _step(model: torch.nn.Module, x: torch.Tensor, labels: torch.Tensor) -> Callable[[], float]:
+    import time
+
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step() -> float:
+        started = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), labels).backward()
+        opt.step()
+        return time.perf_counter() - started
+
+    return step
+
+
+def rank_job(comm: Any, cfg: Config, widths: tuple[int, ...], size: int) -> dict[str, Any]:
+    """Every variant's step on this rank (all ranks at once); the slowest rank's times."""
+    import parallelkit as pk
+
+    torch.set_num_threads(1)
+    base = _model(widths)
+    x = torch.randn(cfg.batch, 3, size, size)
+    labels = torch.randint(0, 10, (cfg.batch,))
+    rows = ceiling_rows(size, comm.size, comm.rank, CEILING_HALO)
+    steps = {
+        "plain": _step(copy.deepcopy(base), x, labels),
+        "data": _step(pk.parallelize(copy.deepcopy(base), comm, "data"), x, labels),
+        "channel": _step(pk.parallelize(copy.deepcopy(base), comm, "channel"), x, labels),
+        "spatial": _step(pk.parallelize(copy.deepcopy(base), comm, "spatial"), x, labels),
+        "spatial ceiling": _step(copy.deepcopy(base), x[:, :, rows].contiguous(), labels),
+    }
+    counter, plain = _Count(), _step(copy.deepcopy(base), x, labels)
+    plain()  # the optimizer's state made
+    with counter:
+        plain()
+    sync = comm_sync(comm)
+    for name in VARIANTS:
+        for _ in range(cfg.warmup):
+            steps[name]()
+    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    for name in alternating(VARIANTS, cfg.repeats):
+        sync.barrier()
+        times[name].append(sync.max(steps[name]()))
+    result: dict[str, Any] = {"calls": counter.calls}
+    result["ms"] = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+    if cfg.compile:
+        result["graphs"] = _graphs(comm, base, x)
+    return result
+
+
+def _graphs(comm: Any, base: torch.nn.Module, x: torch.Tensor) -> dict[str, Any]:
+    """Graphs and breaks ``torch._dynamo.explain`` finds in each variant's forward."""
+    import torch._dynamo
+
+    import parallelkit as pk
+
+    out: dict[str, Any] = {}
+    models = {name: pk.parallelize(copy.deepcopy(base), comm, name)
+              for name in ("data", "channel", "spatial")}  # fmt: skip
+    if getattr(comm, "backend", "") == "gloo":
+        import torch.distributed as dist
+
+        models["torch DDP"] = torch.nn.parallel.DistributedDataParallel(
+            copy.deepcopy(base), process_group=dist.group.WORLD)
+    for name, model in models.items():
+        torch._dynamo.reset()
+        try:
+            e = torch._dynamo.explain(model)(x)
+            out[name] = {"graphs": e.graph_count, "breaks": e.graph_break_count,
+                         "reasons": sorted({str(b.reason).splitlines()[0][:120]
+                                            for b in e.break_reasons})[:8]}  # fmt: skip
+        except Exception as exc:  # reported in the table, not hidden
+            out[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+    return out
+
+
+# ---------------------------------------------------------------------------- parent
+def run(cfg: Config) -> list[dict[str, Any]]:
+    from parallelkit.testing import Ranks
+
+    rows = []
+    for label, widths, size in cfg.sizes:
+        load = OtherLoad()
+        args = (cfg, widths, size)
+        if cfg.backend == "mpi":
+            res = run_mpi(str(Path(__file__).resolve()), 2, args, WORKER_TIMEOUT_S)[0]
+        else:
+            with Ranks(2, "gloo", comm_timeout=900) as ranks:
+                res = ranks.run(rank_job, *args, timeout=WORKER_TIMEOUT_S)[0]
+        rows.append({"case": label, **res, "other_load_cores": load.cores()})
+    return rows
+
+
+def report(cfg: Config, rows: list[dict[str, Any]], env: dict[str, str]) -> str:
+    lines = [
+        f"# Fixed cost of a parallel step: 2 ranks, {cfg.backend}", "",
+        f"Command: `{env['command']}`", "",
+        f"Machine: {env['cpu']}, {env['nproc']} cores; python {env['python']}, torch "
+        f"{env['torch']}; {env['date']}.", "",
+        "One SGD step of parallelkit's ResNet-50 (bottleneck 3-4-6-3) at the widths named, "
+        f"batch {cfg.batch}; median of {cfg.repeats} alternating rounds, the slowest rank's "
+        "time. Ceiling: data's is plain (each rank its own batch); spatial's is the plain "
+        "model on each rank's rows plus 3 halo rows. `per call` is (step - ceiling) divided by "
+        "the plain step's operators.", "",
+    ]  # fmt: skip
+    for r in rows:
+        ms, calls = r["ms"], r["calls"]
+        ceiling = {"plain": ms["plain"], "data": ms["plain"], "channel": ms["plain"],
+                   "spatial": ms["spatial ceiling"], "spatial ceiling": ms["spatial ceiling"]}
+        lines += [f"## {r['case']}", "",
+                  f"{calls} operators in the plain step; other processes' load "
+                  f"{r['other_load_cores']:.2f} cores.", "",
+                  "| variant | ms / step | x plain | x its ceiling | added us per call |",
+                  "|---|--:|--:|--:|--:|"]  # fmt: skip
+        for name in VARIANTS:
+            added = (ms[name] - ceiling[name]) * 1e3 / calls
+            lines.append(f"| {name} | {ms[name]:.2f} | {ms[name] / ms['plain']:.2f} | "
+                         f"{ms[name] / ceiling[name]:.2f} | {added:.1f} |")  # fmt: skip
+        if "graphs" in r:
+            lines += ["", "| compiled forward | graphs | breaks | first reasons |",
+                      "|---|--:|--:|---|"]
+            for name, g in r["graphs"].items():
+                if "error" in g:
+                    lines.append(f"| {name} | - | - | {g['error']} |")
+                else:
+                    why = "; ".join(g["reasons"][:3]).replace("|", "/")
+                    lines.append(f"| {name} | {g['graphs']} | {g['breaks']} | {why} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", choices=["mpi", "gloo"], default="mpi")
+    p.add_argument("--quick", action="store_true", help="the op-bound case, 3 rounds")
+    p.add_argument("--repeats", type=int)
+    p.add_argument("--compile", action="store_true", help="graph counts (gloo)")
+    p.add_argument("--out", type=Path)
+    p.add_argument("--worker", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        mpi_worker(rank_job, *args.worker, timeout=WORKER_TIMEOUT_S)
+        return
+    cfg = Config(backend=args.backend, compile=args.compile)
+    if args.quick:
+        cfg.sizes, cfg.repeats, cfg.warmup = cfg.sizes[:1], 3, 1
+    if args.repeats:
+        cfg.repeats = args.repeats
+    env = environment(command=command_line(), backend=cfg.backend)
+    rows = run(cfg)
+    markdown = report(cfg, rows, env)
+    print(markdown)
+    default = Path(f"benchmarks/results/overhead_{cfg.backend}.md")
+    out = args.out or (Path(f"/tmp/overhead_quick_{cfg.backend}.md") if args.quick else default)
+    save(out, markdown, env, cfg, rows)
+
+
+if __name__ == "__main__":
+    main()
