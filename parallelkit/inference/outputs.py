@@ -25,19 +25,28 @@ neighbouring blocks share a chunk. Memory-mapped formats have no chunks: ``chunk
 
 Every file is made under a temporary name (:func:`partial_path`) and renamed into place when
 every rank has written its block, so a name in the output folder is a whole prediction.
+
+Write errors. npy and NIfTI files are allocated whole when made (``posix_fallocate``): a full
+disk is then an ``OSError`` at creation, not a ``SIGBUS`` in the middle of a memory-mapped
+write. Any ``OSError`` while making, writing or renaming a prediction (full disk, ``ulimit
+-f``, read-only file system) is caught where it happens, the ranks of the sample's group
+learn of it at the next step they share anyway, rank 0 removes the prediction's files, and
+every rank raises :class:`WriteError`, one line naming the file, said by the rank that saw it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from parallelkit.comm import Communicator
 from parallelkit.data.readers import Block, SampleReader, format_of
@@ -47,6 +56,41 @@ SUFFIX = {"zarr": ".zarr", "nifti": ".nii", "npy": ".npy"}
 PROBABILITIES = "_probabilities"
 DEFAULT_CHUNK = {1: 4096, 2: 256, 3: 64}
 """Chunk side where the input has no chunks of its own, by spatial dimensions."""
+
+
+def stored_dtype(fmt: str, dtype: str) -> str:
+    """The dtype the probabilities are stored in: ``dtype``, but float32 in NIfTI for float16
+    (NIfTI-1 has no half-precision type)."""
+    return "float32" if fmt == "nifti" and dtype == "float16" else dtype
+
+
+def output_bytes(size: Sequence[int], classes: int, probabilities: str | None) -> int:
+    """Bytes of one prediction, uncompressed: the uint8 class map, and the softmax in the
+    dtype ``probabilities`` (None: none)."""
+    n = math.prod(size)
+    return n + (n * classes * np.dtype(probabilities).itemsize if probabilities else 0)
+
+
+class WriteError(Exception):
+    """A prediction could not be written; raised on every rank of the sample's group. Its
+    message (one line, naming the file) is set on the rank that saw the error, '' elsewhere."""
+
+
+HINTS = {
+    errno.ENOSPC: "the file system is full",
+    errno.EDQUOT: "the disk quota is used up",
+    errno.EFBIG: "larger than this process may write: ulimit -f",
+    errno.EROFS: "a read-only file system",
+    errno.EACCES: "not writable by this user",
+    errno.EPERM: "not writable by this user",
+}
+
+
+def describe(error: OSError, path: Path) -> str:
+    """``could not write PATH: <reason> (<hint>)``: one line."""
+    hint = HINTS.get(error.errno or 0)
+    return (f"could not write {path}: {error.strerror or error}"
+            + (f" ({hint})" if hint else "") + "; the prediction's partial files are removed")
 
 
 def final_paths(fmt: str, base: Path, probabilities: bool) -> list[Path]:
@@ -109,10 +153,32 @@ def create(fmt: str, paths: Sequence[Path], size: Sequence[int], classes: int,
         shape = (classes, *size) if fmt == "npy" else (*size, classes)  # NIfTI: (X, Y, Z, K)
         pairs.insert(0, (paths[0], shape, probabilities))
     for path, shape, dtype in pairs:
-        if fmt == "npy":
-            np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape).flush()
-        else:
-            _create_nifti(path, shape, dtype, reference)
+        try:
+            if fmt == "npy":
+                np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape).flush()
+            else:
+                _create_nifti(path, shape, dtype, reference)
+            allocate(path)
+        except OSError as e:
+            e.filename = e.filename or str(path)  # for the message: which file
+            raise
+
+
+def allocate(path: Path) -> None:
+    """Give ``path`` its disk blocks now, so that a full disk fails here (ENOSPC) rather than
+    as a SIGBUS when a memory map first touches a page; file systems that cannot allocate
+    ahead (some network ones) keep a sparse file."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        size = os.fstat(fd).st_size
+        if size:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    raise
+    finally:
+        os.close(fd)
 
 
 def open_output(fmt: str, paths: Sequence[Path], chunks: Sequence[int]) -> Output:
@@ -124,7 +190,8 @@ def open_output(fmt: str, paths: Sequence[Path], chunks: Sequence[int]) -> Outpu
 
 @contextlib.contextmanager
 def writing(fmt: str, base: str | Path, sample: SampleReader, classes: int, comm: Communicator,
-            counts: Sequence[int], probabilities: str | None = None) -> Iterator[Output]:
+            counts: Sequence[int], probabilities: str | None = None,
+            begin: Callable[[list[Path]], None] | None = None) -> Iterator[Output]:
     """One sample's prediction, written by every rank of ``comm`` (collective)::
 
         with writing("zarr", "out/scan-07", sample, 3, comm, counts) as out:
@@ -134,24 +201,88 @@ def writing(fmt: str, base: str | Path, sample: SampleReader, classes: int, comm
     sample split in ``counts`` blocks per dimension (:func:`chunking`, the input's chunks
     where it has them); when every rank has written, rank 0 flushes them and renames them into
     place, so a final name always holds a whole prediction. ``probabilities``: also write the
-    softmax, in this dtype (``"float16"``, ``"float32"``).
+    softmax, in this dtype (``"float16"``, ``"float32"``; float16 is stored as float32 in
+    NIfTI). ``begin``: called on rank 0 with every path the prediction may make, before any
+    is made (``parallelkit predict`` records them). A write error: :class:`WriteError` on
+    every rank (the module's docstring), and none of the prediction's files left.
     """
     finals = final_paths(fmt, Path(base), probabilities is not None)
     temps = [partial_path(f) for f in finals]
+    if probabilities:
+        probabilities = stored_dtype(fmt, probabilities)
     chunks = chunking(sample.size, counts, input_chunks(sample))
+    problem, at = "", finals[-1]
     if comm.rank == 0:
-        for t in temps:
-            remove(t)
-        create(fmt, temps, sample.size, classes, probabilities, sample, chunks)
-    comm.barrier()
-    yield open_output(fmt, temps, chunks)
-    comm.barrier()
+        try:
+            if begin is not None:
+                begin([*finals, *temps])
+            for t in temps:
+                remove(t)
+            create(fmt, temps, sample.size, classes, probabilities, sample, chunks)
+        except OSError as e:
+            problem = describe(e, _final_of(e, temps, finals, at))
+    _settle(comm, problem, temps)
+    output = _Guarded(fmt, temps, finals, chunks)
+    yield output
+    _settle(comm, output.problem, temps)
     if comm.rank == 0:
-        for t, f in zip(temps, finals, strict=True):
-            fsync_tree(t)
-            remove(f)
-            t.rename(f)
-    comm.barrier()
+        try:
+            for t, at in zip(temps, finals, strict=True):
+                fsync_tree(t)
+                remove(at)
+                t.rename(at)
+        except OSError as e:
+            problem = describe(e, at)
+    _settle(comm, problem, [*temps, *finals])
+
+
+def _final_of(error: OSError, temps: list[Path], finals: list[Path], default: Path) -> Path:
+    """The final name of the temporary file an error names, the file it names when that is
+    none of them (a record), else ``default``."""
+    if not error.filename:
+        return default
+    named = Path(error.filename)
+    for t, f in zip(temps, finals, strict=True):
+        if named == t or t in named.parents:
+            return f
+    return named
+
+
+def _settle(comm: Communicator, problem: str, made: Sequence[Path]) -> None:
+    """Collective over ``comm`` (it replaces a barrier): when any rank has a ``problem``,
+    rank 0 removes ``made`` and every rank raises :class:`WriteError`."""
+    device = comm.device if comm.device is not None else torch.device("cpu")
+    flag = torch.tensor([1.0 if problem else 0.0], device=device)
+    if comm.all_reduce(flag, "max").item() > 0:
+        if comm.rank == 0:
+            for p in made:
+                with contextlib.suppress(OSError):
+                    remove(p)
+        raise WriteError(problem)
+
+
+class _Guarded(Output):
+    """The opened files; an ``OSError`` in opening or writing is kept in :attr:`problem`
+    (later blocks are skipped), so that this rank still joins its group's collectives."""
+
+    def __init__(self, fmt: str, temps: list[Path], finals: list[Path],
+                 chunks: Sequence[int]) -> None:
+        self.problem, self.finals = "", finals
+        self.chunks = tuple(chunks) if fmt == "zarr" else None
+        self.inner: Output | None = None
+        try:
+            self.inner = open_output(fmt, temps, chunks)
+        except OSError as e:
+            self.problem = describe(e, _final_of(e, temps, finals, finals[-1]))
+        self.temps = temps
+
+    def write(self, block: Block, classes: np.ndarray, probabilities: np.ndarray | None) -> None:
+        if self.inner is None or self.problem:
+            return
+        try:
+            self.inner.write(block, classes, probabilities)
+        except OSError as e:
+            self.problem = describe(e, _final_of(e, self.temps, self.finals, self.finals[-1]))
 
 
 def input_chunks(reader: SampleReader) -> tuple[int, ...] | None:

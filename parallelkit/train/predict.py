@@ -13,8 +13,13 @@ On every rank:
                 rank ``d`` of ``D`` takes samples ``d, d + D, ...``, and its spatial group
                 splits each one (:class:`parallelkit.inference.Predictor`)
     output      per sample, each rank writes its block into a temporary file; when all have,
-                the file is renamed into place: a name in ``OUT`` is a whole prediction, and
-                ``predict.resume=true`` skips those and redoes the rest
+                the file is renamed into place: a name in ``OUT`` is a whole prediction.
+                ``OUT`` is predict's own (:mod:`parallelkit.inference.record`): rank 0 locks
+                it, every sample's files are recorded before they are made, and only
+                recorded files are ever replaced; ``predict.resume=true`` skips the samples
+                recorded as done with the same settings and redoes the rest. Names are unique
+                (:mod:`parallelkit.inference.names`). A write error
+                ends the run in one line naming the file, none of that sample's files left
     end         a table on rank 0 (samples, voxels/s, peak memory per rank, output folder;
                 mIoU and pixel accuracy where the samples have masks), and ``OUT/predict.json``
 
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -40,11 +46,12 @@ from parallelkit.data.blockset import cached_stats, pairs
 from parallelkit.data.config import block_format, block_root, volumes
 from parallelkit.data.intensity import Normalizer
 from parallelkit.data.loader import normalizer
-from parallelkit.data.readers import SampleReader, stem_of
-from parallelkit.inference import Predictor, Result, outputs
+from parallelkit.data.readers import SampleReader
+from parallelkit.inference import Predictor, Result, outputs, record
+from parallelkit.inference.names import output_names
 from parallelkit.inference.predictor import fitting_multiple, sample_paths
 from parallelkit.parallel import Grid
-from parallelkit.train import checkpoint
+from parallelkit.train import checkpoint, rundir
 from parallelkit.train.agree import agree, same_everywhere
 from parallelkit.train.allocator import keep_freed_memory
 from parallelkit.train.config import Config, grid_dims
@@ -54,7 +61,7 @@ from parallelkit.train.segment import Segment
 from parallelkit.train.segmetrics import score_block
 from parallelkit.train.trainer import NORMALIZATION, device_for, peak_memory_mib, requested_device
 
-SUMMARY = "predict.json"
+SUMMARY = record.SUMMARY
 DTYPES = ("float16", "float32")
 
 
@@ -68,22 +75,25 @@ class Sample:
 # ------------------------------------------------------------------------- what to predict
 def samples(cfg: Config) -> list[Sample]:
     """``predict.input`` (a file or a folder of them), else ``predict.split`` of
-    ``data.name=FORMAT:DIR``, with its masks."""
+    ``data.name=FORMAT:DIR``, with its masks; each with its own output name
+    (:func:`~parallelkit.inference.names.output_names`)."""
     p = cfg.predict
     if p.input:
         where = Path(p.input)
         if not where.exists():
             raise ValueError(f"predict.input={p.input} does not exist")
-        found = [Sample(stem_of(f), f, None) for f in sample_paths(where)]
+        found: list[tuple[Path, Path | None]] = [(f, None) for f in sample_paths(where)]
         if not found:
             raise ValueError(f"predict.input={p.input}: no zarr, TIFF, NIfTI or npy samples in it")
-        return found
-    if not block_format(cfg.data.name):
+    elif not block_format(cfg.data.name):
         raise ValueError(
             f"parallelkit predict reads samples by blocks: give predict.input=PATH, or "
             f"data.name=FORMAT:DIR (zarr, tiff, nifti, npy), not data.name={cfg.data.name}"
         )
-    return [Sample(stem_of(i), i, m) for i, m in pairs(block_root(cfg.data.name), p.split)]
+    else:
+        found = list(pairs(block_root(cfg.data.name), p.split))
+    names = output_names([i for i, _ in found])
+    return [Sample(n, i, m) for n, (i, m) in zip(names, found, strict=True)]
 
 
 def normalization(cfg: Config) -> Normalizer | None:
@@ -182,29 +192,81 @@ def check(cfg: Config, world: int) -> None:
     if dims["channel"] > 1:
         raise ValueError("parallelkit predict splits samples (parallel.depth/rows/cols) and "
                          "hands them to data ranks; parallel.channel must be 1")
-    check_output(cfg)
     found = samples(cfg)
-    dense, _ = load_model(cfg, report=False)
+    dense, folder = load_model(cfg, report=False)
     counts = {"depth": dims["depth"], "rows": dims["rows"], "cols": dims["cols"]}
-    for sample in found:
-        check_sample(cfg, sample, dense, counts)
+    sizes = [check_sample(cfg, sample, dense, counts) for sample in found]
+    output_plan(cfg, found, sizes, folder)
 
 
-def check_output(cfg: Config) -> None:
-    out = Path(cfg.predict.output)
-    if out.exists() and not out.is_dir():
+# ------------------------------------------------------------------ the output folder
+def settings(cfg: Config, folder: Path) -> dict[str, Any]:
+    """What a prediction is made with, as its record keeps it: a resumed run takes a sample as
+    done only when these are the same (the grid is not among them: any grid gives the same
+    prediction, to roundoff)."""
+    p = cfg.predict
+    return {"run": os.path.realpath(cfg.train.run_dir), "checkpoint": folder.name,
+            "format": p.format, "probabilities": bool(p.probabilities),
+            "dtype": outputs.stored_dtype(p.format, p.dtype) if p.probabilities else None}
+
+
+def output_plan(cfg: Config, found: list[Sample], sizes: list[tuple[int, ...]], folder: Path,
+                locked: bool = False) -> record.Plan:
+    """Read-only: the output folder is free (no other predict holds it; ``locked``: this
+    process does), apart from the inputs, has nothing foreign in the way, is writable and has
+    room; what the run does to it (:func:`parallelkit.inference.record.plan`). One-line
+    ``ValueError`` otherwise."""
+    p = cfg.predict
+    out = Path(p.output)
+    if os.path.lexists(out) and not out.is_dir():
         raise ValueError(f"predict.output={out} is a file, not a folder")
-    if not cfg.predict.resume and not cfg.predict.overwrite and out.is_dir() and any(out.iterdir()):
-        raise ValueError(
-            f"predict.output={out} already holds files: predict.overwrite=true replaces its "
-            "predictions, predict.resume=true finishes the ones not yet written"
-        )
+    if not locked and (holder := rundir.lock_holder(out / record.FOLDER)) is not None:
+        raise ValueError(f"predict.output={out} is in use by another parallelkit predict (pid "
+                         f"{holder}); wait for it to end or stop it, or choose another "
+                         "predict.output")
+    probs = outputs.stored_dtype(p.format, p.dtype) if p.probabilities else None
+    targets = []
+    for sample, size in zip(found, sizes, strict=True):
+        finals = outputs.final_paths(p.format, out / sample.name, p.probabilities)
+        targets.append(record.Target(
+            sample.name, Path(os.path.realpath(sample.image)), tuple(finals),
+            tuple(outputs.partial_path(f) for f in finals),
+            outputs.output_bytes(size, cfg.data.num_classes, probs)))  # fmt: skip
+    inputs = [q for s in found for q in (s.image, s.mask) if q is not None]
+    plan = record.plan(out, targets, settings(cfg, folder), p.resume, p.overwrite, inputs)
+    need = plan.need
+    if p.format == "zarr":
+        need = max((t.nbytes for t, d in zip(targets, plan.done, strict=True) if not d),
+                   default=0)
+    record.check_room(out, need, zarr=p.format == "zarr")
+    return plan
 
 
-def check_sample(cfg: Config, sample: Sample, dense: nn.Module, counts: dict[str, int]) -> None:
+def take_output(cfg: Config, found: list[Sample], folder: Path) -> tuple[record.Plan, Any]:
+    """Rank 0 at start: checks the output folder (as :func:`check` did), makes it, locks it,
+    marks it as predict's and removes the recorded files of the samples to redo; the plan and
+    the lock (held until the process ends)."""
+    out = Path(cfg.predict.output)
+    sizes = [image_reader(cfg, s.image).size for s in found]
+    output_plan(cfg, found, sizes, folder)  # before anything is made
+    (out / record.FOLDER).mkdir(parents=True, exist_ok=True)
+    try:
+        lock = rundir.Lock(out / record.FOLDER)
+    except ValueError:
+        raise ValueError(f"predict.output={out} is in use by another parallelkit predict (pid "
+                         f"{rundir.lock_holder(out / record.FOLDER) or '?'}); wait for it to "
+                         "end or stop it, or choose another predict.output") from None
+    record.Record(out).claim()
+    plan = output_plan(cfg, found, sizes, folder, locked=True)  # no other predict acts now
+    record.remove_owned(plan.remove)
+    return plan, lock
+
+
+def check_sample(cfg: Config, sample: Sample, dense: nn.Module, counts: dict[str, int],
+                 ) -> tuple[int, ...]:
     """The sample opens, has the model's channels and dimensions, splits over the grid, and
     the dense model takes its whole size, padded to a multiple where it must be (tried on the
-    meta device: no memory, no time)."""
+    meta device: no memory, no time); its spatial size."""
     dims = dims_of(cfg)
     try:
         reader = image_reader(cfg, sample.image)
@@ -229,6 +291,7 @@ def check_sample(cfg: Config, sample: Sample, dense: nn.Module, counts: dict[str
         fitting_multiple(dense, reader.channels, reader.size)
     except ValueError as e:
         raise ValueError(f"{cfg.model.name} cannot take {sample.image}: {e}") from None
+    return tuple(reader.size)
 
 
 # ------------------------------------------------------------------------------ the ranks
@@ -248,42 +311,56 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
     dense, folder = load_model(cfg, report=lead)
     predictor = Predictor(dense.to(device), grid, normalization(cfg))
     found = samples(cfg)
-    problem = ""
+    problem, done, lock = "", [False] * len(found), None
     if lead:
         try:
-            out.mkdir(parents=True, exist_ok=True)
-            if p.overwrite and not p.resume:
-                for sample in found:
-                    for path in outputs.final_paths(p.format, out / sample.name, p.probabilities):
-                        outputs.remove(path)
+            plan, lock = take_output(cfg, found, folder)
+            done = plan.done
+        except ValueError as e:
+            problem = str(e)
         except OSError as e:
-            problem = f"predict.output={out} cannot be used: {e.strerror or e}"
+            problem = f"predict.output={out} cannot be used: {outputs.describe(e, out)}"
     agree(comm, problem)
-    done = [outputs.final_paths(p.format, out / s.name, p.probabilities)[-1].exists()
-            for s in found]
     done = comm.broadcast(torch.tensor(done, dtype=torch.int32, device=device)).bool().tolist()
-    mine = [i for i in range(len(found)) if i % grid.data == grid.coords[0] and not done[i]]
+    todo = [i for i in range(len(found)) if not done[i]]
+    mine = [i for i in todo if i % grid.data == grid.coords[0]]
+    rounds = max(sum(1 for i in todo if i % grid.data == d) for d in range(grid.data))
     if lead:
+        stored = "" if not p.probabilities or outputs.stored_dtype(p.format, p.dtype) == p.dtype \
+            else f"; probabilities stored as float32 ({p.format} has no {p.dtype})"
         print(f"parallelkit predict: {len(found)} samples ({sum(done)} already written) from "
               f"{found[0].image.parent} with {folder}, {comm.size} ranks ({comm.backend}), "
-              f"{grid}", flush=True)
+              f"{grid}{stored}", flush=True)
     dims_n = dims_of(cfg)
     per_sample = math.prod(predictor.blocks.counts(dims_n))  # blocks: the spatial group's ranks
     bar = _bar(lead, len(mine), per_sample)
     started, voxels, k = time.perf_counter(), 0, cfg.data.num_classes
     counts = torch.zeros(3, k, dtype=torch.float64)
-    for j, i in enumerate(mine):
-        stage = None
-        if bar is not None:
-            bar.set_description(f"predict: sample {j + 1}/{len(mine)}", refresh=False)
-            stage = lambda what, name=found[i].name: bar.set_postfix_str(  # noqa: E731
-                f"{name}, {what} {per_sample} blocks")
-        result, mask = predict_one(cfg, predictor, found[i], out, dims_n, stage)
-        voxels += result.voxels
-        if mask is not None:
-            counts += score_block(result.logits, mask, result.block)[0]
-        if bar is not None:
-            bar.update(per_sample)  # the sample's blocks are written: its write is collective
+    written = {"settings": settings(cfg, folder), "grid": " x ".join(
+        f"{n} {a}" for n, a in zip((grid.data, grid.depth, grid.rows, grid.cols),
+                                   ("data", "depth", "rows", "cols"), strict=True))}
+    for j in range(rounds):  # every rank, every round: a write error stops all ranks together
+        problem = ""
+        if j < len(mine):
+            i = mine[j]
+            stage = None
+            if bar is not None:
+                bar.set_description(f"predict: sample {j + 1}/{len(mine)}", refresh=False)
+                stage = lambda what, name=found[i].name: bar.set_postfix_str(  # noqa: E731
+                    f"{name}, {what} {per_sample} blocks")
+            try:
+                result, mask = predict_one(cfg, predictor, found[i], out, dims_n, stage,
+                                           written)  # fmt: skip
+                voxels += result.voxels
+                if mask is not None:
+                    counts += score_block(result.logits, mask, result.block)[0]
+            except outputs.WriteError as e:
+                problem = str(e)
+            if bar is not None:
+                bar.update(per_sample)  # the sample's blocks are written: its write is collective
+        if problem and bar is not None:
+            bar.close()  # the error on a line of its own
+        agree(comm, problem)
     if bar is not None:
         bar.close()
     seconds = time.perf_counter() - started
@@ -291,27 +368,51 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
                                         counts.flatten()]))
     memory = comm.all_gather(torch.tensor([peak_memory_mib(device)], device=device)).cpu()
     summary = _summary(cfg, comm, grid, found, done, totals, seconds, memory, folder)
+    problem = ""
     if lead:
-        atomic_text(out / SUMMARY, json.dumps(summary, indent=2))
+        try:
+            atomic_text(out / SUMMARY, json.dumps(summary, indent=2))
+            record.Record(out).note_summary()
+        except OSError as e:
+            problem = outputs.describe(e, out / SUMMARY).partition(";")[0]
+    agree(comm, problem)
+    if lead:
         rows = [(k_, str(v)) for k_, v in summary.items() if not isinstance(v, dict | list)]
         print(table(rows, "parallelkit predict: done"), flush=True)
+        if lock is not None:
+            lock.release()
     return summary
 
 
 def predict_one(cfg: Config, predictor: Predictor, sample: Sample, out: Path, dims: int,
                 stage: Callable[[str], None] | None = None,
+                written: dict[str, Any] | None = None,
                 ) -> tuple[Result, SampleReader | None]:
     """One sample over this rank's spatial group, made under temporary names and renamed
-    whole; its result and its mask (None without one). ``stage`` as in ``Predictor``."""
+    whole; its result and its mask (None without one). ``stage`` as in ``Predictor``.
+    ``written``: the settings and grid to record the sample's files with (rank 0 of the
+    group records them before they are made, and again once they are in place). A write
+    error: :class:`~parallelkit.inference.outputs.WriteError`."""
     p, comm = cfg.predict, predictor.comm
     reader = image_reader(cfg, sample.image)
     mask = SampleReader(sample.mask, dims, mask=True,
                         level=cfg.data.level) if sample.mask else None
     counts = predictor.blocks.counts(len(reader.size))
     probabilities = p.dtype if p.probabilities else None
+    book, source = record.Record(out), Path(os.path.realpath(sample.image))
+    begin = None if written is None else (
+        lambda files: book.begin(sample.name, source, files, written["settings"]))
     with outputs.writing(p.format, out / sample.name, reader, cfg.data.num_classes, comm, counts,
-                         probabilities) as output:
+                         probabilities, begin=begin) as output:
         result = predictor(reader, output, probabilities=p.probabilities, stage=stage)
+    if written is not None and comm.rank == 0:
+        finals = outputs.final_paths(p.format, out / sample.name, p.probabilities)
+        try:
+            book.finish(sample.name, source, finals, [outputs.partial_path(f) for f in finals],
+                        written["settings"], written["grid"])
+        except OSError as e:
+            raise outputs.WriteError(outputs.describe(e, book.folder).partition(";")[0]
+                                     ) from None
     return result, mask
 
 
