@@ -57,12 +57,14 @@ def train(argv: list[str]) -> int:
 
     A mistake found before any rank starts (a config value, the data, the model, a run
     directory that belongs to another run) is one line on stderr and exit status 2. Under
-    torchrun, mpiexec or srun every rank makes the same checks before its first collective;
-    rank 0 says what is wrong, and every rank exits 2.
+    torchrun, mpiexec or srun every rank makes the same checks before its first collective,
+    and every rank whose check fails says so in one line (naming its rank, when not 0) and
+    exits 2; ranks that ``parallelkit train`` started leave the line to it
+    (:mod:`parallelkit.train.startup`).
     """
     from parallelkit.comm import launcher
     from parallelkit.data.errors import DataError, one_line
-    from parallelkit.train import config, keys, launch, preflight, procs, rundir, trainer
+    from parallelkit.train import config, keys, launch, preflight, rundir, startup, trainer
     from parallelkit.train.agree import REFUSED, Stop
     from parallelkit.train.stopping import exit_now
 
@@ -90,21 +92,31 @@ def train(argv: list[str]) -> int:
     args = parser.parse_intermixed_args(argv)  # --resume may come after overrides
     overrides = [*args.overrides, *(["train.resume=true"] if args.resume else [])]
     job, ranked = launcher.detect(), launch.under_launcher()
+    startup.reached("checks")
+    restore = None
     try:
         cfg = config.load(args.config, overrides)
         if args.print_config:
             print(config.to_yaml(cfg), end="")
             return 0
+        if job.name == "inconsistent":
+            raise ValueError(job.why)
         launch.check_world(cfg, job, launch.explicit("parallel.ranks", args.config, overrides))
+        if ranked:
+            startup.check_mpi_world(cfg.parallel.backend, job)
         world = job.world if ranked else cfg.parallel.ranks
         if cfg.parallel.backend == "xla" or (ranked and job.name == "none"):
             world = None  # XLA replicas: one per device, known to torch_xla alone
+        if not ranked and not args.check:
+            restore = launch.checks_on_one_thread(cfg)  # the ranks may then be forks
         preflight.check(cfg, world)
         if not ranked:
             rundir.check(cfg)  # the ranks check it again, holding the run's lock
         command = None if ranked else launch.local_command(cfg, argv)
     except ValueError as e:
-        if not ranked or job.rank == 0:
+        if ranked:
+            startup.report("train", one_line(e))
+        else:
             print(f"parallelkit train: error: {one_line(e)}", file=sys.stderr)
         return 2
     if args.check:
@@ -114,10 +126,9 @@ def train(argv: list[str]) -> int:
             print(f"parallelkit train: check passed for {ranks}; {who}")
         return 0
     if ranked:
-        procs.die_with_launcher()
         os.environ[launch.STARTED] = launch.started_by(job)  # read before init adds to it
         try:
-            trainer.run(cfg)
+            trainer.run(cfg, startup.join(cfg))
         except Stop as stop:  # every rank stops alike; one of them says why
             exit_now(stop.status, f"parallelkit train: error: {stop}" if stop.report else "")
         except DataError as e:  # this rank's file: one line, and the launcher stops the rest
@@ -126,6 +137,8 @@ def train(argv: list[str]) -> int:
     if cfg.parallel.backend == "xla":
         launch.launch_xla(cfg)
         return 0
+    if command is None and restore is not None:
+        torch.set_num_threads(restore)  # one rank, run here: the threads asked for
     return run_or_launch("train", trainer.run, cfg, command)
 
 
@@ -143,7 +156,8 @@ def run_or_launch(name: str, run, cfg, command: list[str] | None) -> int:
             print(f"parallelkit {name}: error: {one_line(e)}", file=sys.stderr)
             return e.status if isinstance(e, Stop) else 2
         return 0
-    status = launch.launch(command, cfg.parallel.ranks, cfg.parallel.backend, entry=main)
+    status = launch.launch(command, cfg.parallel.ranks, cfg.parallel.backend, entry=main,
+                           timeout=cfg.parallel.timeout)  # fmt: skip
     if status == procs.REFUSED_EXIT:
         return status  # the ranks stopped together, and one of them said why
     if status and status - 128 not in (signal.SIGINT, signal.SIGTERM):
@@ -158,8 +172,9 @@ def predict(argv: list[str]) -> int:
     line on stderr and exit status 2."""
     from pathlib import Path
 
+    from parallelkit.comm import launcher
     from parallelkit.data.errors import DataError, one_line
-    from parallelkit.train import config, launch, procs
+    from parallelkit.train import config, launch, startup
     from parallelkit.train import predict as predicting
     from parallelkit.train.agree import REFUSED, Stop
     from parallelkit.train.stopping import exit_now
@@ -174,7 +189,11 @@ def predict(argv: list[str]) -> int:
     )
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
+    startup.reached("checks")
+    job, ranked = launcher.detect(), launch.under_launcher()
     try:
+        if job.name == "inconsistent":
+            raise ValueError(job.why)
         runs = [o.partition("=")[2] for o in args.overrides if o.startswith("train.run_dir=")]
         if not runs:
             raise ValueError("train.run_dir=RUN is missing: the trained run to predict with")
@@ -182,22 +201,25 @@ def predict(argv: list[str]) -> int:
         if not saved.is_file():
             raise ValueError(f"train.run_dir={runs[-1]} is not a run: it has no config.yaml")
         cfg = config.load(str(saved), args.overrides)
-        if launch.under_launcher():
-            procs.die_with_launcher()
-            try:
-                predicting.run(cfg)
-            except Stop as stop:
-                exit_now(stop.status, f"parallelkit predict: error: {stop}" if stop.report else "")
-            except DataError as e:
-                exit_now(REFUSED, f"parallelkit predict: error: {one_line(e)}")
-            return 0
-        predicting.check(cfg, cfg.parallel.ranks)
-        command = launch.local_command(cfg, argv, "predict")
+        if ranked:
+            startup.check_mpi_world(cfg.parallel.backend, job)
+        else:
+            predicting.check(cfg, cfg.parallel.ranks)
+            command = launch.local_command(cfg, argv, "predict")
     except ValueError as e:
-        if launch.under_launcher():
-            raise
-        print(f"parallelkit predict: error: {e}", file=sys.stderr)
+        if ranked:
+            startup.report("predict", one_line(e))
+        else:
+            print(f"parallelkit predict: error: {e}", file=sys.stderr)
         return 2
+    if ranked:
+        try:
+            predicting.run(cfg, startup.join(cfg))
+        except Stop as stop:
+            exit_now(stop.status, f"parallelkit predict: error: {stop}" if stop.report else "")
+        except DataError as e:
+            exit_now(REFUSED, f"parallelkit predict: error: {one_line(e)}")
+        return 0
     return run_or_launch("predict", predicting.run, cfg, command)
 
 

@@ -40,7 +40,8 @@ def test_torchrun_auto_picks_gloo():
     ("env", "expected"),
     [
         ({}, "local"),
-        ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_PORT": "1234"}, "gloo"),
+        ({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_PORT": "1234"}, "gloo"),
+        ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_PORT": "1234"}, "local"),  # left over: refused
         ({"PMI_RANK": "0", "PMI_SIZE": "2"}, "mpi"),
         ({"OMPI_COMM_WORLD_SIZE": "2"}, "mpi"),
         ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}, "local"),  # sbatch's batch script
@@ -52,6 +53,7 @@ def test_detect_backend(monkeypatch, env, expected):
     for var in (
         "WORLD_SIZE",
         "RANK",
+        "LOCAL_RANK",
         "MASTER_PORT",
         "PMI_RANK",
         "PMI_SIZE",
@@ -158,6 +160,7 @@ def test_cpu_ranks_are_forks_of_the_launcher(monkeypatch, backend, cuda, variabl
         monkeypatch.setenv(launch.FORK_RANKS, variable)
     seen = []
     monkeypatch.setattr(launch, "cuda_available", lambda: cuda)
+    monkeypatch.setattr(launch, "other_threads", lambda: 0)  # pytest's threads are not the point
     monkeypatch.setattr(launch, "supervise", lambda children, **_: seen.extend(children) or 0)
     ran = []
 
@@ -171,6 +174,43 @@ def test_cpu_ranks_are_forks_of_the_launcher(monkeypatch, backend, cuda, variabl
     assert [c.env["RANK"] for c in seen] == ["0", "1"]
     if forked:  # a fork runs the command's arguments, as the new process would
         assert seen[1].forked() == 0 and ran == [["train", "a=1"]]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks are forked on Linux")
+def test_a_launcher_running_threads_starts_new_processes(monkeypatch):
+    # A fork copies only the thread that forks: with any other thread running (OpenMP's pool,
+    # numpy's OpenBLAS, a data set's executor) the ranks are new processes, and the header
+    # says why.
+    from parallelkit.train import launch
+
+    monkeypatch.delenv(launch.FORK_RANKS, raising=False)
+    monkeypatch.setattr(launch, "cuda_available", lambda: False)
+    monkeypatch.setattr(launch, "other_threads", lambda: 2)
+    seen = []
+    monkeypatch.setattr(launch, "supervise", lambda children, **_: seen.extend(children) or 0)
+    assert launch.launch([*launch.PACKAGE_CLI, "train"], 2, "auto", entry=lambda a: 0) == 0
+    assert [c.forked for c in seen] == [None, None]
+    assert "(processes, not forks: the launcher runs 3 threads" in seen[0].env[launch.STARTED]
+
+
+@pytest.mark.parametrize(
+    ("env", "inconsistent"),
+    [({"WORLD_SIZE": "2"}, True), ({"RANK": "0", "MASTER_PORT": "1"}, True),
+     ({"MASTER_ADDR": "a", "MASTER_PORT": "1"}, False),
+     ({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "1"}, False),
+     # an srun batch script that copies Slurm's rank and size into torch's names: srun
+     ({"RANK": "1", "WORLD_SIZE": "2", "SLURM_PROCID": "1", "SLURM_NTASKS": "2",
+       "SLURM_STEP_ID": "0"}, False),
+     ({"RANK": "0", "WORLD_SIZE": "8", "SLURM_PROCID": "1", "SLURM_NTASKS": "2",
+       "SLURM_STEP_ID": "0"}, True)],
+)  # fmt: skip
+def test_a_part_of_torchruns_variables_is_no_launcher(env, inconsistent):
+    from parallelkit.comm import launcher
+
+    job = launcher.detect(env)
+    assert (job.name == "inconsistent") == inconsistent, job
+    if inconsistent:
+        assert "unset" in job.why and "LOCAL_RANK" in job.why
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks are forked on Linux")

@@ -5,7 +5,13 @@ plain process (a shell, or the batch script of ``sbatch``). The difference decid
 after it: a rank joins the job; a plain process starts its own local ranks. Reading it wrong
 runs a different number of ranks than the user asked for, so each rule below says why.
 
-    torchrun   WORLD_SIZE and MASTER_PORT (or TORCHELASTIC_RUN_ID): RANK, LOCAL_RANK
+    torchrun   RANK, LOCAL_RANK, WORLD_SIZE and MASTER_PORT, all four (torchrun, and every
+               launcher that copies it, sets them all). A part of the set (WORLD_SIZE or RANK
+               left in a shell by another job, without LOCAL_RANK) is not a launcher: it is
+               ``inconsistent``, and refused with a line naming the variables, since following
+               it would make a plain process wait for ranks that never come. An srun step whose
+               task's RANK and WORLD_SIZE were copied from Slurm's (a common batch script) is
+               srun.
     mpiexec    MPICH/Hydra's PMI_RANK and PMI_SIZE (MPI_LOCALRANKID), Open MPI's
                OMPI_COMM_WORLD_*, or PMIx's PMIX_RANK. Read before Slurm's: inside an
                allocation, mpiexec starts its per-node proxies with srun, so the ranks also
@@ -17,7 +23,9 @@ runs a different number of ranks than the user asked for, so each rule below say
                SLURM_NTASKS=4 as well, but no step of its own (no SLURM_STEP_ID, or the batch
                or extern step's reserved number): it is one process, not four.
 
-A one-task ``srun`` step is a plain process too: it may start local ranks itself.
+A one-task ``srun`` step is a plain process too: it may start local ranks itself. An srun
+step whose ranks use MPI needs srun's PMI (``--mpi=pmi2``/``pmix``): without it MPI sees each
+task alone (:func:`mpi_mismatch`).
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ from dataclasses import dataclass
 # Slurm's reserved step ids (slurm.h) start here: the batch script, the extern step, pending
 # and interactive steps. A real ``srun`` step is numbered from 0.
 _RESERVED_STEP = 0xFFFFFFF0
+TORCHRUN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")
+"""torchrun's variables that make a process a rank, all together."""
 
 
 @dataclass(frozen=True)
@@ -46,14 +56,48 @@ class Launcher:
 def detect(env: dict[str, str] | None = None) -> Launcher:
     """The launcher of this process (``env``: the environment to read, default os.environ)."""
     env = dict(os.environ if env is None else env)
-    if ("WORLD_SIZE" in env and "MASTER_PORT" in env) or "TORCHELASTIC_RUN_ID" in env:
+    if all(v in env for v in TORCHRUN):
         return Launcher(
             "torchrun",
             _int(env, "RANK"),
             _int(env, "WORLD_SIZE", 1),
             _int(env, "LOCAL_RANK"),
-            "WORLD_SIZE and MASTER_PORT are set",
+            "RANK, LOCAL_RANK, WORLD_SIZE and MASTER_PORT are set",
         )
+    job = _slurm_or_mpi(env)
+    partial = [v for v in (*TORCHRUN[:3], "TORCHELASTIC_RUN_ID") if v in env]
+    if partial and not _copied_from(job, env):
+        return Launcher("inconsistent", why=inconsistent(env))
+    return job
+
+
+def inconsistent(env: dict[str, str]) -> str:
+    """The line that refuses a part of torchrun's variables."""
+    found = [v for v in (*TORCHRUN, "MASTER_ADDR", "TORCHELASTIC_RUN_ID") if v in env]
+    missing = [v for v in TORCHRUN if v not in env]
+    return (f"{', '.join(found)} set in the environment, but not {', '.join(missing)}: not a "
+            f"rank of torchrun (left over from another job?); clear them with `unset "
+            f"{' '.join(found)}`, or start the job with torchrun")  # fmt: skip
+
+
+def _copied_from(job: Launcher, env: dict[str, str]) -> bool:
+    """Whether torchrun's RANK and WORLD_SIZE, where set, are srun's or MPI's own."""
+    if job.name not in ("srun", "mpiexec"):
+        return False
+    return _int(env, "RANK", job.rank) == job.rank and _int(env, "WORLD_SIZE", job.world) == (
+        job.world
+    )
+
+
+def mpi_mismatch(job: Launcher, mpi_world: int) -> str | None:
+    """Why ranks whose MPI world has ``mpi_world`` ranks cannot be ``job``'s, or None."""
+    if job.name != "srun" or mpi_world == job.world:
+        return None
+    return (f"srun started {job.world} tasks but MPI sees {mpi_world}: run srun with "
+            "--mpi=pmi2/pmix, or parallel.backend=gloo")  # fmt: skip
+
+
+def _slurm_or_mpi(env: dict[str, str]) -> Launcher:
     step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", ""))
     tasks = _int(env, "SLURM_STEP_NUM_TASKS", _int(env, "SLURM_NTASKS", 1))
     srun = step.isdigit() and int(step) < _RESERVED_STEP and "SLURM_PROCID" in env

@@ -15,8 +15,12 @@ outlives the launcher):
                          fork of the launcher, after its checks and before its store starts a
                          thread: a new Python would import torch again and redo what the
                          checks load, about three seconds of CPU per rank
-                         (benchmarks/startup.py). GPU ranks start as new processes (CUDA does
-                         not survive a fork), and so does every rank when
+                         (benchmarks/startup.py). A fork copies one thread, so the launcher
+                         forks only while it runs no other (its checks run on one OpenMP
+                         thread for this: :func:`checks_on_one_thread`); when a thread runs
+                         (a data set's pool, say) every rank is a new process, and the header
+                         says why (:func:`how_ranks_start`). GPU ranks start as new processes
+                         (CUDA does not survive a fork), and so does every rank when
                          ``PARALLELKIT_FORK_RANKS=0``.
     mpi                  mpiexec -n N (the mpiexec next to this Python, else on PATH)
     xla                  torch_xla.launch (one process per local XLA device)
@@ -42,6 +46,8 @@ import yaml
 from parallelkit.comm import detect_backend, launcher
 from parallelkit.train.config import Config
 from parallelkit.train.procs import LAUNCHER_PID, Child, supervise
+from parallelkit.train.rankproc import other_threads
+from parallelkit.train.startup import Startup
 
 WORKER = [sys.executable, "-m", "parallelkit.cli", "train"]
 PACKAGE_CLI = WORKER[:3]  # the worker of any command: python -m parallelkit.cli COMMAND
@@ -137,46 +143,80 @@ def launch(
     ranks: int = 1,
     backend: str = "auto",
     entry: Callable[[list[str]], int] | None = None,
+    timeout: float | None = None,
 ) -> int:
     """Run :func:`local_command`'s command (``ranks`` copies for torch backends) under
     supervision and wait; the exit status is the job's. ``entry`` (``parallelkit.cli.main``)
-    runs the command's arguments in a forked rank (:func:`forks_ranks`); without it every rank
-    is a new process."""
+    runs the command's arguments in a forked rank (:func:`how_ranks_start`); without it every
+    rank is a new process. ``timeout`` (``parallel.timeout``): the ranks that have not reached
+    their first collective that long after they started are named and stopped."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores
     processes = command[: len(PACKAGE_CLI)] == PACKAGE_CLI  # else mpiexec
     cuda = processes and cuda_available()
-    fork = entry if processes and forks_ranks(backend, cuda) else None
-    how = "forked processes" if fork else "processes" if processes else "mpiexec"
+    fork, how = how_ranks_start(backend, cuda) if processes else (False, "mpiexec")
     env[STARTED] = f"{ranks} local ranks started by parallelkit ({how}): {launcher.detect().why}"
     if backend == "auto" and processes and mpi_available() and not cuda:
         env[STARTED] += (
             "; gloo, which keeps every socket on loopback (parallel.backend=mpi is faster on "
             "CPUs, but mpiexec listens on every interface: docs/training.md)"
         )
-    if not processes:  # mpiexec, which cleans up its ranks
-        return supervise([Child(command, {**mpi_loopback_env(), **env}, "mpiexec")])
-    env[LAUNCHER_PID] = str(os.getpid())
-    with loopback_socket() as sock:
-        port = sock.getsockname()[1]
-        children = [
-            Child(
-                command,
-                {**env, **rank_env(rank, ranks, port)},
-                f"rank {rank}",
-                forked=forked_rank(fork, command[len(PACKAGE_CLI) :], sock) if fork else None,
-            )
-            for rank in range(ranks)
-        ]
-        return supervise(children, serve=lambda: store_on(sock))
+    startup = Startup(ranks, timeout) if timeout is not None else None
+    env.update(startup.env if startup else {})
+    try:
+        if not processes:  # mpiexec, which cleans up its ranks
+            mpi = {**mpi_loopback_env(), **env}
+            return supervise([Child(command, mpi, "mpiexec")], startup=startup)
+        env[LAUNCHER_PID] = str(os.getpid())
+        with loopback_socket() as sock:
+            port = sock.getsockname()[1]
+            args = command[len(PACKAGE_CLI) :]
+            children = [
+                Child(
+                    command,
+                    {**env, **rank_env(rank, ranks, port)},
+                    f"rank {rank}",
+                    forked=forked_rank(entry, args, sock) if fork and entry else None,
+                )
+                for rank in range(ranks)
+            ]
+            return supervise(children, serve=lambda: store_on(sock), startup=startup)
+    finally:
+        if startup is not None:
+            startup.close()
 
 
-def forks_ranks(backend: str, cuda: bool) -> bool:
-    """Whether the local ranks are forks of this process: on Linux, for CPU ranks (``cuda``:
-    torch sees a GPU here), unless ``PARALLELKIT_FORK_RANKS=0``."""
-    if os.environ.get(FORK_RANKS, "1") == "0" or not sys.platform.startswith("linux"):
-        return False
-    return backend in ("auto", "gloo") and not cuda
+def how_ranks_start(backend: str, cuda: bool) -> tuple[bool, str]:
+    """Whether the local ranks are forks of this process, and the header's words for it. On
+    Linux, CPU ranks (``cuda``: torch sees a GPU here) are forked while this process runs no
+    thread but its main one: a fork copies that thread alone, and a lock or barrier another
+    thread holds (OpenMP's pool at ``gomp_team_barrier_wait_end``, a data set's thread pool)
+    would stay held in the fork for ever. ``PARALLELKIT_FORK_RANKS=0``: never forked."""
+    if not sys.platform.startswith("linux") or os.environ.get(FORK_RANKS, "1") == "0":
+        return False, "processes"
+    if backend not in ("auto", "gloo") or cuda:
+        return False, "processes"  # CUDA does not survive a fork
+    threads = other_threads()
+    if threads:
+        return False, (f"processes, not forks: the launcher runs {threads + 1} threads, which "
+                       "a fork would not copy")  # fmt: skip
+    return True, "forked processes"
+
+
+def checks_on_one_thread(cfg: Config) -> int | None:
+    """Before the launcher's checks: when its ranks will be forks, let torch's operations run on
+    one thread here, so that no OpenMP pool exists to be lost in the forks (each fork sets
+    ``OMP_NUM_THREADS``'s count again). Returns the count to restore when no rank is forked
+    after all (one rank, run here), else None."""
+    if not sys.platform.startswith("linux") or os.environ.get(FORK_RANKS, "1") == "0":
+        return None
+    if cfg.parallel.ranks < 2 or cfg.parallel.backend not in ("auto", "gloo"):
+        return None
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    return before
 
 
 def forked_rank(

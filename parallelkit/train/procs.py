@@ -15,18 +15,20 @@ gloo/NCCL, or one ``mpiexec``) and stays in front of them:
   is added.
 - Each child runs in a session of its own, so a Ctrl-C at the terminal reaches the launcher
   only (once), and the launcher decides. Each rank also asks the kernel for SIGKILL
-  when the launcher dies (``PR_SET_PDEATHSIG``), so even ``kill -9`` of the launcher leaves no
-  rank behind. mpiexec (Hydra) cleans up its own ranks when it dies.
+  when the launcher dies (``PR_SET_PDEATHSIG``), first thing, so even ``kill -9`` of the
+  launcher while the ranks start leaves no rank behind (:mod:`parallelkit.train.rankproc`).
+  mpiexec (Hydra) cleans up its own ranks when it dies.
 - A child with a ``forked`` function is a fork of the launcher that calls it, instead of a new
   Python that runs ``command``: it keeps what the launcher imported and checked (about three
   seconds of CPU per rank), and is watched as a started command is (:class:`Forked`).
+- With a :class:`~parallelkit.train.startup.Startup`, the start-up is watched too: ranks that
+  have not reached their first collective ``parallel.timeout`` after they started are named and
+  stopped as stalled ones are, and a check a rank failed is printed with its exit status.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -34,27 +36,21 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NoReturn
 
 from parallelkit.comm.base import PEER_FAILED_EXIT
 from parallelkit.train.agree import REFUSED as REFUSED_EXIT
+from parallelkit.train.rankproc import LAUNCHER_PID as LAUNCHER_PID
+from parallelkit.train.rankproc import Child as Child
+from parallelkit.train.rankproc import Forked, start
+from parallelkit.train.rankproc import forked_name as forked_name
+from parallelkit.train.startup import Startup, failed_checks
 
 GRACE_S = 30.0  # after a signal: time to finish the step, save a checkpoint and exit
 FAIL_GRACE_S = 5.0  # after a rank failed: the others have nothing left to save
-LAUNCHER_PID = "PARALLELKIT_LAUNCHER_PID"  # set for ranks started by this module
+STUCK_EXIT = 1  # the job's status when ranks were stopped in their start-up
 _POLL_S = 0.05
+_START_CHECK_S = 1.0  # how often the ranks' start-up is looked at
 _BLAME_S = 1.0  # how long a peer's failure may take to show after the ranks it took along
-
-
-@dataclass
-class Child:
-    """One process to start: its command, environment and the name used in messages; with
-    ``forked``, a fork of this process that runs ``forked()`` (its exit status) in ``env``."""
-
-    command: list[str]
-    env: dict[str, str]
-    name: str
-    forked: Callable[[], int] | None = None
 
 
 @dataclass
@@ -64,16 +60,23 @@ class _State:
     failed: tuple[str, int] | None = None
     first_exit: float | None = None
     signals: list[int] = field(default_factory=list)
+    startup: Startup | None = None
+    started: float = 0.0  # when the start-up was last looked at
+    watching: bool = True  # the start-up, until every rank is past it
 
 
 def supervise(
-    children: list[Child], grace: float = GRACE_S, serve: Callable[[], object] | None = None
+    children: list[Child],
+    grace: float = GRACE_S,
+    serve: Callable[[], object] | None = None,
+    startup: Startup | None = None,
 ) -> int:
     """Start ``children``, each in a new session, wait, and return the job's exit status:
     0 when all exit 0, else the first failure's status (128 + signal after a signal).
     ``serve()`` is called once they are started (a fork then copies none of its threads), and
-    what it returns is kept until they have exited."""
-    state = _State()
+    what it returns is kept until they have exited. ``startup``: the ranks' start-up is watched
+    (its folder must be in the children's environments)."""
+    state = _State(startup=startup, started=time.monotonic())
     procs: list[subprocess.Popen | Forked] = []
     previous = {}
 
@@ -84,10 +87,7 @@ def supervise(
         previous[sig] = signal.signal(sig, on_signal)
     try:
         for child in children:
-            if child.forked is not None:
-                procs.append(Forked(child))
-            else:
-                procs.append(subprocess.Popen(child.command, env=child.env, start_new_session=True))
+            procs.append(start(child))
         served = serve() if serve is not None else None
         status = _wait(children, procs, state, grace)
         del served
@@ -99,117 +99,6 @@ def supervise(
                 p.wait(timeout=5)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-class Forked:
-    """A child forked from this process, seen through the ``subprocess.Popen`` calls that
-    :func:`supervise` makes (``pid``, ``poll``, ``wait``, ``send_signal``).
-
-    The fork ends as a Python program ends, never through the launcher's own frames: an
-    uncaught exception goes to ``sys.excepthook`` (which a rank sets to leave at once), then
-    the ``atexit`` functions run (a rank's leave-together barrier among them), then the streams
-    are flushed. The functions registered before the fork run too, as a new Python registers
-    them on import; so the launcher forks before it holds anything they would release (a
-    temporary directory, a child process, a lock). The constructor returns once the fork runs
-    in a session of its own, so that a SIGKILL sent to its process group cannot miss it.
-    """
-
-    def __init__(self, child: Child) -> None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        ready, tell = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(ready)
-            _forked_main(child, tell)
-        os.close(tell)
-        os.read(ready, 1)  # end of file: its session began, or it died before
-        os.close(ready)
-        self.pid = pid
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        """The exit status (minus the signal that killed it), None while it runs."""
-        if self.returncode is None:
-            try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:  # reaped elsewhere (SIGCHLD ignored): as Popen says, 0
-                self.returncode = 0
-            else:
-                if pid:
-                    self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (code := self.poll()) is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0)
-            time.sleep(_POLL_S / 5)
-        return code
-
-    def send_signal(self, signum: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, signum)
-
-
-def _forked_main(child: Child, tell: int) -> NoReturn:
-    """The fork's side: a session of its own, Python's handlers for the signals the launcher
-    catches, the child's environment and thread count, ``child.forked()``; then the end of a
-    Python program (see :class:`Forked`)."""
-    code, interrupted = 1, False
-    try:
-        os.setsid()
-        os.close(tell)
-        _name_process(forked_name(child.name))
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.environ.clear()
-        os.environ.update(child.env)
-        threads = child.env.get("OMP_NUM_THREADS", "")
-        if threads.isdigit() and int(threads) > 0:
-            import torch  # OpenMP read OMP_NUM_THREADS when the launcher started, not now
-
-            torch.set_num_threads(int(threads))
-        assert child.forked is not None
-        code = child.forked()
-    except SystemExit as e:
-        if e.code is None or isinstance(e.code, int):
-            code = e.code or 0
-        else:
-            print(e.code, file=sys.stderr)
-    except BaseException as e:
-        interrupted = isinstance(e, KeyboardInterrupt)
-        sys.excepthook(*sys.exc_info())
-    finally:
-        with contextlib.suppress(BaseException):
-            atexit._run_exitfuncs()
-            sys.stdout.flush()
-            sys.stderr.flush()
-        if interrupted:  # as Python does: killed by the SIGINT it did not handle
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGINT)
-        os._exit(code)
-
-
-def forked_name(name: str) -> str:
-    """What ``ps`` and ``top`` call a forked child (``pk-rank-1``): its command line and
-    ``/proc/PID/environ`` are the launcher's, since no new program started."""
-    return "pk-" + name.replace(" ", "-")
-
-
-def _name_process(name: str) -> None:
-    """Set this process's name (``/proc/self/comm``, 15 bytes), where Linux's prctl is."""
-    _prctl(15, name.encode()[:15])  # PR_SET_NAME
-
-
-def _prctl(option: int, value: int | bytes) -> bool:
-    """Linux's ``prctl(option, value)``; False where the C library has none."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
-    except (OSError, AttributeError):
-        return False
-    return True
 
 
 def _wait(
@@ -238,12 +127,18 @@ def _wait(
             cause = [f for f in failed if f[1] != PEER_FAILED_EXIT]
             if cause or (failed and time.monotonic() - state.first_exit > _BLAME_S):
                 name, code = (cause or failed)[0]
+                checks = failed_checks(state.startup.errors()) if state.startup else []
                 state.failed = (name, code)
                 state.deadline = time.monotonic() + FAIL_GRACE_S
                 what = "stopping the others" if len(procs) > 1 else "stopping"
                 running = [(c, p) for c, p, code in zip(children, procs, codes, strict=True)
                            if code is None]  # fmt: skip
-                if code == REFUSED_EXIT:
+                if checks:  # a rank's own check: its line, which it left for the launcher
+                    for line in checks:
+                        _say(line)
+                    if len(procs) > 1:
+                        _say(f"{name} failed its checks first; stopping the others")
+                elif code == REFUSED_EXIT:
                     pass  # the ranks stopped together, and one of them said why
                 elif not cause and running:
                     _say(f"{_stalled(running)} stopped answering: {name} gave up waiting "
@@ -257,17 +152,41 @@ def _wait(
                             os.killpg(proc.pid, signal.SIGKILL)
         if all(c is not None for c in codes):
             break
+        if _stuck(state):
+            state.failed, state.deadline = ("start-up", STUCK_EXIT), time.monotonic() + FAIL_GRACE_S
+            _kill(procs, signal.SIGTERM)
         if state.deadline is not None and time.monotonic() > state.deadline:
             _say("ranks still running after the grace period: killing them")
             _kill(procs, signal.SIGKILL)
             state.deadline = None
         time.sleep(_POLL_S)
+    for line in failed_checks(state.startup.errors()) if state.startup else []:
+        _say(line)  # checks failed by other ranks too, seen when the job ended
     if state.signum is not None:
         return 128 + state.signum
     if state.failed is not None:
         code = state.failed[1]
         return code if code > 0 else 128 - code
     return 0
+
+
+def _stuck(state: _State) -> bool:
+    """Whether a rank stayed ``parallel.timeout`` in one phase of its start-up (said in one
+    line). Read about once a second, until every rank is past its first collective: after
+    that the collectives' own timeouts watch the ranks."""
+    startup, now = state.startup, time.monotonic()
+    if startup is None or not state.watching or state.failed or state.signum is not None:
+        return False
+    if now - state.started < _START_CHECK_S:
+        return False
+    state.started = now  # the next look, a second from now
+    if startup.done():
+        state.watching = False
+        return False
+    late = startup.stuck()
+    if late is not None:
+        _say(late[1])
+    return late is not None
 
 
 def _kill(procs: list[subprocess.Popen | Forked], signum: int) -> None:
@@ -311,14 +230,3 @@ def _say(message: str) -> None:
     predict``)."""
     command = "predict" if sys.argv[1:2] == ["predict"] else "train"
     print(f"parallelkit {command}: {message}", file=sys.stderr, flush=True)
-
-
-def die_with_launcher() -> None:
-    """In a rank started by :func:`supervise`: be killed when the launcher dies (Linux)."""
-    launcher = os.environ.get(LAUNCHER_PID)
-    if launcher is None or not sys.platform.startswith("linux") or os.getppid() != int(launcher):
-        return  # not a direct child of the launcher (under mpiexec: of Hydra's proxy)
-    if not _prctl(1, int(signal.SIGKILL)):  # PR_SET_PDEATHSIG
-        return
-    if os.getppid() != int(launcher):  # the launcher died before prctl took effect
-        os._exit(128 + signal.SIGKILL)
