@@ -9,7 +9,10 @@ spatial_guard``) looks a call up here and refuses what has no rule.
   (the whole samples');
 - :mod:`.reductions`: sums, means, extremes, norms and variances over H and W, or over others;
 - :mod:`.windows`: functional convolution, pooling and padding (halo fetches);
-- :mod:`.norms`: group, instance and layer norm, and linear layers over channels;
+- :mod:`.norms`: group, instance and layer norm, linear layers over channels, attention within
+  windows;
+- :mod:`.tokens`: global attention, sums over tokens and linear maps over the token axis
+  (collectives: gathered keys, the head all-to-all, all-reduces);
 - :mod:`.resize`: interpolation;
 - :mod:`.random`: dropout masks.
 """
@@ -21,6 +24,7 @@ from parallelkit.spatial.rules import (  # noqa: F401 (each registers its rules)
     reductions,
     resize,
     shape,
+    tokens,
     windows,
 )
 from parallelkit.spatial.rules.registry import (

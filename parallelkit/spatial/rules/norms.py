@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from parallelkit.spatial.rules import tokens
 from parallelkit.spatial.rules.registry import Call, Guard, channels_first, rule, whole_size
 from parallelkit.spatial.rules.shape import cut_whole
 
@@ -109,10 +110,14 @@ def layer_norm(g: Guard, call: Call) -> Tensor:
 @rule(F.linear, params="input, weight, bias=None", folds=True)
 def linear(g: Guard, call: Call) -> Tensor:
     """Over the channels of a channels-last block (ConvNeXt's MLP): local, weights' gradients
-    summed; over a spatial dimension refused (permute the channels last first)."""
+    summed. Over a token dimension holding every spatial one (MLP-Mixer's token mixing, a
+    flatten into a ``Linear``): ``tokens``. Over one spatial dimension of several: refused
+    (permute the channels last first)."""
     x = call["input"]
     spatial = g.places(x)
     if max(spatial) == -1:
+        if (y := tokens.linear(g, x, call["weight"], call["bias"])) is not None:
+            return y
         raise g.refuse(call.name, "it acts over a spatial dimension (permute the channels "
                        "last first)")  # fmt: skip
     return g.marked(F.linear(x, g.summed(call["weight"]), g.summed(call["bias"])), spatial)
@@ -123,11 +128,16 @@ def matmul(g: Guard, call: Call) -> Tensor:
     """A block times a whole matrix over its last dimension, which is not spatial (a linear
     map over channels-last features): local, the matrix's gradient summed. Two blocks of one
     layout whose spatial dimensions are all batch dimensions (attention within windows,
-    ``q @ k.transpose(-2, -1)`` on a window partition): local."""
+    ``q @ k.transpose(-2, -1)`` on a window partition): local. A block's token dimension
+    (every spatial dimension in one) as rows or columns: ``tokens`` (global attention's
+    scores gather the keys, sums over tokens all-reduce)."""
     x, w = call["input"], call["other"]
-    if g.is_split(x) and g.is_split(w) and x.dim() == w.dim() > 2:
-        if g.form(x) == g.form(w) and max(g.places(x)) < -2:
-            return g.marked(torch.matmul(x, w), g.places(x))
+    both = g.is_split(x) and g.is_split(w) and x.dim() == w.dim() > 2
+    if both and g.form(x) == g.form(w) and max(g.places(x)) < -2:
+        return g.marked(torch.matmul(x, w), g.places(x))
+    if (y := tokens.matmul(g, x, w)) is not None:
+        return y
+    if both:
         raise g.refuse(call.name, "it multiplies blocks over a spatial dimension, or blocks "
                        "of different layouts")  # fmt: skip
     if not g.is_split(x) or g.is_split(w) or w.dim() != 2 or max(g.places(x)) == -1:
@@ -145,11 +155,17 @@ def attention(g: Guard, call: Call) -> Tensor:
     """Attention within windows folded into the batch (timm's and MONAI's window attention):
     local where query, key and value are blocks of one layout whose spatial dimensions are
     all batch dimensions; a whole mask of every window is cut to this rank's windows. Over a
-    spatial dimension (global attention over H x W tokens), or with dropout: refused."""
+    token dimension (global attention over H x W tokens, MaxViT's grid): ``tokens``, with
+    the head all-to-all or gathered keys and values. With dropout, or over one spatial
+    dimension of several: refused."""
     q, k, v, mask = call["query"], call["key"], call["value"], call["attn_mask"]
-    form = g.form(q)
+    form = g.form(q) if g.is_split(q) else None
     blocks = (q, k, v, mask) if g.is_split(mask) else (q, k, v)
-    if any(not g.is_split(t) or g.form(t) != form for t in blocks) or max(form[0]) >= -2:
+    if form is None or any(not g.is_split(t) or g.form(t) != form for t in blocks) or max(
+        form[0]
+    ) >= -2:
+        if (y := tokens.attention(g, call)) is not None:
+            return y
         raise g.refuse(call.name, "it attends over a spatial dimension, or over blocks of "
                        "different layouts")  # fmt: skip
     if call["dropout_p"]:
@@ -165,7 +181,8 @@ def attention(g: Guard, call: Call) -> Tensor:
 def einsum(g: Guard, call: Call) -> Tensor:
     """Local where every spatial dimension's letter is in the output and only in blocks of
     one layout, at their own spatial dimension (``"nchw,dc->ndhw"``: a map over channels);
-    whole operands' gradients summed."""
+    whole operands' gradients summed. Blocks that hold their tokens in one letter
+    (``"bhid,bhjd->bhij"``, ``"bhij,bhjd->bhid"``, ``"bhdn,bhen->bhde"``): ``tokens``."""
     equation, operands = call["equation"], call["operands"]
     if len(operands) == 1 and isinstance(operands[0], list | tuple):
         operands = tuple(operands[0])
@@ -177,12 +194,17 @@ def einsum(g: Guard, call: Call) -> Tensor:
     if any(g.folds(b) != g.folds(first) for b in call.blocks):
         raise g.refuse(call.name, "its blocks are folded differently")
     letters = [subscripts[operands.index(first)][d] for d in g.places(first)]
+    why = None
     for sub, t in zip(subscripts, operands, strict=True):
         mine = [sub[d] for d in g.places(t)] if g.is_split(t) else []
         if (g.is_split(t) and mine != letters) or (not g.is_split(t) and set(sub) & set(letters)):
-            raise g.refuse(call.name, f"{equation!r} mixes a spatial dimension with another")
-    if any(c not in output for c in letters):
-        raise g.refuse(call.name, f"{equation!r} sums over a spatial dimension")
+            why = "mixes a spatial dimension with another"
+    if why is None and any(c not in output for c in letters):
+        why = "sums over a spatial dimension"
+    if why is not None:
+        if (y := tokens.einsum(g, subscripts, output, tuple(operands))) is not None:
+            return y
+        raise g.refuse(call.name, f"{equation!r} {why}")
     summed = [t if g.is_split(t) else g.summed(t) for t in operands]
     dims = tuple(output.index(c) - len(output) for c in letters)
     return g.marked(torch.einsum(equation, *summed), dims)

@@ -1,0 +1,114 @@
+"""Global token mixing on split samples (parallelkit/spatial/rules/tokens.py): attention,
+sums over tokens and linear maps over the token axis, exact on 2-4 ranks against the dense
+network (outputs, the input's gradient, every parameter's gradient; float64, uneven blocks),
+each with a negative control that shows the comparison can fail: the same network whose
+collectives bring only this rank's own tokens must not match.
+
+The token index geometry and the head all-to-all are checked on their own: every rank's
+tokens are its block of the whole index map, and the all-to-all pair passes the dot-product
+test (each the other's adjoint).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tokens_cases import all_to_all_adjoint, dropout_refused, orders_match_blocks, token_parity
+from torch import nn
+
+from parallelkit.comm.local import LocalCommunicator
+from parallelkit.parallel.spatial_guard import SpatialGuard
+
+from cases import assert_triples, mismatches
+
+KINDS = [
+    "sdpa",  # the head all-to-all where the heads divide among the ranks, else gathered
+    "sdpa bias",  # a whole relative-position bias (h, L, L) as a float mask: rows cut
+    "sdpa causal",
+    "explicit",  # q @ k^T * scale + bias, softmax, @ v
+    "einsum",
+    "linear attention",  # k^T v over tokens: an all-reduce of a (d x d) matrix
+    "pooling queries",  # whole learned queries attending to every token
+    "token mlp",  # MLP-Mixer: Linear over the token axis
+    "flatten linear",  # a classifier head over flattened (C * H * W) features
+]
+IMAGE = (3, 5, 7)  # (C, H, W): uneven blocks on 2, 3 and 4 ranks
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_token_mixing_matches_dense_on_two_ranks(ranks, kind):
+    for triples in ranks(2).run(token_parity, kind, dict(rows=2), IMAGE, timeout=120):
+        assert_triples(triples)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_token_mixing_matches_dense_on_a_two_by_two_grid(ranks, kind):
+    """Rows and columns split: the ranks' tokens interleave, and gathered keys are put back
+    in the whole order."""
+    for triples in ranks(4).run(token_parity, kind, dict(rows=2, cols=2), IMAGE, timeout=120):
+        assert_triples(triples)
+
+
+@pytest.mark.parametrize(
+    ("size", "grid", "shape", "heads"),
+    [
+        (4, dict(rows=4), (3, 9, 4), 4),  # the head all-to-all, uneven token blocks
+        (3, dict(rows=3), (3, 7, 4), 2),  # heads that do not divide: gathered
+        (2, dict(depth=2), (3, 3, 3, 2), 2),  # a volume's D * H * W tokens
+        (2, dict(rows=2), (3, 9), 2),  # a signal's L
+    ],
+)
+@pytest.mark.parametrize("kind", ["sdpa", "explicit"])
+def test_attention_on_other_grids_and_dimensions(ranks, size, grid, shape, heads, kind):
+    for triples in ranks(size).run(token_parity, kind, grid, shape, heads, timeout=120):
+        assert_triples(triples)
+
+
+@pytest.mark.parametrize("kind", ["sdpa", "einsum", "linear attention", "pooling queries",
+                                  "token mlp", "flatten linear"])  # fmt: skip
+def test_negative_control_own_tokens_only_do_not_match(ranks, kind):
+    results = ranks(4).run(token_parity, kind, dict(rows=2, cols=2), IMAGE, 2, True, timeout=120)
+    bad = mismatches([(label, got, want, {}) for label, got, want in results[0]])
+    assert "output" in bad
+
+
+def test_negative_control_the_head_all_to_all_needs_its_exchange(ranks):
+    results = ranks(2).run(token_parity, "sdpa", dict(rows=2), IMAGE, 2, True, timeout=120)
+    assert "output" in mismatches([(label, got, want, {}) for label, got, want in results[0]])
+
+
+@pytest.mark.parametrize(("grid", "size"), [(dict(rows=2, cols=2), (5, 7)),
+                                            (dict(depth=2, rows=2), (3, 5, 2))])  # fmt: skip
+def test_token_orders_are_the_blocks_of_the_whole_index_map(ranks, grid, size):
+    for triples in ranks(4).run(orders_match_blocks, grid, size, timeout=60):
+        assert_triples(triples)
+
+
+@pytest.mark.parametrize("heads", [4, 6])
+def test_the_head_all_to_all_and_its_adjoint(ranks, heads):
+    for triples in ranks(4).run(all_to_all_adjoint, heads, timeout=60):
+        assert_triples(triples)
+
+
+def test_attention_with_dropout_is_refused_on_every_rank(ranks):
+    for message in ranks(2).run(dropout_refused, timeout=60):
+        assert "dropout_p > 0" in message
+
+
+def test_a_flatten_into_a_linear_map_is_whole_and_dense():
+    """One rank: the rule's sums and cuts are the dense map (its collectives are copies)."""
+    guard = SpatialGuard(nn.Identity(), LocalCommunicator())
+    x = torch.randn(2, 4, 5, 6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 120, dtype=torch.float64, requires_grad=True)
+    guard.mark(x, size=(5, 6))
+    with guard:
+        y = F.linear(x.flatten(1), w)
+    assert not guard.is_split(y)
+    x_dense, w_dense = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    want = F.linear(x_dense.flatten(1), w_dense)
+    torch.testing.assert_close(y, want)
+    y.square().sum().backward()
+    want.square().sum().backward()
+    torch.testing.assert_close(x.grad, x_dense.grad)
+    torch.testing.assert_close(w.grad, w_dense.grad)

@@ -1,0 +1,185 @@
+"""Rank-side cases for token mixing on split samples: small networks that flatten a conv
+feature map into tokens and mix all of them (global attention by ``F.scaled_dot_product_attention``,
+by ``q @ k^T``/softmax/``@ v`` and by ``einsum``, with masks, biases and causality; whole
+queries pooling the tokens; linear attention; MLP-Mixer's token MLP; a flatten into a
+``Linear``), run parallelized against the dense network: outputs, the input's gradient and
+every parameter's gradient, float64.
+
+``broken``: the collectives that bring the other ranks' tokens replaced by this rank's own
+(attention over local keys only, a sum over local tokens only): the negative control.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import ExitStack
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import parallelkit as pk
+from parallelkit.comm import Communicator
+from parallelkit.spatial.rules import tokens
+
+Triple = tuple[str, torch.Tensor, torch.Tensor]
+
+
+class TokenNet(nn.Module):
+    """conv -> tokens (N, L, C) -> one token-mixing ``kind`` -> back to (N, C, *spatial) ->
+    conv; ``dims`` spatial dimensions."""
+
+    def __init__(self, kind: str, dims: int = 2, c: int = 8, heads: int = 2, size: tuple = ()):
+        super().__init__()
+        conv = getattr(nn, f"Conv{dims}d")
+        self.kind, self.heads, self.c = kind, heads, c
+        tokens_n = 1
+        for n in size:
+            tokens_n *= n
+        self.stem = conv(3, c, 3, padding=1)
+        self.norm = nn.LayerNorm(c)
+        self.qkv = nn.Linear(c, 3 * c)
+        self.proj = nn.Linear(c, c)
+        self.bias = nn.Parameter(0.1 * torch.randn(heads, tokens_n, tokens_n))
+        self.queries = nn.Parameter(torch.randn(1, heads, 3, c // heads))
+        self.mix1, self.mix2 = nn.Linear(tokens_n, 6), nn.Linear(6, tokens_n)
+        self.fc = nn.Linear(c * tokens_n, 5)
+        self.head = conv(c, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        n, c, *spatial = x.shape
+        t = x.flatten(2).transpose(1, 2)  # (N, L, C)
+        L, h = t.shape[1], self.heads
+        if self.kind == "flatten linear":  # a classifier head over the flattened features
+            return self.fc(F.relu(x).flatten(1))
+        if self.kind == "token mlp":  # MLP-Mixer: a linear map over the token axis
+            mixed = self.mix2(F.gelu(self.mix1(self.norm(t).transpose(1, 2))))
+            return self.head(x + mixed.reshape(n, c, *spatial))
+        q, k, v = self.qkv(self.norm(t)).reshape(n, L, 3, h, c // h).permute(2, 0, 3, 1, 4)
+        if self.kind == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v)
+        elif self.kind == "sdpa bias":  # a whole relative-position bias as a float mask
+            y = F.scaled_dot_product_attention(q, k, v, self.bias)
+        elif self.kind == "sdpa causal":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif self.kind == "explicit":  # timm's Attention without fused attention
+            attn = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5 + self.bias
+            y = attn.softmax(-1) @ v
+        elif self.kind == "einsum":  # MONAI's SABlock
+            attn = torch.einsum("bhxd,bhyd->bhxy", q, k).mul(q.shape[-1] ** -0.5).softmax(-1)
+            y = torch.einsum("bhxy,bhyd->bhxd", attn, v)
+        elif self.kind == "linear attention":  # sums over tokens: k^T v, then q (k^T v)
+            kv = k.softmax(-1).transpose(-2, -1) @ v
+            y = q.softmax(-1) @ kv + torch.einsum("bhnd,bhne->bhde", k, v).sum() * 1e-3
+        elif self.kind == "pooling queries":  # whole learned queries over every token
+            pooled = F.scaled_dot_product_attention(self.queries.expand(n, -1, -1, -1), k, v)
+            scores = (self.queries @ k.transpose(-2, -1)).exp()  # local columns
+            pooled = pooled + (scores @ v) / L  # a whole (M, L) matrix times v: a sum
+            y = v + pooled.mean(2, keepdim=True)
+        else:
+            raise ValueError(self.kind)
+        y = self.proj(y.transpose(1, 2).reshape(n, L, c))
+        return self.head(x + y.transpose(1, 2).reshape(n, c, *spatial))
+
+
+def token_parity(
+    comm: Communicator, kind: str, grid: dict, shape: tuple, heads: int = 2,
+    broken: bool = False,
+) -> list[Triple]:  # fmt: skip
+    """The parallelized TokenNet(kind) against the dense one on a batch of 2 samples of
+    ``shape`` (C, *spatial)."""
+    torch.manual_seed(0)
+    dense = TokenNet(kind, len(shape) - 1, heads=heads, size=shape[1:]).double()
+    g = pk.Grid(comm, **grid)
+    model = pk.parallelize(copy.deepcopy(dense), g, g)
+    x = torch.randn(2, *shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    x_dense, x_mine = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y = dense(x_dense)
+    y.square().sum().backward()
+    with ExitStack() as stack:
+        if broken:
+            stack.enter_context(mock.patch.object(tokens, "whole_tokens", _own_tokens))
+            stack.enter_context(mock.patch.object(tokens, "_by_heads", _own_heads))
+            stack.enter_context(mock.patch.object(tokens.layout, "summed", lambda t, _: t))
+        y_mine = model(x_mine)
+        y_mine.square().sum().backward()
+    out = [("output", y_mine.detach(), y.detach())]
+    if x_mine.grad is not None:
+        out.append(("input grad", x_mine.grad, x_dense.grad))
+    wanted = dict(dense.named_parameters())
+    for name, p in model.named_parameters():
+        key = ".".join(part for part in name.split(".") if part != "module")
+        if key in wanted and wanted[key].grad is not None:
+            got = p.grad if p.grad is not None else torch.zeros_like(p)
+            out.append((f"{key} grad", got, wanted[key].grad))
+    return out
+
+
+def _own_tokens(g, t, whole_out=False):  # type: ignore[no-untyped-def]
+    """The negative control: "every rank's tokens" that are only this rank's."""
+    return t
+
+
+def _own_heads(g, q, k, v, scale):  # type: ignore[no-untyped-def]
+    return F.scaled_dot_product_attention(q, k, v, scale=scale)
+
+
+def orders_match_blocks(comm: Communicator, grid: dict, size: tuple) -> list[Triple]:
+    """Every rank's token indices (``token_orders``) are its block of the whole index map,
+    flattened, and together a permutation of the whole tokens."""
+    from parallelkit.spatial import grid_of, token_comm
+
+    g = pk.Grid(comm, **grid)
+    spatial = grid_of(g.spatial_comm, g.spatial)
+    factors = tuple((n, k) for k, n in enumerate(size))
+    orders = token_comm.token_orders(spatial, factors, len(size))
+    whole = torch.arange(torch.Size(size).numel()).view(size)
+    mine = whole[spatial.block(*size)].reshape(-1)
+    flat = torch.cat(orders)
+    where = token_comm.whole_order(orders)
+    back = flat if where is None else flat[where]
+    return [("own order", orders[spatial.comm.rank], mine),
+            ("a permutation", back, torch.arange(flat.numel()))]  # fmt: skip
+
+
+def all_to_all_adjoint(comm: Communicator, heads: int) -> list[Triple]:
+    """``heads_to_tokens`` against the whole tensor cut by hand, and the dot-product test
+    <F x, y> = <x, F* y> for it and ``tokens_to_heads`` (sums over every rank)."""
+    from parallelkit.geometry import starts, tensor_split_sizes
+    from parallelkit.spatial import token_comm
+
+    sizes = [3 + r % 2 for r in range(comm.size)]  # uneven token blocks
+    gen = torch.Generator().manual_seed(7)
+    whole = torch.randn(2, heads, sum(sizes), 3, dtype=torch.float64, generator=gen)
+    y_whole = torch.randn(2, heads, sum(sizes), 3, dtype=torch.float64, generator=gen)
+    r, share = comm.rank, tensor_split_sizes(heads, comm.size)
+    tok = slice(starts(sizes)[r], starts(sizes)[r] + sizes[r])
+    hd = slice(starts(share)[r], starts(share)[r] + share[r])
+    x = whole[:, :, tok]
+    fx = token_comm.heads_to_tokens(x, comm, sizes)
+    y = y_whole[:, hd]
+    fty = token_comm.tokens_to_heads(y, comm, sizes, heads)
+    dots = torch.stack([(fx * y).sum(), (x * fty).sum()])
+    dots = comm.all_reduce(dots)
+    return [("heads_to_tokens", fx, whole[:, hd]), ("tokens_to_heads", fty, y_whole[:, :, tok]),
+            ("<F x, y> = <x, F* y>", dots[0], dots[1])]  # fmt: skip
+
+
+def dropout_refused(comm: Communicator) -> str:
+    """Attention with dropout inside draws its own mask per rank: refused on every rank."""
+
+    class Dropped(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            t = x.flatten(2).transpose(1, 2)
+            y = F.scaled_dot_product_attention(t, t, t, dropout_p=0.5)
+            return y.transpose(1, 2).reshape(x.shape)
+
+    model = pk.parallelize(Dropped(), comm, "spatial")
+    try:
+        model(torch.randn(1, 2, 4, 4))
+    except ValueError as e:
+        comm.barrier()
+        return str(e)
+    return "no error"
