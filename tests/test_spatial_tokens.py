@@ -32,6 +32,8 @@ KINDS = [
     "pooling queries",  # whole learned queries attending to every token
     "token mlp",  # MLP-Mixer: Linear over the token axis
     "flatten linear",  # a classifier head over flattened (C * H * W) features
+    "mha",  # nn.MultiheadAttention with its weights and a boolean mask: written out
+    "mha sdpa",  # the same without weights: scaled_dot_product_attention
 ]
 IMAGE = (3, 5, 7)  # (C, H, W): uneven blocks on 2, 3 and 4 ranks
 

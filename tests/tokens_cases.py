@@ -45,6 +45,10 @@ class TokenNet(nn.Module):
         self.queries = nn.Parameter(torch.randn(1, heads, 3, c // heads))
         self.mix1, self.mix2 = nn.Linear(tokens_n, 6), nn.Linear(6, tokens_n)
         self.fc = nn.Linear(c * tokens_n, 5)
+        self.mha = nn.MultiheadAttention(c, heads, batch_first=True)
+        allowed = torch.rand(tokens_n, tokens_n, generator=torch.Generator().manual_seed(2)) > 0.3
+        masked = ~(allowed | torch.eye(tokens_n, dtype=torch.bool))
+        self.register_buffer("mask", masked.double())  # DataParallel broadcasts no bool
         self.head = conv(c, 2, 3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -57,6 +61,10 @@ class TokenNet(nn.Module):
         if self.kind == "token mlp":  # MLP-Mixer: a linear map over the token axis
             mixed = self.mix2(F.gelu(self.mix1(self.norm(t).transpose(1, 2))))
             return self.head(x + mixed.reshape(n, c, *spatial))
+        if self.kind.startswith("mha"):  # nn.MultiheadAttention, with a boolean mask
+            weights = self.kind == "mha"
+            y, _ = self.mha(t, t, t, need_weights=weights, attn_mask=self.mask.bool())
+            return self.head(x + y.transpose(1, 2).reshape(n, c, *spatial))
         q, k, v = self.qkv(self.norm(t)).reshape(n, L, 3, h, c // h).permute(2, 0, 3, 1, 4)
         if self.kind == "sdpa":
             y = F.scaled_dot_product_attention(q, k, v)

@@ -245,3 +245,54 @@ def einsum(g: Guard, subscripts: list[str], output: str, operands: tuple) -> Ten
     y = torch.einsum(",".join(subscripts) + "->" + output, *args)
     return g.marked(y, (output.index(a) - len(output),) * len(g.places(first)),
                     g.size_of(first), g.folds(first))  # fmt: skip
+
+
+@rule(F.multi_head_attention_forward,
+      params="query, key, value, embed_dim_to_check, num_heads, in_proj_weight, in_proj_bias, "
+      "bias_k, bias_v, add_zero_attn, dropout_p, out_proj_weight, out_proj_bias, training=True, "
+      "key_padding_mask=None, need_weights=True, attn_mask=None, use_separate_proj_weight=False, "
+      "q_proj_weight=None, k_proj_weight=None, v_proj_weight=None, static_k=None, "
+      "static_v=None, average_attn_weights=True, is_causal=False", folds=True)  # fmt: skip
+def multi_head_attention(g: Guard, call: Call) -> tuple[Tensor, Tensor | None]:
+    """``nn.MultiheadAttention`` written out in rules: the projections (``F.linear``), a view
+    to heads, attention over the tokens (``scaled_dot_product_attention``, or, where the
+    weights are asked for, ``q @ k^T``, ``softmax`` and ``@ v``, as torch does), and the
+    output projection; a mask made additive as torch makes it. Refused: ``bias_k``/``bias_v``,
+    ``add_zero_attn``, a key padding mask, static keys, dropout in training, unbatched
+    inputs."""
+    q, k, v, mask = call["query"], call["key"], call["value"], call["attn_mask"]
+    h = call["num_heads"]
+    extra = ("bias_k", "bias_v", "key_padding_mask", "static_k", "static_v")
+    if any(call[n] is not None for n in extra) or call["add_zero_attn"] or q.dim() != 3:
+        raise g.refuse(call.name, "bias_k, bias_v, add_zero_attn, key_padding_mask, static "
+                       "keys and unbatched inputs have no rule")  # fmt: skip
+    if call["training"] and call["dropout_p"]:
+        raise g.refuse(call.name, "dropout_p > 0 in training draws a mask of its own per rank")
+    if isinstance(mask, Tensor) and mask.dtype == torch.bool:  # True: not allowed, as torch's
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(mask, -math.inf)
+    if isinstance(mask, Tensor) and mask.dim() == 3:  # (N * h, L, S)
+        mask = mask.view(-1, h, *mask.shape[1:])
+    with g.rules():
+        if call["use_separate_proj_weight"]:
+            weights = (call["q_proj_weight"], call["k_proj_weight"], call["v_proj_weight"])
+        else:
+            weights = call["in_proj_weight"].chunk(3)
+        biases = (None,) * 3 if call["in_proj_bias"] is None else call["in_proj_bias"].chunk(3)
+        heads = []
+        for t, w, b in zip((q, k, v), weights, biases, strict=True):
+            t = F.linear(t, w, b)  # (L, N, E)
+            heads.append(t.view(t.shape[0], t.shape[1], h, -1).permute(1, 2, 0, 3))
+        qh, kh, vh = heads  # (N, h, L, d)
+        n, _, length, d = qh.shape
+        attn = None
+        if call["need_weights"]:
+            attn = (qh * d**-0.5) @ kh.transpose(-2, -1)
+            attn = (attn if mask is None else attn + mask).softmax(-1)
+            y = attn @ vh
+        else:
+            y = F.scaled_dot_product_attention(qh, kh, vh, mask)
+        y = y.permute(2, 0, 1, 3).reshape(length, n, -1)
+        y = F.linear(y, call["out_proj_weight"], call["out_proj_bias"])
+    if attn is not None and call["average_attn_weights"]:  # over the heads: local
+        attn = _like(g, attn.mean(1), attn)
+    return y, attn
