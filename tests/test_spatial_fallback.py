@@ -107,8 +107,8 @@ def test_negative_control_a_forward_started_again_without_restoring(ranks):
 
 def test_the_default_refuses_and_names_the_way_out(ranks):
     for message in ranks(2).run(hybrid_refused):
-        # attention over the H x W tokens: a product across the fold of H and W
-        assert message.startswith("spatial parallelism: Tensor.matmul in 'mixer' (TokenMixer)")
+        # attention over the H x W tokens with its softmax across the (split) queries
+        assert message.startswith("spatial parallelism: Tensor.softmax in 'mixer' (TokenMixer)")
         assert "keep_dense=['mixer']" in message and 'fallback="gather"' in message, message
 
 
