@@ -119,7 +119,7 @@ def test_images_predicted_on_1_2_and_4_ranks_agree(runs, tmp_path):
         assert "parallelkit predict: done" in proc.stdout
         summary = json.loads((out / "predict.json").read_text())
         assert summary["samples"] == 2 and summary["voxels"] == 44 * 37 + 61 * 50
-        got[n] = {t: _zarr_prediction(out / f"t{t}.zarr") for t in range(2)}
+        got[n] = {t: _zarr_prediction(out / f"t{t}.ome.zarr") for t in range(2)}
         assert "mIoU" in summary
     for n in (2, 4):
         for t, size in enumerate(TEST_SIZES[2]):
@@ -127,7 +127,7 @@ def test_images_predicted_on_1_2_and_4_ranks_agree(runs, tmp_path):
             assert classes.shape == size and classes.dtype == np.uint8
             assert probs.shape == (3, *size) and probs.dtype == np.float32
             _agree(classes, probs, *got[1][t])
-    meta = zarr.open_group(str(tmp_path / "out4" / "t1.zarr"), mode="r")
+    meta = zarr.open_group(str(tmp_path / "out4" / "t1.ome.zarr"), mode="r")
     multiscale = meta.attrs["ome"]["multiscales"][0]
     assert [a["name"] for a in multiscale["axes"]] == ["y", "x"]
     assert multiscale["axes"][0]["unit"] == "micrometer"
@@ -173,8 +173,8 @@ def test_volumes_predicted_as_nifti_keep_the_affine_and_agree_over_depth(runs, t
             np.testing.assert_allclose(image.affine, AFFINE)
             classes = np.asarray(image.dataobj)
             assert classes.shape == size and classes.dtype == np.uint8
-            probs = np.moveaxis(np.asarray(nib.load(out / f"t{t}_probabilities.nii").dataobj),
-                                -1, 0)
+            vector = np.asarray(nib.load(out / f"t{t}_probabilities.nii").dataobj)
+            probs = np.moveaxis(vector[:, :, :, 0], -1, 0)  # (X, Y, Z, 1, K): a vector image
             got[n].append((classes, probs))
     for (c2, p2), (c1, p1) in zip(got[2], got[1], strict=True):
         _agree(c2, p2, c1, p1)

@@ -180,7 +180,7 @@ def test_nifti_probabilities_in_float16_are_stored_as_float32(run, tmp_path):
                    "predict.probabilities=true", "parallel.ranks=2")
     assert "probabilities stored as float32" in proc.stdout
     probs = np.asarray(nib.load(out / "s0_probabilities.nii").dataobj)
-    assert probs.dtype == np.float32 and probs.shape == (28, 28, 3)
+    assert probs.dtype == np.float32 and probs.shape == (28, 28, 1, 1, 3)  # a vector image
     np.testing.assert_allclose(probs.sum(-1), 1, atol=1e-5)
 
 

@@ -256,9 +256,13 @@ def pairs(root: str | Path, split: str) -> list[tuple[Path, Path]]:
         raise ValueError(f"block data set: no zarr, TIFF, NIfTI or npy samples in {dirs[0]}")
     masks = {stem_of(p): p for p in (dirs[0] / "masks").glob("*") if format_of(p)}
     if missing := [p.name for p in images if stem_of(p) not in masks]:
+        other = sorted((dirs[0] / "masks").glob(f"{stem_of(missing[0])}.*"))
         raise ValueError(
             f"block data set: no mask in {dirs[0] / 'masks'} for {missing[0]}"
             + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+            + (f": {other[0].name} is there, but images read by blocks need masks in a block "
+               "format too (zarr, TIFF, NIfTI or npy; e.g. tifffile.imwrite(NAME.tif, "
+               "imageio.imread(NAME.png)))" if other else "")
         )
     return [(p, masks[stem_of(p)]) for p in images]
 

@@ -15,8 +15,12 @@ does not (a MONAI datalist saved there as ``dataset.json`` too)::
 Paths are relative to the JSON file's folder (as MONAI's ``base_dir`` default). The training
 split is ``training``; the test split, which needs labels to be scored, is ``validation`` when
 the file has one, and otherwise every fifth entry of ``training`` (the 5th, 10th, ...), held
-out of the training split: the same split for every run and rank, said in the run's log by the
-sample counts.
+out of the training split: the same split for every run and rank, named with its rule in the
+run's header (:func:`rule`).
+
+The Decathlon's own test cases (``test``, ``imagesTs/``) have no labels and are not trained
+or scored on; ``parallelkit predict`` predicts them by default (:func:`test_images`), scored
+where a ``labelsTs/`` folder holds their labels.
 """
 
 from __future__ import annotations
@@ -71,3 +75,56 @@ def _entries(content: object, key: str, listing: Path) -> list[tuple[str, str]]:
             "PATH}} entries (the Decathlon's dataset.json, or a MONAI datalist)"
         )
     return [(e["image"], e["label"]) for e in entries]
+
+
+TEST_IMAGES, TEST_LABELS = "imagesTs", "labelsTs"
+
+
+def rule(listing: Path) -> str:
+    """The test split of a JSON list and how it was chosen, for the run's header."""
+    try:
+        content = json.loads(Path(listing).read_text())
+        count = len(content.get("training", []))
+    except (OSError, ValueError, AttributeError, TypeError):
+        return f"test split: from {listing}"
+    if "validation" in content:
+        return (f"test split: the {len(content['validation'])} cases of the 'validation' list of "
+                f"{listing}")
+    held = count // HOLD_OUT
+    return (f"test split: {held} of the {count} 'training' cases of {listing}, every "
+            f"{HOLD_OUT}th (the {HOLD_OUT}th, {2 * HOLD_OUT}th, ...), held out of training (no "
+            "'validation' list)")
+
+
+def split_note(name: str) -> str:
+    """For the run's header: the test split of ``data.name`` and its rule where it is a JSON
+    list (:func:`rule`); '' otherwise."""
+    from parallelkit.data.config import block_format, block_root
+
+    if not block_format(name) or (listing := find(block_root(name))) is None:
+        return ""
+    return rule(listing)
+
+
+def test_images(listing: Path) -> list[tuple[Path, Path | None]]:
+    """The Decathlon's test cases: the list's ``test`` entries (paths, or ``{"image": PATH}``)
+    where it has any, else the files of ``imagesTs/`` beside it; each with its label in
+    ``labelsTs/`` (the same file name) where there is one. [] when there are none."""
+    from parallelkit.data.readers import format_of
+
+    base = Path(listing).parent
+    try:
+        entries = json.loads(Path(listing).read_text()).get("test") or []
+    except (OSError, ValueError, AttributeError):
+        entries = []
+    images = [base / (e["image"] if isinstance(e, dict) else e) for e in entries
+              if isinstance(e, str | dict) and (isinstance(e, str) or "image" in e)]
+    if not images and (base / TEST_IMAGES).is_dir():
+        images = sorted(p for p in (base / TEST_IMAGES).iterdir()
+                        if format_of(p) and not p.name.startswith("."))
+    images = [p.resolve() for p in images]
+    if missing := [p for p in images if not p.exists()]:
+        raise ValueError(f"data list {listing}: test image {missing[0]} does not exist "
+                         f"({len(missing)} missing)")
+    labels = base / TEST_LABELS
+    return [(p, (labels / p.name) if (labels / p.name).exists() else None) for p in images]

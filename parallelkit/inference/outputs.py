@@ -6,15 +6,18 @@
 
 Formats (each lays the data out so that ranks write disjoint parts of it):
 
-    zarr    ``<name>.zarr``: an OME-Zarr image group whose level 0 (array ``0``) is the class
-            map, uint8, with the input's spatial axes and scale where the input is OME-Zarr;
-            with probabilities, the group ``probabilities`` holds a ``(K, *spatial)`` softmax.
-            The block readers (:mod:`parallelkit.data.readers`) read it back as a mask.
-    nifti   ``<name>.nii``: the class map, uint8, with the input's affine where the input is
-            NIfTI; ``<name>_probabilities.nii``: ``(X, Y, Z, K)``. Uncompressed, because ranks
-            write their blocks at fixed offsets into the file (a .nii.gz cannot be written in
-            parts).
-    npy     ``<name>.npy`` (``(*spatial)`` uint8) and ``<name>_probabilities.npy`` (K first).
+    zarr      ``<name>.zarr`` (``.ome.zarr`` for an ``.ome.zarr`` input): an OME-Zarr image
+              group, the class map uint8 at level 0, with the input's axes, units, scale and
+              translation of the level read, and ``levels`` pyramid levels
+              (:mod:`parallelkit.inference.zarr_out`); with probabilities, the group
+              ``probabilities`` holds the ``(K, *spatial)`` softmax. The block readers
+              (:mod:`parallelkit.data.readers`) read it back as a mask.
+    nifti     ``<name>.nii``, the class map uint8, with the input's affine, qform and sform
+              codes; ``<name>_probabilities.nii``, a vector image ``(X, Y, Z, 1, K)``
+              (:mod:`parallelkit.inference.nifti_out`). Uncompressed: ranks write their
+              blocks at fixed offsets into the file.
+    nifti.gz  the same, ``.nii.gz``: rank 0 gzips each finished file.
+    npy       ``<name>.npy`` (``(*spatial)`` uint8) and ``<name>_probabilities.npy`` (K first).
 
 Why chunks matter. A zarr chunk is written whole: two ranks writing parts of one chunk at
 once would each read, modify and write it, and one would lose. So :attr:`Output.chunks` says
@@ -43,16 +46,18 @@ import os
 import shutil
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from parallelkit.comm import Communicator
 from parallelkit.data.readers import Block, SampleReader, format_of
+from parallelkit.inference import nifti_out, zarr_out
 
-FORMATS = ("zarr", "nifti", "npy")
-SUFFIX = {"zarr": ".zarr", "nifti": ".nii", "npy": ".npy"}
+FORMATS = ("zarr", "nifti", "nifti.gz", "npy")
+SUFFIX = {"zarr": ".zarr", "nifti": ".nii", "nifti.gz": ".nii.gz", "npy": ".npy"}
+PACKING = ".packing"
+"""A ``.nii.gz`` being compressed: ``.NAME.nii.gz.packing`` (:func:`temp_paths`)."""
 PROBABILITIES = "_probabilities"
 DEFAULT_CHUNK = {1: 4096, 2: 256, 3: 64}
 """Chunk side where the input has no chunks of its own, by spatial dimensions."""
@@ -61,7 +66,7 @@ DEFAULT_CHUNK = {1: 4096, 2: 256, 3: 64}
 def stored_dtype(fmt: str, dtype: str) -> str:
     """The dtype the probabilities are stored in: ``dtype``, but float32 in NIfTI for float16
     (NIfTI-1 has no half-precision type)."""
-    return "float32" if fmt == "nifti" and dtype == "float16" else dtype
+    return "float32" if fmt.startswith("nifti") and dtype == "float16" else dtype
 
 
 def output_bytes(size: Sequence[int], classes: int, probabilities: str | None) -> int:
@@ -93,12 +98,13 @@ def describe(error: OSError, path: Path) -> str:
             + (f" ({hint})" if hint else "") + "; the prediction's partial files are removed")
 
 
-def final_paths(fmt: str, base: Path, probabilities: bool) -> list[Path]:
+def final_paths(fmt: str, base: Path, probabilities: bool, ome: bool = False) -> list[Path]:
     """The files (or zarr group) a sample's prediction ends up as: the class map last, so that
-    its presence means the whole prediction is there."""
+    its presence means the whole prediction is there. ``ome``: the input is ``.ome.zarr``,
+    and so is a zarr prediction of it."""
     if fmt not in FORMATS:
         raise ValueError(f"predict.format={fmt!r} must be one of {FORMATS}")
-    main = base.with_name(base.name + SUFFIX[fmt])
+    main = base.with_name(base.name + (".ome" if ome and fmt == "zarr" else "") + SUFFIX[fmt])
     if fmt == "zarr" or not probabilities:
         return [main]
     return [base.with_name(base.name + PROBABILITIES + SUFFIX[fmt]), main]
@@ -107,6 +113,20 @@ def final_paths(fmt: str, base: Path, probabilities: bool) -> list[Path]:
 def partial_path(path: Path) -> Path:
     """Where ``path`` is written until it is whole."""
     return path.with_name(f".{path.name}.partial")
+
+
+def temp_paths(fmt: str, finals: Sequence[Path]) -> list[Path]:
+    """Every temporary name the prediction ``finals`` may be written under: each file's
+    :func:`partial_path`, and for ``nifti.gz`` the gzip stream being made of it."""
+    temps = [partial_path(f) for f in finals]
+    if fmt == "nifti.gz":
+        temps += [f.with_name(f".{f.name}{PACKING}") for f in finals]
+    return temps
+
+
+def is_ome(path: str | Path) -> bool:
+    """The input is named ``.ome.zarr``: its zarr prediction keeps that ending."""
+    return Path(path).name.lower().endswith(".ome.zarr")
 
 
 def remove(path: Path) -> None:
@@ -131,37 +151,71 @@ def chunking(size: Sequence[int], counts: Sequence[int], preferred: Sequence[int
 
 
 class Output:
-    """One sample's prediction files, opened for writing blocks (every rank opens its own)."""
+    """One sample's prediction files, opened for writing blocks (every rank opens its own).
+    ``levels``: its pyramid levels (zarr; 1 otherwise), level ``l`` ``chunks_of[l]``."""
 
     chunks: tuple[int, ...] | None = None
+    levels = 1
 
-    def write(self, block: Block, classes: np.ndarray, probabilities: np.ndarray | None) -> None:
+    def write(self, block: Block, classes: np.ndarray, probabilities: np.ndarray | None,
+              level: int = 0) -> None:
         """``classes`` ``(*block)`` uint8 and ``probabilities`` ``(K, *block)`` at ``block``."""
         raise NotImplementedError
+
+    def read(self, block: Block, level: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """A written block of ``level`` (the pyramid's levels are made from the one above)."""
+        raise NotImplementedError
+
+    def level(self, level: int) -> Output:
+        """Level ``level`` as an output of its own (its chunks; writes go there)."""
+        return _Level(self, level)
+
+
+class _Level(Output):
+    def __init__(self, whole: Output, level: int) -> None:
+        self.whole, self.at = whole, level
+        self.chunks = getattr(whole, "chunks_of", [whole.chunks])[level]
+
+    def write(self, block: Block, classes: np.ndarray, probabilities: np.ndarray | None,
+              level: int = 0) -> None:
+        self.whole.write(block, classes, probabilities, self.at)
 
 
 def create(fmt: str, paths: Sequence[Path], size: Sequence[int], classes: int,
            probabilities: str | None, reference: SampleReader | None,
-           chunks: Sequence[int]) -> None:
-    """Make the (temporary) files of one prediction, empty: rank 0 of the sample's group."""
+           chunks: Sequence[int] | Sequence[Sequence[int]]) -> None:
+    """Make the (temporary) files of one prediction, empty: rank 0 of the sample's group.
+    ``chunks``: zarr's chunk sides, or a list of them, one per pyramid level."""
     size = tuple(size)
     if fmt == "zarr":
-        _create_zarr(paths[0], size, classes, probabilities, reference, tuple(chunks))
+        from parallelkit.data.physical import geometry, plain
+
+        per_level = _per_level(chunks)
+        geom = geometry(reference) if reference is not None else plain(len(size))
+        zarr_out.create(paths[0], size, classes, probabilities, geom, per_level)
         return
     pairs: list[tuple[Path, tuple[int, ...], str]] = [(paths[-1], size, "uint8")]
     if probabilities:
-        shape = (classes, *size) if fmt == "npy" else (*size, classes)  # NIfTI: (X, Y, Z, K)
+        shape = ((classes, *size) if fmt == "npy"
+                 else nifti_out.probability_shape(size, classes))  # fmt: skip
         pairs.insert(0, (paths[0], shape, probabilities))
     for path, shape, dtype in pairs:
         try:
             if fmt == "npy":
                 np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape).flush()
             else:
-                _create_nifti(path, shape, dtype, reference)
+                nifti_out.create_nifti(path, shape, dtype, reference,
+                                       vector=shape != size)  # fmt: skip
             allocate(path)
         except OSError as e:
             e.filename = e.filename or str(path)  # for the message: which file
             raise
+
+
+def _per_level(chunks: Sequence[int] | Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+    if chunks and isinstance(chunks[0], int | np.integer):
+        return [tuple(int(c) for c in chunks)]  # type: ignore[union-attr]
+    return [tuple(c) for c in chunks]  # type: ignore[arg-type]
 
 
 def allocate(path: Path) -> None:
@@ -181,70 +235,87 @@ def allocate(path: Path) -> None:
         os.close(fd)
 
 
-def open_output(fmt: str, paths: Sequence[Path], chunks: Sequence[int]) -> Output:
+def open_output(fmt: str, paths: Sequence[Path],
+                chunks: Sequence[int] | Sequence[Sequence[int]]) -> Output:
     """The files :func:`create` made, opened for writing this rank's blocks."""
     if fmt == "zarr":
-        return _ZarrOutput(paths[0], tuple(chunks))
-    return _MemmapOutput(fmt, list(paths))
+        return _ZarrOutput(paths[0], _per_level(chunks))
+    return nifti_out.MemmapOutput(fmt, list(paths))
+
+
+class _ZarrOutput(zarr_out.ZarrLevels, Output):
+    def __init__(self, path: Path, chunks: list[tuple[int, ...]]) -> None:
+        super().__init__(path)
+        self.chunks_of, self.chunks = chunks, chunks[0]
 
 
 @contextlib.contextmanager
 def writing(fmt: str, base: str | Path, sample: SampleReader, classes: int, comm: Communicator,
             counts: Sequence[int], probabilities: str | None = None,
-            begin: Callable[[list[Path]], None] | None = None) -> Iterator[Output]:
+            begin: Callable[[list[Path]], None] | None = None,
+            levels: int = 1) -> Iterator[Output]:
     """One sample's prediction, written by every rank of ``comm`` (collective)::
 
         with writing("zarr", "out/scan-07", sample, 3, comm, counts) as out:
             predictor(sample, out)                      # each rank writes its block
 
-    Rank 0 makes the files under temporary names (:func:`partial_path`), chunked for a
+    Rank 0 makes the files under temporary names (:func:`temp_paths`), chunked for a
     sample split in ``counts`` blocks per dimension (:func:`chunking`, the input's chunks
-    where it has them); when every rank has written, rank 0 flushes them and renames them into
-    place, so a final name always holds a whole prediction. ``probabilities``: also write the
-    softmax, in this dtype (``"float16"``, ``"float32"``; float16 is stored as float32 in
-    NIfTI). ``begin``: called on rank 0 with every path the prediction may make, before any
-    is made (``parallelkit predict`` records them). A write error: :class:`WriteError` on
-    every rank (the module's docstring), and none of the prediction's files left.
+    where it has them); when every rank has written, rank 0 flushes them (gzips them, for
+    ``nifti.gz``) and renames them into place, so a final name always holds a whole
+    prediction. ``probabilities``: also write the softmax, in this dtype (``"float16"``,
+    ``"float32"``; float16 is stored as float32 in NIfTI). ``levels``: zarr pyramid levels
+    (the predictor writes levels 1, 2, ... once level 0 is whole). ``begin``: called on rank
+    0 with every path the prediction may make, before any is made (``parallelkit predict``
+    records them). A write error: :class:`WriteError` on every rank (the module's
+    docstring), and none of the prediction's files left.
     """
-    finals = final_paths(fmt, Path(base), probabilities is not None)
-    temps = [partial_path(f) for f in finals]
+    finals = final_paths(fmt, Path(base), probabilities is not None, is_ome(sample.path))
+    every = temp_paths(fmt, finals)
+    temps = every[:len(finals)]
     if probabilities:
         probabilities = stored_dtype(fmt, probabilities)
-    chunks = chunking(sample.size, counts, input_chunks(sample))
+    preferred = input_chunks(sample)
+    chunks = [chunking(s, counts, preferred) for s in zarr_out.level_sizes(
+        sample.size, levels if fmt == "zarr" else 1)]  # fmt: skip
     problem, at = "", finals[-1]
     if comm.rank == 0:
         try:
             if begin is not None:
-                begin([*finals, *temps])
-            for t in temps:
+                begin([*finals, *every])
+            for t in every:
                 remove(t)
             create(fmt, temps, sample.size, classes, probabilities, sample, chunks)
         except OSError as e:
-            problem = describe(e, _final_of(e, temps, finals, at))
-    _settle(comm, problem, temps)
+            problem = describe(e, _final_of(e, fmt, finals, at))
+    _settle(comm, problem, every)
     output = _Guarded(fmt, temps, finals, chunks)
     yield output
-    _settle(comm, output.problem, temps)
+    _settle(comm, output.problem, every)
     if comm.rank == 0:
         try:
             for t, at in zip(temps, finals, strict=True):
                 fsync_tree(t)
                 remove(at)
-                t.rename(at)
+                if fmt == "nifti.gz":
+                    nifti_out.compress(t, every[len(finals) + finals.index(at)], at)
+                else:
+                    t.rename(at)
         except OSError as e:
             problem = describe(e, at)
-    _settle(comm, problem, [*temps, *finals])
+    _settle(comm, problem, [*every, *finals])
 
 
-def _final_of(error: OSError, temps: list[Path], finals: list[Path], default: Path) -> Path:
+def _final_of(error: OSError, fmt: str, finals: list[Path], default: Path) -> Path:
     """The final name of the temporary file an error names, the file it names when that is
     none of them (a record), else ``default``."""
     if not error.filename:
         return default
     named = Path(error.filename)
-    for t, f in zip(temps, finals, strict=True):
-        if named == t or t in named.parents:
-            return f
+    for f in finals:
+        for t in temp_paths(fmt, [f]):
+            if named == t or t in named.parents:
+                return f
     return named
 
 
@@ -266,23 +337,33 @@ class _Guarded(Output):
     (later blocks are skipped), so that this rank still joins its group's collectives."""
 
     def __init__(self, fmt: str, temps: list[Path], finals: list[Path],
-                 chunks: Sequence[int]) -> None:
-        self.problem, self.finals = "", finals
-        self.chunks = tuple(chunks) if fmt == "zarr" else None
+                 chunks: list[tuple[int, ...]]) -> None:
+        self.problem, self.finals, self.fmt = "", finals, fmt
+        self.chunks = tuple(chunks[0]) if fmt == "zarr" else None
+        self.chunks_of, self.levels = chunks, len(chunks) if fmt == "zarr" else 1
         self.inner: Output | None = None
         try:
             self.inner = open_output(fmt, temps, chunks)
         except OSError as e:
-            self.problem = describe(e, _final_of(e, temps, finals, finals[-1]))
-        self.temps = temps
+            self.problem = describe(e, _final_of(e, fmt, finals, finals[-1]))
 
-    def write(self, block: Block, classes: np.ndarray, probabilities: np.ndarray | None) -> None:
+    def write(self, block: Block, classes: np.ndarray, probabilities: np.ndarray | None,
+              level: int = 0) -> None:
         if self.inner is None or self.problem:
             return
         try:
-            self.inner.write(block, classes, probabilities)
+            self.inner.write(block, classes, probabilities, level)
         except OSError as e:
-            self.problem = describe(e, _final_of(e, self.temps, self.finals, self.finals[-1]))
+            self.problem = describe(e, _final_of(e, self.fmt, self.finals, self.finals[-1]))
+
+    def read(self, block: Block, level: int) -> tuple[np.ndarray, np.ndarray | None]:
+        shape = tuple(s.stop - s.start for s in block)
+        if self.inner is not None and not self.problem:
+            try:
+                return self.inner.read(block, level)
+            except OSError as e:
+                self.problem = describe(e, _final_of(e, self.fmt, self.finals, self.finals[-1]))
+        return np.zeros(shape, np.uint8), None  # skipped: the sample ends in a WriteError
 
 
 def input_chunks(reader: SampleReader) -> tuple[int, ...] | None:
@@ -297,128 +378,6 @@ def input_chunks(reader: SampleReader) -> tuple[int, ...] | None:
         scales = attrs.get("ome", {}).get("multiscales") or attrs.get("multiscales")
         node = node[scales[0]["datasets"][0]["path"]]
     return tuple(node.chunks[i] for i in reader.layout.spatial)
-
-
-# ----------------------------------------------------------------------------- zarr
-def _ome_axes(reference: SampleReader | None, ndim: int) -> tuple[list[dict], list[float]]:
-    """The spatial axes (names, units) and level-0 scale of the input where it is OME-Zarr;
-    otherwise ``z, y, x`` (the last ``ndim``) with a scale of 1."""
-    names = ["z", "y", "x"][3 - ndim:] if ndim <= 3 else [f"s{i}" for i in range(ndim)]
-    axes: list[dict] = [{"name": n, "type": "space"} for n in names]
-    scale = [1.0] * ndim
-    if reference is None or format_of(reference.path) != "zarr":
-        return axes, scale
-    import zarr
-
-    node = zarr.open(reference.path, mode="r")
-    if not isinstance(node, zarr.Group):
-        return axes, scale
-    attrs = dict(node.attrs)
-    multiscale = (attrs.get("ome", {}).get("multiscales") or attrs.get("multiscales") or [{}])[0]
-    given = multiscale.get("axes")
-    if isinstance(given, list) and len(given) == len(reference.shape):
-        axes = [given[i] if isinstance(given[i], dict) else {"name": given[i]}
-                for i in reference.layout.spatial]
-    for t in (multiscale.get("datasets") or [{}])[0].get("coordinateTransformations", []):
-        if t.get("type") == "scale" and len(t.get("scale", [])) == len(reference.shape):
-            scale = [float(t["scale"][i]) for i in reference.layout.spatial]
-    return axes, scale
-
-
-def _multiscales(name: str, axes: list[dict], scale: list[float]) -> dict[str, Any]:
-    return {"ome": {"version": "0.5", "multiscales": [{
-        "name": name, "axes": axes,
-        "datasets": [{"path": "0", "coordinateTransformations": [
-            {"type": "scale", "scale": scale}]}],
-    }]}}  # fmt: skip
-
-
-def _create_zarr(path: Path, size: tuple[int, ...], classes: int, probabilities: str | None,
-                 reference: SampleReader | None, chunks: tuple[int, ...]) -> None:
-    import zarr
-
-    axes, scale = _ome_axes(reference, len(size))
-    root = zarr.open_group(str(path), mode="w", zarr_format=3)
-    root.attrs.update(_multiscales("classes", axes, scale))
-    root.create_array("0", shape=size, chunks=chunks, dtype="uint8", fill_value=0)
-    if probabilities:
-        group = root.create_group("probabilities")
-        channel = [{"name": "c", "type": "channel"}]
-        group.attrs.update(_multiscales("probabilities", [*channel, *axes], [1.0, *scale]))
-        group.create_array("0", shape=(classes, *size), chunks=(classes, *chunks),
-                           dtype=probabilities, fill_value=0)
-
-
-class _ZarrOutput(Output):
-    def __init__(self, path: Path, chunks: tuple[int, ...]) -> None:
-        import zarr
-
-        root = zarr.open_group(str(path), mode="r+")
-        self.classes = root["0"]
-        self.probabilities = root["probabilities/0"] if "probabilities" in root else None
-        self.chunks = chunks
-
-    def write(self, block: Block, classes: np.ndarray, probabilities: np.ndarray | None) -> None:
-        self.classes[block] = classes
-        if self.probabilities is not None and probabilities is not None:
-            self.probabilities[(slice(None), *block)] = probabilities
-
-
-# --------------------------------------------------------------------- NIfTI and npy
-NIFTI_OFFSET = 352
-"""A single-file NIfTI-1's header (348 bytes) and its empty extension flag (4 bytes)."""
-
-
-def _create_nifti(path: Path, shape: tuple[int, ...], dtype: str,
-                  reference: SampleReader | None) -> None:
-    """An uncompressed ``.nii`` of ``shape``, zero-filled, with the input's affine (and voxel
-    sizes) where the input is NIfTI; the data start at :data:`NIFTI_OFFSET`."""
-    import nibabel as nib
-
-    header = nib.Nifti1Header()
-    affine = np.eye(4)
-    if reference is not None and format_of(reference.path) == "nifti":
-        source = nib.load(str(reference.path))
-        affine = source.affine
-        header.set_xyzt_units(*source.header.get_xyzt_units())
-    header.set_data_shape(shape)
-    header.set_data_dtype(np.dtype(dtype))
-    header.set_sform(affine, code=1)
-    header.set_qform(affine, code=1)
-    header["vox_offset"] = NIFTI_OFFSET
-    header["scl_slope"], header["scl_inter"] = 1.0, 0.0
-    with open(path, "wb") as f:
-        header.write_to(f)
-        f.write(b"\x00" * (NIFTI_OFFSET - f.tell()))
-        f.truncate(NIFTI_OFFSET + math.prod(shape) * np.dtype(dtype).itemsize)
-
-
-class _MemmapOutput(Output):
-    """npy (C order, channels first) or NIfTI (Fortran order, channels last) files, mapped."""
-
-    def __init__(self, fmt: str, paths: list[Path]) -> None:
-        self.fmt = fmt
-        self.maps = [self._map(p) for p in paths]
-
-    def _map(self, path: Path) -> np.memmap:
-        if self.fmt == "npy":
-            return np.load(path, mmap_mode="r+")
-        import nibabel as nib
-
-        with open(path, "rb") as f:  # by its header: a temporary name has no .nii to go by
-            header = nib.Nifti1Header.from_fileobj(f)
-        return np.memmap(path, dtype=header.get_data_dtype(), mode="r+", offset=NIFTI_OFFSET,
-                         shape=header.get_data_shape(), order="F")
-
-    def write(self, block: Block, classes: np.ndarray, probabilities: np.ndarray | None) -> None:
-        self.maps[-1][block] = classes
-        if len(self.maps) == 2 and probabilities is not None:
-            if self.fmt == "nifti":  # (X, Y, Z, K): channels last
-                self.maps[0][(*block, slice(None))] = np.moveaxis(probabilities, 0, -1)
-            else:
-                self.maps[0][(slice(None), *block)] = probabilities
-        for m in self.maps:
-            m.flush()
 
 
 def fsync_tree(path: Path) -> None:

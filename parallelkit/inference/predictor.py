@@ -1,6 +1,7 @@
 """Whole-sample prediction on blocks: every rank reads, runs and writes only its block.
 
-    predictor = Predictor(model, grid, normalize=(mean, std))   # dense, trained; made once
+    predictor = Predictor(model, grid, normalize="runs/ct")     # dense, trained; made once;
+                                                                # the run's normalizer
     result = predictor(SampleReader("scan.nii.gz"), out)       # collective over the sample's
                                                                 # spatial group
     pk.predict(model, sample, grid, out)                        # the same, in one call
@@ -38,6 +39,7 @@ from torch import nn
 from parallelkit.data.intensity import Normalizer
 from parallelkit.data.readers import Block, SampleReader
 from parallelkit.inference.outputs import Output
+from parallelkit.inference.zarr_out import write_levels
 from parallelkit.parallel import Grid, parallelize
 from parallelkit.spatial import grid_of
 
@@ -61,8 +63,11 @@ class Predictor:
 
     ``grid``: a :class:`~parallelkit.Grid` whose spatial group (depth x rows x cols) splits a
     sample; its data ranks predict different samples (the caller hands them out). Channel
-    parallelism is refused: prediction splits samples, not layers. ``normalize``: per-channel
-    ``(mean, std)`` applied to every block read (what training used), or None.
+    parallelism is refused: prediction splits samples, not layers. ``normalize``: what
+    training normalized with, applied to every block read: the run's own normalizer (a run
+    directory, or its ``normalization.json``: an HU window, percentiles, z-scores, as
+    ``parallelkit train`` saved them), a :class:`~parallelkit.data.intensity.Normalizer`,
+    per-channel ``(mean, std)``, or None.
     ``dtype``: the dtype the model runs in (float32; float64 for exactness tests).
     ``pad``: a sample the model cannot take at its size (a U-Net that halves it four times
     needs a multiple of 16) is padded at its far end, with zeros after normalization, to a
@@ -71,7 +76,8 @@ class Predictor:
     """
 
     def __init__(self, model: nn.Module, grid: Grid,
-                 normalize: tuple[Sequence[float], Sequence[float]] | Normalizer | None = None,
+                 normalize: tuple[Sequence[float], Sequence[float]] | Normalizer | str | Path
+                 | None = None,
                  dtype: torch.dtype = torch.float32, fallback: str = "refuse",
                  pad: str | int = "auto") -> None:
         if grid.channel > 1:
@@ -91,6 +97,8 @@ class Predictor:
                                  spatial_output="blocks", fallback=fallback).eval()
         if isinstance(normalize, tuple):  # per-channel (mean, std), as before
             normalize = Normalizer("zscore", tuple(normalize[0]), tuple(normalize[1]))
+        elif isinstance(normalize, str | Path):
+            normalize = run_normalizer(normalize)
         self.normalize = normalize
 
     def padded(self, size: Sequence[int], channels: int) -> tuple[int, ...]:
@@ -158,7 +166,25 @@ class Predictor:
             classes = logits.argmax(0).to(torch.uint8).numpy()
             write_in_turns(self.comm, self.blocks.axes(len(size)), size, inside, output,
                            classes, probs)
+            if output.levels > 1:  # the pyramid, from level 0 as written
+                stage("writing levels")
+                write_levels(self.comm, self.blocks, size, output, int(logits.shape[0]))
         return Result(size, inside, time.perf_counter() - started, logits)
+
+
+def run_normalizer(where: str | Path) -> Normalizer:
+    """The normalizer a run trained with: ``where`` is its run directory or the
+    ``normalization.json`` that ``parallelkit train`` wrote there."""
+    import json
+
+    path = Path(where)
+    path = path / "normalization.json" if path.is_dir() else path
+    try:
+        return Normalizer.from_spec(json.loads(path.read_text()))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"normalize={where}: no run normalizer to read at {path} ({e}); give "
+                         "a run directory that parallelkit train wrote, a Normalizer or "
+                         "(mean, std)") from None
 
 
 def fitting_multiple(model: nn.Module, channels: int, size: Sequence[int],

@@ -6,13 +6,16 @@ prediction made with other settings) as done, and two predicts into one folder b
 other. Now everything predict knows about a folder lives in ``OUT/.parallelkit-predict/``:
 
     owner.json          the marker: this folder holds parallelkit predict's outputs (and the
-                        summary ``predict.json`` once written, by identity)
+                        summaries ``predict.json`` and ``summary.json`` once written, by
+                        identity)
     .lock               ``flock``, held by rank 0 for the whole run
                         (:class:`parallelkit.train.rundir.Lock`, the run directory's lock)
     samples/NAME.json   one sample's record: its input, the settings it was made with (run,
                         checkpoint, format, probabilities, dtype; the grid too, not compared:
                         predictions on any grid agree to roundoff), ``state`` (``writing``, then
-                        ``done``) and its files, each by identity (inode, mtime, size) once in place
+                        ``done``) and its files, each by identity (inode, mtime, size) once in
+                        place; where it has a label, its per-class counts (``scores``: so that
+                        ``summary.json`` covers the samples a resumed run skips)
 
 A sample's record is written before any of its files is made, so every file predict makes
 is named in a record first. What predict then may remove (:func:`plan`):
@@ -44,6 +47,9 @@ FOLDER = ".parallelkit-predict"
 MARKER = "owner.json"
 ENTRIES = "samples"
 SUMMARY = "predict.json"
+DICE = "summary.json"
+"""Per-case and mean Dice where the samples have labels (nnU-Net's ``summary.json``)."""
+SUMMARIES = (SUMMARY, DICE)
 MiB = 1 << 20
 MARGIN = (0.05, 16 * MiB)
 """Free space asked for beyond the outputs' size: 5% of it and 16 MiB (file system metadata,
@@ -102,12 +108,13 @@ class Record:
         self._put(name, "writing", source, {self._rel(p): None for p in files}, settings, None)
 
     def finish(self, name: str, source: Path, finals: Iterable[Path], temps: Iterable[Path],
-               settings: dict, grid: str) -> None:
+               settings: dict, grid: str, scores: dict | None = None) -> None:
         """Once the files of ``name`` are in place: each by identity (the temporary names stay
-        reserved to it, by name: a killed redo leaves them)."""
+        reserved to it, by name: a killed redo leaves them); ``scores``: its counts against
+        its label."""
         files = {self._rel(p): _identity(os.lstat(p)) for p in finals}
         self._put(name, "done", source, {**files, **{self._rel(p): None for p in temps}},
-                  settings, grid)
+                  settings, grid, scores)
 
     def forget(self, name: str) -> None:
         (self.folder / ENTRIES / f"{name}.json").unlink(missing_ok=True)
@@ -123,26 +130,27 @@ class Record:
         recorded = entry["files"][self._rel(path)]
         return not stat.S_ISLNK(st.st_mode) and recorded in (None, _identity(st))
 
-    def summary_is_ours(self) -> bool:
+    def summary_is_ours(self, name: str = SUMMARY) -> bool:
         try:
             marker = json.loads((self.folder / MARKER).read_text())
-            return _identity(os.lstat(self.out / SUMMARY)) == marker.get(SUMMARY)
+            return _identity(os.lstat(self.out / name)) == marker.get(name)
         except (OSError, ValueError, AttributeError):
             return False
 
-    def note_summary(self) -> None:
+    def note_summary(self, name: str = SUMMARY) -> None:
+        """Record the summary ``name`` (in ``OUT``, just written) as predict's."""
         marker = json.loads((self.folder / MARKER).read_text())
-        marker[SUMMARY] = _identity(os.lstat(self.out / SUMMARY))
+        marker[name] = _identity(os.lstat(self.out / name))
         _write_json(self.folder / MARKER, marker)
 
     def _rel(self, path: Path) -> str:
         return Path(path).relative_to(self.out).as_posix()
 
     def _put(self, name: str, state: str, source: Path, files: dict, settings: dict,
-             grid: str | None) -> None:
+             grid: str | None, scores: dict | None = None) -> None:
         _write_json(self.folder / ENTRIES / f"{name}.json", {
             "state": state, "input": str(source), "settings": settings, "grid": grid,
-            "files": files})  # fmt: skip
+            "files": files, **({"scores": scores} if scores else {})})  # fmt: skip
 
 
 def plan(out: Path, targets: Sequence[Target], settings: dict, resume: bool, overwrite: bool,
@@ -152,8 +160,8 @@ def plan(out: Path, targets: Sequence[Target], settings: dict, resume: bool, ove
     out, key = Path(out), f"predict.output={out}"
     record = Record(out)
     inputs = {_real(p): Path(p) for p in inputs}
-    for made in (record.folder, out / SUMMARY, *(p for t in targets for p in (*t.finals,
-                                                                              *t.temps))):
+    for made in (record.folder, *(out / n for n in SUMMARIES),
+                 *(p for t in targets for p in (*t.finals, *t.temps))):
         if (hit := _overlap(made, inputs)) is not None:
             raise ValueError(
                 f"{key}: its {made.relative_to(out)} would be written over the input {hit}; "
@@ -162,9 +170,10 @@ def plan(out: Path, targets: Sequence[Target], settings: dict, resume: bool, ove
             p.name != FOLDER for p in out.iterdir()):
         raise ValueError(f"{key} already holds files: predict.overwrite=true replaces its "
                          "predictions, predict.resume=true finishes the ones not yet written")
-    if (out / SUMMARY).exists() and not record.summary_is_ours():
-        raise ValueError(f"{key}: {out / SUMMARY} was not written by parallelkit predict and "
-                         "would be replaced by its summary; move it away")
+    for name in SUMMARIES:
+        if (out / name).exists() and not record.summary_is_ours(name):
+            raise ValueError(f"{key}: {out / name} was not written by parallelkit predict and "
+                             "would be replaced by its summary; move it away")
     result = Plan(done=[])
     for t in targets:
         entry = record.entry(t.name)

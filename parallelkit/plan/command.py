@@ -67,9 +67,17 @@ PROG = "parallelkit plan"
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0].split(": ", 1)[1])
     p.add_argument(
+        "--config",
+        metavar="RUN.yaml",
+        help="plan a training config instead (a run's config.yaml, key=value overrides after "
+        "it): its model (built-in, a zoo network or your own package.module:Class), crop, "
+        "channels, classes, batch and parallel.ranks; then --model and the sizes are not given",
+    )
+    p.add_argument(
         "--model",
         required=True,
-        help=f"{', '.join(walk.BUILTIN)}, torchvision:NAME, timm:NAME, monai:NAME or smp:ARCH",
+        help=f"{', '.join(walk.BUILTIN)}, torchvision:NAME, timm:NAME, monai:NAME, smp:ARCH "
+        "or your own package.module:Class",
     )
     p.add_argument(
         "--model-kwargs",

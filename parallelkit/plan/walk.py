@@ -44,6 +44,7 @@ from torch import nn
 
 from parallelkit import models
 from parallelkit.geometry import conv_padding, per_dim
+from parallelkit.models import imported
 from parallelkit.models.zoo import is_zoo_name
 
 Shape = tuple[int, ...]
@@ -290,13 +291,16 @@ def build(
         return _gan(channels, size)
     if is_zoo_name(name):
         return [walk(_zoo(name, classes, channels, kwargs), shape, name)]
+    if imported.is_import_path(name):  # the user's own, as train builds it (model.name)
+        model = models.create(name, num_classes=classes, in_channels=channels, **kwargs)
+        return [walk(model, shape, name)]
     if name in BUILTIN:
         extra = {"stem": stem} if name.startswith("resnet") else {}
         model = models.create(name, num_classes=classes, in_channels=channels, **extra, **kwargs)
         return [walk(model, shape, name)]
     raise ValueError(
-        f"unknown model {name!r}; built-in models: {', '.join(BUILTIN)}, or a zoo network as "
-        "torchvision:NAME, timm:NAME, monai:NAME or smp:ARCH"
+        f"unknown model {name!r}; built-in models: {', '.join(BUILTIN)}, a zoo network as "
+        "torchvision:NAME, timm:NAME, monai:NAME or smp:ARCH, or your own as package.module:Class"
     )
 
 

@@ -42,21 +42,28 @@ import torch
 from torch import nn
 
 import parallelkit as pk
+from parallelkit.data import datalist
 from parallelkit.data.blockset import cached_stats, pairs
 from parallelkit.data.config import block_format, block_root, volumes
 from parallelkit.data.intensity import Normalizer
 from parallelkit.data.loader import normalizer
 from parallelkit.data.readers import SampleReader
-from parallelkit.inference import Predictor, Result, outputs, record
+from parallelkit.inference import Predictor, Result, dice, outputs, record
 from parallelkit.inference.names import output_names
 from parallelkit.inference.predictor import fitting_multiple, sample_paths
 from parallelkit.parallel import Grid
-from parallelkit.train import checkpoint, rundir
+from parallelkit.train import checkpoint, predict_level
 from parallelkit.train.agree import agree, same_everywhere
 from parallelkit.train.allocator import keep_freed_memory
 from parallelkit.train.config import Config, grid_dims
-from parallelkit.train.files import atomic_text
 from parallelkit.train.monitor import table
+from parallelkit.train.predict_folder import (
+    finals_of,
+    output_plan,
+    settings,
+    take_output,
+    write_summaries,
+)
 from parallelkit.train.segment import Segment
 from parallelkit.train.segmetrics import score_block
 from parallelkit.train.trainer import NORMALIZATION, device_for, peak_memory_mib, requested_device
@@ -91,9 +98,20 @@ def samples(cfg: Config) -> list[Sample]:
             f"data.name=FORMAT:DIR (zarr, tiff, nifti, npy), not data.name={cfg.data.name}"
         )
     else:
-        found = list(pairs(block_root(cfg.data.name), p.split))
+        found = split_pairs(block_root(cfg.data.name), p.split)
     names = output_names([i for i, _ in found])
     return [Sample(n, i, m) for n, (i, m) in zip(names, found, strict=True)]
+
+
+def split_pairs(root: str, split: str) -> list[tuple[Path, Path | None]]:
+    """``(image, mask or None)`` of a split of a block folder. A Decathlon folder
+    (``dataset.json``): ``test`` is its own test cases (``imagesTs``, labels from
+    ``labelsTs`` where there) where it has any, else the cases training held out;
+    ``validation`` is always the cases training held out (and scored)."""
+    listing = datalist.find(root)
+    if listing is not None and split == "test" and (tests := datalist.test_images(listing)):
+        return tests
+    return list(pairs(root, "test" if listing is not None and split == "validation" else split))
 
 
 def normalization(cfg: Config) -> Normalizer | None:
@@ -196,70 +214,11 @@ def check(cfg: Config, world: int) -> None:
     dense, folder = load_model(cfg, report=False)
     counts = {"depth": dims["depth"], "rows": dims["rows"], "cols": dims["cols"]}
     sizes = [check_sample(cfg, sample, dense, counts) for sample in found]
-    output_plan(cfg, found, sizes, folder)
-
-
-# ------------------------------------------------------------------ the output folder
-def settings(cfg: Config, folder: Path) -> dict[str, Any]:
-    """What a prediction is made with, as its record keeps it: a resumed run takes a sample as
-    done only when these are the same (the grid is not among them: any grid gives the same
-    prediction, to roundoff)."""
-    p = cfg.predict
-    return {"run": os.path.realpath(cfg.train.run_dir), "checkpoint": folder.name,
-            "format": p.format, "probabilities": bool(p.probabilities),
-            "dtype": outputs.stored_dtype(p.format, p.dtype) if p.probabilities else None}
-
-
-def output_plan(cfg: Config, found: list[Sample], sizes: list[tuple[int, ...]], folder: Path,
-                locked: bool = False) -> record.Plan:
-    """Read-only: the output folder is free (no other predict holds it; ``locked``: this
-    process does), apart from the inputs, has nothing foreign in the way, is writable and has
-    room; what the run does to it (:func:`parallelkit.inference.record.plan`). One-line
-    ``ValueError`` otherwise."""
-    p = cfg.predict
-    out = Path(p.output)
-    if os.path.lexists(out) and not out.is_dir():
-        raise ValueError(f"predict.output={out} is a file, not a folder")
-    if not locked and (holder := rundir.lock_holder(out / record.FOLDER)) is not None:
-        raise ValueError(f"predict.output={out} is in use by another parallelkit predict (pid "
-                         f"{holder}); wait for it to end or stop it, or choose another "
-                         "predict.output")
-    probs = outputs.stored_dtype(p.format, p.dtype) if p.probabilities else None
-    targets = []
     for sample, size in zip(found, sizes, strict=True):
-        finals = outputs.final_paths(p.format, out / sample.name, p.probabilities)
-        targets.append(record.Target(
-            sample.name, Path(os.path.realpath(sample.image)), tuple(finals),
-            tuple(outputs.partial_path(f) for f in finals),
-            outputs.output_bytes(size, cfg.data.num_classes, probs)))  # fmt: skip
-    inputs = [q for s in found for q in (s.image, s.mask) if q is not None]
-    plan = record.plan(out, targets, settings(cfg, folder), p.resume, p.overwrite, inputs)
-    need = plan.need
-    if p.format == "zarr":
-        need = max((t.nbytes for t, d in zip(targets, plan.done, strict=True) if not d),
-                   default=0)
-    record.check_room(out, need, zarr=p.format == "zarr")
-    return plan
-
-
-def take_output(cfg: Config, found: list[Sample], folder: Path) -> tuple[record.Plan, Any]:
-    """Rank 0 at start: checks the output folder (as :func:`check` did), makes it, locks it,
-    marks it as predict's and removes the recorded files of the samples to redo; the plan and
-    the lock (held until the process ends)."""
-    out = Path(cfg.predict.output)
-    sizes = [image_reader(cfg, s.image).size for s in found]
-    output_plan(cfg, found, sizes, folder)  # before anything is made
-    (out / record.FOLDER).mkdir(parents=True, exist_ok=True)
-    try:
-        lock = rundir.Lock(out / record.FOLDER)
-    except ValueError:
-        raise ValueError(f"predict.output={out} is in use by another parallelkit predict (pid "
-                         f"{rundir.lock_holder(out / record.FOLDER) or '?'}); wait for it to "
-                         "end or stop it, or choose another predict.output") from None
-    record.Record(out).claim()
-    plan = output_plan(cfg, found, sizes, folder, locked=True)  # no other predict acts now
-    record.remove_owned(plan.remove)
-    return plan, lock
+        predict_level.levels_of(cfg, size, counts, sample.image)
+    if p.strict and (note := predict_level.resolution_note(cfg, found)):
+        raise ValueError(f"{note}; predict.strict=true refuses it")
+    output_plan(cfg, found, sizes, folder)
 
 
 def check_sample(cfg: Config, sample: Sample, dense: nn.Module, counts: dict[str, int],
@@ -314,7 +273,8 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
     problem, done, lock = "", [False] * len(found), None
     if lead:
         try:
-            plan, lock = take_output(cfg, found, folder)
+            plan, lock = take_output(cfg, found, [image_reader(cfg, s.image).size
+                                                  for s in found], folder)  # fmt: skip
             done = plan.done
         except ValueError as e:
             problem = str(e)
@@ -331,6 +291,8 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
         print(f"parallelkit predict: {len(found)} samples ({sum(done)} already written) from "
               f"{found[0].image.parent} with {folder}, {comm.size} ranks ({comm.backend}), "
               f"{grid}{stored}", flush=True)
+        if note := predict_level.resolution_note(cfg, found):
+            print(f"parallelkit predict: {note}", flush=True)
     dims_n = dims_of(cfg)
     per_sample = math.prod(predictor.blocks.counts(dims_n))  # blocks: the spatial group's ranks
     bar = _bar(lead, len(mine), per_sample)
@@ -349,11 +311,11 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
                 stage = lambda what, name=found[i].name: bar.set_postfix_str(  # noqa: E731
                     f"{name}, {what} {per_sample} blocks")
             try:
-                result, mask = predict_one(cfg, predictor, found[i], out, dims_n, stage,
-                                           written)  # fmt: skip
+                result, scored = predict_one(cfg, predictor, found[i], out, dims_n, stage,
+                                             written)  # fmt: skip
                 voxels += result.voxels
-                if mask is not None:
-                    counts += score_block(result.logits, mask, result.block)[0]
+                if scored is not None:
+                    counts += scored
             except outputs.WriteError as e:
                 problem = str(e)
             if bar is not None:
@@ -371,10 +333,9 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
     problem = ""
     if lead:
         try:
-            atomic_text(out / SUMMARY, json.dumps(summary, indent=2))
-            record.Record(out).note_summary()
+            write_summaries(cfg, found, summary)
         except OSError as e:
-            problem = outputs.describe(e, out / SUMMARY).partition(";")[0]
+            problem = outputs.describe(e, Path(e.filename or out / SUMMARY)).partition(";")[0]
     agree(comm, problem)
     if lead:
         rows = [(k_, str(v)) for k_, v in summary.items() if not isinstance(v, dict | list)]
@@ -387,33 +348,40 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
 def predict_one(cfg: Config, predictor: Predictor, sample: Sample, out: Path, dims: int,
                 stage: Callable[[str], None] | None = None,
                 written: dict[str, Any] | None = None,
-                ) -> tuple[Result, SampleReader | None]:
+                ) -> tuple[Result, torch.Tensor | None]:
     """One sample over this rank's spatial group, made under temporary names and renamed
-    whole; its result and its mask (None without one). ``stage`` as in ``Predictor``.
-    ``written``: the settings and grid to record the sample's files with (rank 0 of the
-    group records them before they are made, and again once they are in place). A write
-    error: :class:`~parallelkit.inference.outputs.WriteError`."""
+    whole; its result and, where it has a mask, this rank's block's pixel counts against it
+    (``(3, K)``; None without one). ``stage`` as in ``Predictor``. ``written``: the
+    settings and grid to record the sample's files with (rank 0 of the group records them
+    before they are made, and again once they are in place, with the sample's counts). A
+    write error: :class:`~parallelkit.inference.outputs.WriteError`."""
     p, comm = cfg.predict, predictor.comm
     reader = image_reader(cfg, sample.image)
     mask = SampleReader(sample.mask, dims, mask=True,
                         level=cfg.data.level) if sample.mask else None
     counts = predictor.blocks.counts(len(reader.size))
+    levels = predict_level.levels_of(cfg, reader.size, None, sample.image)
     probabilities = p.dtype if p.probabilities else None
     book, source = record.Record(out), Path(os.path.realpath(sample.image))
     begin = None if written is None else (
         lambda files: book.begin(sample.name, source, files, written["settings"]))
     with outputs.writing(p.format, out / sample.name, reader, cfg.data.num_classes, comm, counts,
-                         probabilities, begin=begin) as output:
+                         probabilities, begin=begin, levels=levels) as output:
         result = predictor(reader, output, probabilities=p.probabilities, stage=stage)
+    scored, case = None, None
+    if mask is not None:
+        scored = score_block(result.logits, mask, result.block)[0]
+        device = comm.device if comm.device is not None else torch.device("cpu")
+        case = dice.case_counts(comm.all_reduce(scored.to(device)).cpu().tolist())
     if written is not None and comm.rank == 0:
-        finals = outputs.final_paths(p.format, out / sample.name, p.probabilities)
+        finals = finals_of(cfg, out, sample)
         try:
-            book.finish(sample.name, source, finals, [outputs.partial_path(f) for f in finals],
-                        written["settings"], written["grid"])
+            book.finish(sample.name, source, finals, outputs.temp_paths(p.format, finals),
+                        written["settings"], written["grid"], case)
         except OSError as e:
             raise outputs.WriteError(outputs.describe(e, book.folder).partition(";")[0]
                                      ) from None
-    return result, mask
+    return result, scored
 
 
 def _bar(lead: bool, samples: int, per_sample: int):

@@ -143,9 +143,12 @@ class PredictConfig:
     ``data.name=FORMAT:DIR``, or the file or folder ``input``; each is predicted at its own
     full size, split over the ranks as ``parallel.depth/rows/cols`` say (the data ranks take
     different samples). ``output``: the folder of predictions, one per sample, in ``format``
-    (zarr: OME-Zarr; nifti: .nii with the input's affine; npy). ``probabilities``: the softmax
-    too, as ``dtype`` (float16 or float32). ``resume``: skip the samples already written
-    whole; ``overwrite``: replace an earlier prediction in ``output``.
+    (zarr: OME-Zarr; nifti: .nii with the input's affine; nifti.gz: the same gzipped; npy).
+    ``probabilities``: the softmax too, as ``dtype`` (float16 or float32). ``resume``: skip
+    the samples already written whole; ``overwrite``: replace an earlier prediction in
+    ``output``. ``levels``: OME-Zarr pyramid levels (``auto``: 2-D outputs over 4096 pixels
+    get levels down to 2048; or a number). ``strict``: refuse samples at another pixel size
+    (pyramid level) than the run trained on, instead of saying so.
     """
 
     output: str = ""
@@ -156,6 +159,8 @@ class PredictConfig:
     dtype: str = "float16"
     resume: bool = False
     overwrite: bool = False
+    levels: str = "auto"
+    strict: bool = False
 
 
 @dataclass

@@ -33,7 +33,7 @@ import torch
 
 import parallelkit as pk
 from parallelkit.comm import launcher
-from parallelkit.data import Loader, RankSampler, build_loader
+from parallelkit.data import Loader, RankSampler, build_loader, datalist
 from parallelkit.data.errors import DataError, one_line
 from parallelkit.data.loader import block_layout, share_statistics
 from parallelkit.parallel import Grid
@@ -301,6 +301,8 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
         f"({comm.backend}), {grid}, global batch {t.batch_size}"
         + (f", resumed at step {step}" if step else "")
     )
+    if split := datalist.split_note(cfg.data.name):  # a dataset.json: which cases are tested
+        monitor.print(f"parallelkit train: {split}")
     total = task.total_steps
     window = LossWindow(grid.data_comm, t.batch_size)
     last: dict[str, float] = {}
