@@ -130,8 +130,9 @@ def read_output(fmt: str, paths: list[Path], channels: int) -> tuple[torch.Tenso
     else:
         import nibabel as nib
 
-        probs = np.moveaxis(np.asarray(nib.load(str(paths[0])).dataobj), -1, 0)
         classes = np.asarray(nib.load(str(paths[1])).dataobj)
+        vector = np.asarray(nib.load(str(paths[0])).dataobj)  # (X, Y, Z, 1, K)
+        probs = np.moveaxis(vector.reshape(*classes.shape, vector.shape[-1]), -1, 0)
     return torch.from_numpy(np.array(probs)), torch.from_numpy(np.array(classes)).long()
 
 
