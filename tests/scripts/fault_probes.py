@@ -4,6 +4,14 @@ tiny data sets built in a temporary directory. Not collected by pytest; run it b
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python tests/scripts/fault_probes.py --out /tmp/fp.md
     python tests/scripts/fault_probes.py --only 3 6    # the probes of items 3 and 6
+    python tests/scripts/fault_probes.py --family predict_outputs startup
+
+The families (``--only`` keys; ``--family`` takes the method names): 1 overwrite, 2 dtypes,
+3 checkpoints, 4 unreadable files and plan, 5 masks and late configs, 6 unreadable files,
+7 plan and wording, ``predict`` (predict_outputs: the output folder of ``parallelkit predict``,
+in tests/scripts/fault_probes_predict.py) and ``startup`` (the start-up of ``parallelkit
+train``: threads, a stuck rank, a killed launcher, leftover torchrun variables, srun without
+PMI; the same module).
 
 For each probe it records the exit status, the seconds, whether a traceback appears, whether
 the error line names the file at fault, whether the error came before any rank started (the
@@ -38,6 +46,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the jobs helpers
 
 from jobs import is_rank
+
+sys.modules.setdefault("fault_probes", sys.modules[__name__])  # for fault_probes_predict
+from fault_probes_predict import PredictProbes  # noqa: E402
 
 PYTHON = sys.executable
 STARTED = re.compile(r"local ranks started by|uncaught exception on rank|rank \d+ of \d+ leaves")
@@ -88,17 +99,19 @@ class Result:
 
 def run_cli(args: list[str], run_dir: Path | None, timeout: float,
             while_running: Callable[[subprocess.Popen, str], bool] | None = None,
-            wrap: list[str] | None = None) -> Run:  # fmt: skip
-    """``python -m parallelkit.cli ARGS`` (under ``wrap``, e.g. a user namespace) in a session of
-    its own; ``while_running(proc, token)`` is polled until it returns True. Killed, with its
-    whole process group, after ``timeout`` seconds."""
+            wrap: list[str] | None = None, program: list[str] | None = None) -> Run:  # fmt: skip
+    """``python -m parallelkit.cli ARGS`` (under ``wrap``, e.g. a user namespace; ``program``
+    in place of ``-m parallelkit.cli``, e.g. a script) in a session of its own;
+    ``while_running(proc, token)`` is polled until it returns True. Killed, with its whole
+    process group, after ``timeout`` seconds."""
     existed = run_dir is not None and run_dir.exists()
     token = f"probe-{time.monotonic_ns()}"
     env = dict(os.environ, OMP_NUM_THREADS="1", PK_PROBE=token, PYTHONWARNINGS="default")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     with tempfile.TemporaryFile("w+") as out:
         start = time.monotonic()
-        proc = subprocess.Popen([*(wrap or []), PYTHON, "-m", "parallelkit.cli", *args],
+        command = [*(wrap or []), PYTHON, *(program or ["-m", "parallelkit.cli"]), *args]
+        proc = subprocess.Popen(command,
                                 stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                                 start_new_session=True)  # fmt: skip
         done = while_running is None
@@ -256,7 +269,7 @@ class Sink(list):
         self.out.write_text(table(self) + "\n")
 
 
-class Probes:
+class Probes(PredictProbes):
     def __init__(self, tmp: Path, sink: Sink):
         self.tmp = tmp
         self.count = 0
@@ -635,6 +648,8 @@ FAMILIES = {
     "5": ["masks", "late_configs"],
     "6": ["unreadable_files"],
     "7": ["plan", "wording"],
+    "predict": ["predict_outputs"],
+    "startup": ["startup"],
 }
 
 
