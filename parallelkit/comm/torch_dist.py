@@ -23,16 +23,17 @@ import inspect
 import os
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
-from parallelkit.comm import launcher
+from parallelkit.comm import launcher, traced
 from parallelkit.comm.base import (
     PEER_FAILED_EXIT,
     CommError,
     Communicator,
+    Message,
     Op,
     Work,
     env_debug,
@@ -130,6 +131,44 @@ class TorchCommunicator(Communicator):
                 f"A peer rank has probably failed. torch.distributed collectives time out after "
                 f"{self.timeout:g} s (pk.init(timeout=...) or PARALLELKIT_TIMEOUT)."
             ) from e
+
+    # Under torch.compile: functional collectives that dynamo keeps in the graph (traced.py).
+    def _traceable(self, t: torch.Tensor, out: torch.Tensor | None) -> bool:
+        return (self.size > 1 and out is None and not self.debug and traced.tracing()
+                and not self._staged(t) and traced.outside_eager_regions())  # fmt: skip
+
+    def all_reduce(self, t: torch.Tensor, op: Op = "sum", *, out: torch.Tensor | None = None
+                   ) -> torch.Tensor:  # fmt: skip
+        if self._traceable(t, out):
+            return traced.all_reduce(t, op, self.group, self.size)
+        return super().all_reduce(t, op, out=out)
+
+    def all_gather(self, t: torch.Tensor, dim: int = 0, sizes: Sequence[int] | None = None, *,
+                   out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        if self._traceable(t, out) and traced.equal(sizes, t.shape[dim]):
+            return traced.all_gather(t, dim, self.group)
+        return super().all_gather(t, dim, sizes, out=out)
+
+    def reduce_scatter(self, t: torch.Tensor, dim: int = 0, op: Op = "sum",
+                       sizes: Sequence[int] | None = None, *, out: torch.Tensor | None = None,
+                       ) -> torch.Tensor:  # fmt: skip
+        if self._traceable(t, out) and sizes is None and t.shape[dim] % self.size == 0:
+            return traced.reduce_scatter(t, dim, op, self.group, self.size)
+        return super().reduce_scatter(t, dim, op, sizes, out=out)
+
+    def broadcast(self, t: torch.Tensor, src: int = 0, *, out: torch.Tensor | None = None
+                  ) -> torch.Tensor:  # fmt: skip
+        if self._traceable(t, out) and 0 <= src < self.size:
+            return traced.broadcast(t, self._global[src], self.group)
+        return super().broadcast(t, src, out=out)
+
+    def neighbor_exchange(self, send: Sequence[Message], recv: Sequence[Message]
+                          ) -> list[torch.Tensor]:  # fmt: skip
+        # Every rank takes the same path (an all-to-all is collective): decided on what all
+        # ranks share, never on this rank's messages, which may be none.
+        if self.size > 1 and not self.debug and traced.tracing() and traced.outside_eager_regions():
+            return traced.neighbor_exchange(send, recv, self.size, self.group)
+        return super().neighbor_exchange(send, recv)
 
     # Staging (gloo with device tensors): inputs are copied to the host, results computed in
     # host buffers and copied back into the caller's ``out``; otherwise both are used as given.

@@ -197,10 +197,11 @@ def _dense_input_dim(dense: _BatchNorm) -> int:
 
 # --------------------------------------------------------------------------- statistics
 def _local_stats(x: torch.Tensor) -> torch.Tensor:
-    """Packed ``[n, mean (C), M2 (C)]`` of this rank's slice, in float32 (float64 for f64).
+    """Packed ``[n, mean (C), var (C)]`` of this rank's slice (biased variance), in float32
+    (float64 for f64).
 
-    Three small operations besides the pass over ``x`` (filling a zeroed buffer slice by slice
-    took eight): each costs a few microseconds on the CPU, as much as the collective itself.
+    Two small operations besides the pass over ``x``: each costs a few microseconds, as much
+    as the collective itself, and on a GPU each is a kernel launch.
     """
     stat_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     n = x.numel() // x.shape[1]
@@ -208,11 +209,13 @@ def _local_stats(x: torch.Tensor) -> torch.Tensor:
         return torch.zeros(1 + 2 * x.shape[1], dtype=stat_dtype, device=x.device)
     # torch's own one-pass, numerically stable per-channel kernel (3x faster on CPU than
     # var_mean over dims (0, 2, 3)); it keeps 16-bit inputs' dtype, hence the float copy.
-    if _on_xla(x):  # not lowered to XLA (it would run on the host, ending the graph)
+    # Not lowered to XLA (it would run on the host, ending the graph), and no fake-tensor
+    # kernel for torch.compile's tracing (it would break the graph).
+    if _on_xla(x) or torch.compiler.is_compiling():
         var, mean = torch.var_mean(x.to(stat_dtype), [0, *range(2, x.dim())], correction=0)
     else:
         mean, var = torch.batch_norm_update_stats(x.to(stat_dtype), None, None, 0.0)
-    return torch.cat((mean.new_full((1,), n), mean, var * n))
+    return torch.cat((mean.new_full((1,), n), mean, var))
 
 
 def _on_xla(x: torch.Tensor) -> bool:
@@ -221,17 +224,21 @@ def _on_xla(x: torch.Tensor) -> bool:
 
 
 def _merge(gathered: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Chan et al.'s parallel merge of per-rank ``(n, mean, M2)`` rows: global mean, M2, count.
+    """Chan et al.'s parallel merge of per-rank ``(n, mean, var)`` rows: the global mean,
+    biased variance and count.
 
-    mean = sum_r n_r mean_r / count;  M2 = sum_r M2_r + sum_r n_r (mean_r - mean)^2.
-    Differences of means, never of raw sums of squares, so large means lose no precision. The
-    count is a 0-d tensor on the data's device; an all-empty batch gives zeros.
+    With weights w_r = n_r / count:  mean = sum_r w_r mean_r;
+    var = sum_r w_r (var_r + (mean_r - mean)^2)  (= M2 / count). Differences of means, never
+    of raw sums of squares, so large means lose no precision. The count is a 0-d tensor on the
+    data's device; an all-empty batch gives zeros. Nine small operations.
     """
     n = gathered[:, :1]
-    means, m2s = gathered[:, 1 : 1 + c], gathered[:, 1 + c :]
+    means, variances = gathered[:, 1 : 1 + c], gathered[:, 1 + c :]
     count = n.sum()
-    mean = (n * means).sum(0) / count.clamp(min=1)
-    return mean, m2s.sum(0) + (n * (means - mean) ** 2).sum(0), count
+    w = n / count.clamp(min=1)
+    mean = (w * means).sum(0)
+    d = means - mean
+    return mean, (w * torch.addcmul(variances, d, d)).sum(0), count
 
 
 def _per_channel(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -246,23 +253,32 @@ class _SyncBatchNorm(Function):
     def forward(ctx, x, weight, bias, running_mean, running_var, factor, eps, comm):  # type: ignore[override]
         c = x.shape[1]
         local = _local_stats(x)
-        # One all-gather of every rank's (n, mean, M2): Chan's merge needs each rank's triple.
+        # One all-gather of every rank's (n, mean, var): Chan's merge needs each rank's triple.
         # (An all-reduce of sums and sums of squares would be as cheap, but E[x^2] - E[x]^2
         # cancels catastrophically when |mean| >> std.)
         gathered = comm.all_gather(local.view(1, -1), sizes=[1] * comm.size)
-        mean, m2, count = _merge(gathered, c)
-        # The count's value, read only where it can be below 2 (see the module docstring).
-        known = round(float(count)) if x.numel() <= c else None
+        mean, var, count = _merge(gathered, c)
+        # The count's value, read only where it can be below 2 (see the module docstring);
+        # never under torch.compile, where a read would end the graph on the ranks whose
+        # slices are small and not on the others: there a count of 0 updates nothing
+        # (arithmetically, below), and a count of 1 is not checked.
+        tracing = torch.compiler.is_compiling()
+        known = round(float(count)) if x.numel() <= c and not tracing else None
         if known == 1:
             raise ValueError(
                 "SyncBatchNorm: expected more than 1 value per channel when training, got "
                 f"1 over all {comm.size} ranks (this rank's input: {tuple(x.shape)})"
             )
-        var = m2 / count.clamp(min=1)
         if running_mean is not None and known != 0:
-            running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype), alpha=factor)
-            unbiased = m2 / (count - 1)
-            running_var.mul_(1 - factor).add_(unbiased.to(running_var.dtype), alpha=factor)
+            # running += factor (new - running), both in one fused call; the variance unbiased
+            new_mean, unbiased = mean, var * (count / (count - 1))
+            if tracing:
+                new_mean = torch.where(count > 0, mean, running_mean.to(mean.dtype))
+                unbiased = torch.where(count > 0, unbiased, running_var.to(var.dtype))
+            torch._foreach_lerp_(
+                [running_mean, running_var],
+                [new_mean.to(running_mean.dtype), unbiased.to(running_var.dtype)], factor,
+            )  # fmt: skip
         ctx.comm, ctx.count, ctx.eps = comm, count, eps
         ctx.save_for_backward(x, weight, mean, var)
         if x.numel() == 0:
@@ -289,9 +305,10 @@ class _SyncBatchNorm(Function):
         if x.numel() == 0:  # an empty rank still joins the all-reduce
             sum_dy_xhat, sum_dy = mean.new_zeros(c), mean.new_zeros(c)
         else:
+            # (the weight only scales the input gradient, which is not asked for here)
             _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-                grad, x, torch.ones_like(mean), None, None, mean, invstd, True, eps,
-                [False, True, True],
+                grad, x, weight if weight is not None else torch.ones_like(mean), None, None,
+                mean, invstd, True, eps, [False, True, True],
             )  # fmt: skip
         grad_weight = sum_dy_xhat.to(weight.dtype) if ctx.needs_input_grad[1] else None
         grad_bias = sum_dy.to(weight.dtype) if ctx.needs_input_grad[2] else None
@@ -315,13 +332,13 @@ def _input_grad(grad, x, weight, mean, invstd, sums, count):
     """
     if x.numel() == 0:
         return torch.zeros_like(x)
-    c = x.shape[1]
     scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
-    means = sums / count  # [mean dy (C), mean dy*xhat (C)]
-    k = -(scale * invstd * means[c:])
+    # rows: [-scale mean(dy), -scale mean(dy xhat)] (C each), the bias and k / invstd
+    terms = sums.view(2, -1) / -count * scale
     dtype = x.dtype
     if dtype in (torch.float16, torch.bfloat16):
         grad, x = grad.float(), x.float()
-    dx = F.batch_norm(x, mean, torch.ones_like(mean), k, -(scale * means[:c]), False, 0.0, 0.0)
+    dx = F.batch_norm(x, mean, torch.ones_like(mean), terms[1] * invstd, terms[0], False, 0.0,
+                      0.0)  # fmt: skip
     dx.addcmul_(grad, _per_channel(scale, x))
     return dx.to(dtype)

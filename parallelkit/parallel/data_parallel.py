@@ -177,10 +177,13 @@ class DataParallel(nn.Module):
             )
             for b in self._buckets
         ]
-        self._where = {}
+        # Each parameter's slot in its bucket, as a view made once (not twice per step).
+        self._where, self._slots = {}, {}
         for k, b in enumerate(self._buckets):
             for slot, i in enumerate(b.params):
                 self._where[i] = (k, slot)
+                start, p = b.offsets[slot], self._params[i]
+                self._slots[i] = self._flat[k][start : start + p.numel()].view_as(p)
         self._reset()
 
     def _wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
@@ -211,10 +214,7 @@ class DataParallel(nn.Module):
     def _copy_in(self, i: int, grad: torch.Tensor | None) -> None:
         """Put ``grad / group size`` (zeros for no gradient) into parameter i's bucket slot."""
         k, slot = self._where[i]
-        bucket, buffer = self._buckets[k], self._flat[k]
-        p = self._params[i]
-        view = buffer[bucket.offsets[slot] : bucket.offsets[slot] + p.numel()].view_as(p)
-        comm = self._comms[i]
+        view, comm = self._slots[i], self._comms[i]
         scale = 1.0 / (self.replicas if comm is self.comm else comm.size)
         if grad is None:
             view.zero_()
@@ -223,7 +223,7 @@ class DataParallel(nn.Module):
         else:
             view.copy_(grad).mul_(scale)
         if self.find_unused_parameters:
-            buffer[bucket.numel + slot] = 0.0 if grad is None else 1.0
+            self._flat[k][self._buckets[k].numel + slot] = 0.0 if grad is None else 1.0
         self._ready[i] = True
 
     def _launch_complete(self) -> None:
@@ -260,16 +260,23 @@ class DataParallel(nn.Module):
         self._reset()
 
     def _copy_out(self, k: int) -> None:
-        bucket, buffer = self._buckets[k], self._flat[k]
+        """Bucket k's means into ``.grad``: existing gradients in one fused copy."""
+        bucket = self._buckets[k]
+        used = [1.0] * len(bucket.params)
+        if self.find_unused_parameters:  # the flags read once per bucket (a device sync)
+            used = self._flat[k][bucket.numel :].tolist()
+        grads, means = [], []
         for slot, i in enumerate(bucket.params):
-            if self.find_unused_parameters and buffer[bucket.numel + slot] == 0:
+            if used[slot] == 0:
                 continue  # unused on every rank: leave .grad alone
-            p = self._params[i]
-            mean = buffer[bucket.offsets[slot] : bucket.offsets[slot] + p.numel()].view_as(p)
+            p, mean = self._params[i], self._slots[i]
             if p.grad is None:
                 p.grad = mean.to(p.dtype, copy=True)
             else:
-                p.grad.copy_(mean)
+                grads.append(p.grad)
+                means.append(mean)
+        if grads:
+            torch._foreach_copy_(grads, means)
 
     def _rebuild(self, arrival: list[int]) -> None:
         """Buckets in the order gradients arrived in the first backward, rank 0's order."""
@@ -297,5 +304,5 @@ def _broadcast_coalesced(tensors: list[torch.Tensor], comm: Communicator) -> Non
     with torch.no_grad():
         for group in groups.values():
             flat = comm.broadcast(torch.cat([t.reshape(-1) for t in group]), src=0)
-            for t, values in zip(group, flat.split([t.numel() for t in group]), strict=True):
-                t.copy_(values.view_as(t))
+            values = flat.split([t.numel() for t in group])
+            torch._foreach_copy_(group, [v.view_as(t) for t, v in zip(group, values, strict=True)])

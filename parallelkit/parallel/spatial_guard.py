@@ -45,7 +45,7 @@ from torch.nn.modules.module import (
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from parallelkit.comm import Communicator
+from parallelkit.comm import Communicator, traced
 from parallelkit.nn.blocks import takes_blocks
 from parallelkit.parallel.refusal import SpatialRefusal, model_failure, refusal
 from parallelkit.parallel.spatial_fallback import gather_inputs, gathered_message, scatter_outputs
@@ -89,7 +89,6 @@ class SpatialGuard(TorchFunctionMode):
         self._restore: dict[int, tuple[Any, Any]] = {}
         self._trusted = 0
         self._off_stack: nn.Module | None = None  # the trusted layer we stepped aside for
-        self._hooks: list[Any] = []
 
     # ------------------------------------------------------------------ the record
     def is_split(self, t: Any) -> bool:
@@ -194,11 +193,9 @@ class SpatialGuard(TorchFunctionMode):
 
     # ------------------------------------------------------------------ entering and leaving
     def __enter__(self) -> SpatialGuard:
-        self._hooks = [
-            register_module_forward_pre_hook(self._enter_module),
-            register_module_forward_hook(self._leave_module),
-        ]
+        install_hooks()
         layout.push(self)
+        traced.keep_eager(True)
         return super().__enter__()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -209,8 +206,7 @@ class SpatialGuard(TorchFunctionMode):
             torch._C._push_on_torch_function_stack(self)
         super().__exit__(exc_type, exc, tb)
         layout.pop()
-        for hook in self._hooks:
-            hook.remove()
+        traced.keep_eager(False)
         if exc is not None and not isinstance(exc, SpatialRefusal) and not self._gathering:
             refused = model_failure(self.names, self.module(with_blocks=True), exc)
             if refused is not None:
@@ -325,3 +321,38 @@ class SpatialGuard(TorchFunctionMode):
         module = module if module is not None else self.module()
         return refusal(self.names, module, op, f"touches a block of split images, and {why}")
 
+
+
+# ---------------------------------------------------------------------- the module hooks
+_HOOKS: list[Any] = []  # the handles (never read in a forward: dynamo cannot represent them)
+_hooked = False
+
+
+def install_hooks() -> None:
+    """Torch's global module hooks, registered once per process (when a region is made) and
+    handed to the guards running on this thread (none: nothing to do). Registering them at
+    every forward would end ``torch.compile``'s graph there (a hook handle is made by
+    ``setattr`` on a type)."""
+    global _hooked
+    if not _hooked:
+        _hooked = True
+        _HOOKS[:] = [register_module_forward_pre_hook(_enter_module),
+                     register_module_forward_hook(_leave_module)]  # fmt: skip
+
+
+def _enter_module(module: nn.Module, args: tuple) -> tuple | None:
+    changed = None
+    for guard in layout.records():
+        if isinstance(guard, SpatialGuard):
+            out = guard._enter_module(module, args if changed is None else changed)
+            changed = out if out is not None else changed
+    return changed
+
+
+def _leave_module(module: nn.Module, args: tuple, out: Any) -> Any:
+    changed = None
+    for guard in layout.records():
+        if isinstance(guard, SpatialGuard):
+            new = guard._leave_module(module, args, out if changed is None else changed)
+            changed = new if new is not None else changed
+    return changed

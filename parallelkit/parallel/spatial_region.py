@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_map
 import parallelkit.functional as pkf
 from parallelkit.comm import Communicator
 from parallelkit.parallel.spatial_fallback import check_fallback, forward_with_fallback
-from parallelkit.parallel.spatial_guard import SpatialGuard
+from parallelkit.parallel.spatial_guard import SpatialGuard, install_hooks
 from parallelkit.spatial import layout
 from parallelkit.spatial.grid import gather, grid_of, scatter
 
@@ -80,6 +80,7 @@ class SpatialRegion(nn.Module):
         self._blocks = grid_of(comm, grid)  # the sub-groups, made once (split is collective)
         self._gathered: set[nn.Module] = set()  # modules found to need whole images
         self._warned: set = set()  # what the guards warned of, once per region
+        install_hooks()  # here, not in forward: torch.compile traces forward
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if self.comm.size == 1:  # one rank holds the whole image: nothing to follow

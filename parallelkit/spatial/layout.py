@@ -74,6 +74,11 @@ def summed(t: torch.Tensor, comm: Communicator) -> torch.Tensor:
     return pkf.all_reduce(t, comm) if shares() else pkf.reduce_from_group(t, comm)
 
 
+def records() -> list[SplitRecord]:
+    """The records of the regions running now on this thread, outermost first."""
+    return getattr(_active, "records", [])
+
+
 def push(record: SplitRecord) -> None:
     _active.records = [*getattr(_active, "records", []), record]
 

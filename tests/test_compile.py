@@ -1,0 +1,41 @@
+"""``torch.compile`` of ``pk.parallelize``'s models on gloo: few graphs, the eager numbers.
+
+On torch.distributed backends the collectives go through torch's functional collectives while
+dynamo traces (``parallelkit.comm.traced``), so a parallelized ResNet compiles into as few
+graphs as torch's DDP does (data, channel); spatial regions keep eager collectives, and their
+graphs end at each of them. The compiled step
+(forward, backward, two SGD steps) gives the eager outputs, gradients and running statistics
+in float64. A compiled halo exchange that drops its messages must not match (the parity is
+not vacuous).
+"""
+
+from __future__ import annotations
+
+import pytest
+from compile_cases import compiled_against_eager, graph_counts
+
+from cases import assert_triples, mismatches
+
+# data and channel: no more graphs than DDP. Spatial regions keep their collectives eager
+# (parallelkit.comm.traced.keep_eager), so each halo exchange and reduction ends a graph: a
+# bound that holds the count where it stands (46 for ResNet-18 here, 56 before), not the goal.
+GOAL = {"data": "ddp", "channel": "ddp", "spatial": 50}
+
+
+@pytest.mark.parametrize("strategy", ["data", "channel", "spatial"])
+def test_a_parallelized_model_compiles_into_few_graphs(ranks, strategy):
+    counts = ranks(2).run(graph_counts, strategy, timeout=600)[0]
+    bound = counts["ddp"] if GOAL[strategy] == "ddp" else GOAL[strategy]
+    assert counts[strategy] <= bound, counts
+
+
+@pytest.mark.parametrize("strategy", ["data", "channel", "spatial"])
+def test_compiled_steps_give_the_eager_numbers(ranks, strategy):
+    for triples in ranks(2).run(compiled_against_eager, strategy, timeout=600):
+        assert_triples(triples)
+
+
+def test_a_compiled_halo_exchange_that_drops_its_rows_does_not_match(ranks):
+    for triples in ranks(2).run(compiled_against_eager, "spatial", True, timeout=600):
+        bad = mismatches([(label, got, want, {}) for label, got, want in triples])
+        assert bad, "dropping every halo changed nothing: the parity test proves nothing"
