@@ -135,6 +135,7 @@ test-zoo: $(ZOO_VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) benchmarks/collectives.py
 	$(PY) benchmarks/call_overhead.py
+	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/sync_batchnorm.py
 	$(PY) benchmarks/data_parallel.py
 	$(PY) benchmarks/model_parallel.py
