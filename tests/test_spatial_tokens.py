@@ -34,6 +34,9 @@ KINDS = [
     "flatten linear",  # a classifier head over flattened (C * H * W) features
     "mha",  # nn.MultiheadAttention with its weights and a boolean mask: written out
     "mha sdpa",  # the same without weights: scaled_dot_product_attention
+    "token pool",  # mean, sum, amax, logsumexp, var, std over x.flatten(2): all-reduced
+    "gc context",  # GCNet: a softmax over the tokens by logsumexp, then a sum over them
+    "xca",  # XCiT: F.normalize over the tokens, q^T k, softmax, attn @ v
 ]
 IMAGE = (3, 5, 7)  # (C, H, W): uneven blocks on 2, 3 and 4 ranks
 
@@ -68,7 +71,8 @@ def test_attention_on_other_grids_and_dimensions(ranks, size, grid, shape, heads
 
 
 @pytest.mark.parametrize("kind", ["sdpa", "einsum", "linear attention", "pooling queries",
-                                  "token mlp", "flatten linear"])  # fmt: skip
+                                  "token mlp", "flatten linear", "token pool", "gc context",
+                                  "xca"])  # fmt: skip
 def test_negative_control_own_tokens_only_do_not_match(ranks, kind):
     results = ranks(4).run(token_parity, kind, dict(rows=2, cols=2), IMAGE, 2, True, timeout=120)
     bad = mismatches([(label, got, want, {}) for label, got, want in results[0]])
@@ -114,3 +118,19 @@ def test_a_flatten_into_a_linear_map_is_whole_and_dense():
     want.square().sum().backward()
     torch.testing.assert_close(x.grad, x_dense.grad)
     torch.testing.assert_close(w.grad, w_dense.grad)
+
+
+def test_what_stays_refused_over_the_tokens_and_spatial_dimensions():
+    """One rank: softmax over the flattened tokens (its rule takes no token dimension yet),
+    and softmax, F.normalize and reductions over only one of H and W, stay refused."""
+    guard = SpatialGuard(nn.Identity(), LocalCommunicator())
+    x = torch.randn(2, 4, 5, 6, dtype=torch.float64)
+    guard.mark(x, size=(5, 6))
+    with guard:
+        tokens_ = x.flatten(2)
+        unflattened = tokens_.unflatten(2, (5, 6))
+        for refused in (lambda: tokens_.softmax(-1), lambda: F.log_softmax(tokens_, 2),
+                        lambda: x.softmax(2), lambda: F.normalize(x, dim=3),
+                        lambda: x.sum(2), lambda: unflattened.mean(-1)):  # fmt: skip
+            with pytest.raises(ValueError, match="spatial dimension"):
+                refused()

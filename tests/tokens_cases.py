@@ -2,8 +2,11 @@
 feature map into tokens and mix all of them (global attention by ``F.scaled_dot_product_attention``,
 by ``q @ k^T``/softmax/``@ v`` and by ``einsum``, with masks, biases and causality; whole
 queries pooling the tokens; linear attention; MLP-Mixer's token MLP; a flatten into a
-``Linear``), run parallelized against the dense network: outputs, the input's gradient and
-every parameter's gradient, float64.
+``Linear``; reductions over the tokens (ViT's mean pooling, sums, extremes, logsumexp, var,
+std and norm); GCNet's context pooling with its softmax over the tokens written out by
+logsumexp; cross-covariance attention over tokens
+normalized by ``F.normalize``), run parallelized against the dense network: outputs, the
+input's gradient and every parameter's gradient, float64.
 
 ``broken``: the collectives that bring the other ranks' tokens replaced by this rank's own
 (attention over local keys only, a sum over local tokens only): the negative control.
@@ -50,6 +53,9 @@ class TokenNet(nn.Module):
         masked = ~(allowed | torch.eye(tokens_n, dtype=torch.bool))
         self.register_buffer("mask", masked.double())  # DataParallel broadcasts no bool
         self.head = conv(c, 2, 3, padding=1)
+        self.pool_fc = nn.Linear(9 * c + 2, 5)
+        self.gc_mask, self.gc_t = conv(c, 1, 1), nn.Linear(c, c)
+        self.temperature = nn.Parameter(1 + 0.1 * torch.randn(heads, 1, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stem(x)
@@ -58,6 +64,20 @@ class TokenNet(nn.Module):
         L, h = t.shape[1], self.heads
         if self.kind == "flatten linear":  # a classifier head over the flattened features
             return self.fc(F.relu(x).flatten(1))
+        if self.kind == "token pool":  # reductions over the flattened tokens: a whole head
+            f = F.gelu(x).flatten(2)  # (N, C, L)
+            feats = [f.mean(-1), t.sum(1) / L, f.amax(-1), t.amin(1), f.logsumexp(-1),
+                     f.var(-1), t.std(1, correction=0), f.norm(dim=-1), f.mean((1, 2))[:, None],
+                     f.mean(1).logsumexp(-1, keepdim=True),
+                     F.normalize(x, dim=(2, 3)).square().mul(x).sum((2, 3))]  # fmt: skip
+            return self.pool_fc(torch.cat(feats, 1))
+        if self.kind == "gc context":  # GCNet: a softmax over the tokens, a weighted sum
+            logits = self.gc_mask(x).flatten(2)  # (N, 1, L)
+            weights = (logits - logits.logsumexp(-1, keepdim=True)).exp()
+            context = (x.flatten(2) @ weights.transpose(1, 2)).squeeze(-1)  # (N, C), whole
+            f = x.flatten(2)
+            logp = (f - torch.logsumexp(f, 2, keepdim=True)).reshape(n, c, *spatial)
+            return self.head(x + self.gc_t(context)[..., None, None] + 0.1 * logp)
         if self.kind == "token mlp":  # MLP-Mixer: a linear map over the token axis
             mixed = self.mix2(F.gelu(self.mix1(self.norm(t).transpose(1, 2))))
             return self.head(x + mixed.reshape(n, c, *spatial))
@@ -81,6 +101,11 @@ class TokenNet(nn.Module):
         elif self.kind == "linear attention":  # sums over tokens: k^T v, then q (k^T v)
             kv = k.softmax(-1).transpose(-2, -1) @ v
             y = q.softmax(-1) @ kv + torch.einsum("bhnd,bhne->bhde", k, v).sum() * 1e-3
+        elif self.kind == "xca":  # XCiT's cross-covariance attention over normalized tokens
+            qn = F.normalize(q.transpose(-2, -1), dim=-1)  # (N, h, d, L)
+            kn = F.normalize(k.transpose(-2, -1), dim=-1)
+            attn = ((qn @ kn.transpose(-2, -1)) * self.temperature).softmax(-1)  # whole
+            y = (attn @ v.transpose(-2, -1)).transpose(-2, -1)
         elif self.kind == "pooling queries":  # whole learned queries over every token
             pooled = F.scaled_dot_product_attention(self.queries.expand(n, -1, -1, -1), k, v)
             scores = (self.queries @ k.transpose(-2, -1)).exp()  # local columns

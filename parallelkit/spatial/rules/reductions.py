@@ -10,6 +10,13 @@ gradient, as torch's do, in equal parts to every place that holds the extreme, o
 rank. A reduction over only some of the spatial
 dimensions, and those whose result needs more than sums and extremes (``max(dim)`` with its
 indices over a spatial dimension), are refused.
+
+A flattened token dimension (``x.flatten(2)``: every spatial dimension folded into one, see
+``tokens``) is reduced alike: over it (and maybe more), the per-rank parts of the whole
+tokens are all-reduced, a mean divided by the whole token count (ViT's ``x.flatten(2).mean(-1)``
+or ``tokens.mean(1)``), and ``F.normalize`` over it is ``x`` over the all-reduced norm, a
+block. ``softmax`` over it is still refused (written out as ``(x - x.logsumexp(-1,
+keepdim=True)).exp()`` it is exact).
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from torch import Tensor
 
 from parallelkit.spatial import layout
 from parallelkit.spatial.rules.pointwise import pointwise
-from parallelkit.spatial.rules.registry import Call, Guard, ops, rule, whole_size
+from parallelkit.spatial.rules.registry import Call, Guard, ops, rule, whole_shape
 
 
 def _dims(x: Tensor, dim: Any) -> list[int]:
@@ -34,8 +41,28 @@ def _dims(x: Tensor, dim: Any) -> list[int]:
 
 
 def _spatial(g: Guard, x: Tensor) -> list[int]:
-    """Where block ``x``'s spatial dimensions are, from the front."""
-    return [x.dim() + d for d in g.places(x)]
+    """Where block ``x``'s spatial dimensions are, from the front, each once (a flattened
+    token dimension holds several)."""
+    return sorted({x.dim() + d for d in g.places(x)})
+
+
+def _tokens_only(g: Guard, x: Tensor) -> bool:
+    """Whether block ``x`` is unfolded, or its one fold is every spatial dimension alone (a
+    flattened token dimension, ``x.flatten(2)``)."""
+    folds = g.folds(x)
+    if not folds:
+        return True
+    factors = sorted(-1 if k is None else k for _, k in folds[0])
+    return len(folds) == 1 and factors == list(range(len(g.places(x))))
+
+
+def _taken(g: Guard, call: Call, x: Tensor) -> None:
+    """Refuse a block folded otherwise than into a token dimension of spatial dimensions
+    alone (a window partition, spatial dimensions merged with channels)."""
+    if not _tokens_only(g, x):
+        raise g.refuse(call.name, "it is given a window partition (spatial dimensions folded "
+                       "with others into one); reductions take only a token dimension of "
+                       "every spatial dimension alone (x.flatten(2))")  # fmt: skip
 
 
 def _local(g: Guard, call: Call, x: Tensor, dims: list[int], keepdim: bool) -> Any:
@@ -103,11 +130,14 @@ def _over_spatial(g: Guard, call: Call, x: Tensor, dims: list[int]) -> bool:
 
 
 @rule(*ops("sum mean nansum nanmean", torch, Tensor),
-      params="input, dim=None, keepdim=False, *, dtype=None, out=None")  # fmt: skip
+      params="input, dim=None, keepdim=False, *, dtype=None, out=None", folds=True)  # fmt: skip
 def sum_mean(g: Guard, call: Call) -> Tensor:
     """Over the spatial dimensions (and maybe more, any layout): local sums and one
-    all-reduce with the pixel count; the result is whole. Over other dimensions: local."""
+    all-reduce with the pixel count; the result is whole. Over a flattened token dimension
+    (``x.flatten(2).mean(-1)``) alike, with the whole token count. Over other dimensions:
+    local."""
     x, keepdim = call["input"], call["keepdim"]
+    _taken(g, call, x)
     dims = _dims(x, call["dim"])
     if call["out"] is not None or "nan" in call.name:
         raise g.refuse(call.name, "out= and nan-skipping sums have no rule")
@@ -122,13 +152,15 @@ def sum_mean(g: Guard, call: Call) -> Tensor:
     return _whole(x, dims, y, keepdim)
 
 
-@rule(*ops("amax amin", torch, Tensor), params="input, dim=(), keepdim=False, *, out=None")
+@rule(*ops("amax amin", torch, Tensor), params="input, dim=(), keepdim=False, *, out=None",
+      folds=True)  # fmt: skip
 def amax(g: Guard, call: Call) -> Tensor:
     """Over the spatial dimensions (and maybe more): a no-grad all-reduce of the local
     extremes gives the
     value; the gradient goes in equal parts to every place holding it, on any rank, as
     torch's does. Over other dimensions: local."""
     x, keepdim = call["input"], call["keepdim"]
+    _taken(g, call, x)
     dims = _dims(x, call["dim"])
     if not _over_spatial(g, call, x, dims):
         return _local(g, call, x, dims, keepdim)
@@ -171,11 +203,13 @@ def along_others(g: Guard, call: Call) -> Any:
     return _local(g, call, x, dims, keep)
 
 
-@rule(torch.logsumexp, Tensor.logsumexp, params="input, dim, keepdim=False, *, out=None")
+@rule(torch.logsumexp, Tensor.logsumexp, params="input, dim, keepdim=False, *, out=None",
+      folds=True)  # fmt: skip
 def logsumexp(g: Guard, call: Call) -> Tensor:
     """Over the spatial dimensions (and maybe more): the all-reduced maximum m, then one
     all-reduced sum of exp(x - m); whole. Over other dimensions: local."""
     x, keepdim = call["input"], call["keepdim"]
+    _taken(g, call, x)
     dims = _dims(x, call["dim"])
     if not _over_spatial(g, call, x, dims) or call["out"] is not None:
         return _local(g, call, x, dims, keepdim)
@@ -188,21 +222,21 @@ def logsumexp(g: Guard, call: Call) -> Tensor:
 
 @rule(*ops("var std", torch, Tensor),
       params="input, dim=None, unbiased=None, keepdim=False, *, correction=None, "
-      "out=None")  # fmt: skip
+      "out=None", folds=True)  # fmt: skip
 def var_std(g: Guard, call: Call) -> Tensor:
     """Over the spatial dimensions (and maybe more; AdaIN-style statistics), any correction:
     written out as means of the whole samples (the rules above) and scaled by the whole
     count. Over other dimensions: local."""
     x, keepdim = call["input"], call["keepdim"]
+    _taken(g, call, x)
     dims = _dims(x, call["dim"])
     if not _over_spatial(g, call, x, dims):
         return _local(g, call, x, dims, keepdim)
     correction = call["correction"]
     if correction is None:
         correction = 0 if call["unbiased"] is False else 1
-    spatial = _spatial(g, x)
-    size = whole_size(g, x)
-    n = math.prod(size) * math.prod(x.shape[d] for d in dims if d not in spatial)
+    shape = whole_shape(g, x)  # a token dimension's size is the whole token count
+    n = math.prod(shape[d] for d in dims)
     with g.rules():
         mean = x.mean(dims, keepdim=True)
         var = (x - mean).square().mean(dims, keepdim=True)
@@ -215,6 +249,7 @@ def _norm(g: Guard, call: Call, p: Any) -> Tensor:
     |x|, of x², or
     the extreme of |x|. At a zero norm its gradient is zero, as torch's is."""
     x, keepdim = call["input"], call["keepdim"]
+    _taken(g, call, x)
     dims = _dims(x, call["dim"])
     if call.get("out") is not None:
         raise g.refuse(call.name, "out= has no rule")
@@ -239,7 +274,8 @@ def _norm(g: Guard, call: Call, p: Any) -> Tensor:
 
 
 @rule(torch.norm, Tensor.norm,
-      params="input, p='fro', dim=None, keepdim=False, out=None, dtype=None")  # fmt: skip
+      params="input, p='fro', dim=None, keepdim=False, out=None, dtype=None",
+      folds=True)  # fmt: skip
 def norm(g: Guard, call: Call) -> Tensor:
     """Over the spatial dimensions (and maybe more; ConvNeXt-V2's global response
     normalization), p = 1, 2 or inf: written out as sums or extremes of the whole samples
@@ -248,7 +284,8 @@ def norm(g: Guard, call: Call) -> Tensor:
 
 
 @rule(torch.linalg.vector_norm,
-      params="input, ord=2, dim=None, keepdim=False, *, dtype=None, out=None")  # fmt: skip
+      params="input, ord=2, dim=None, keepdim=False, *, dtype=None, out=None",
+      folds=True)  # fmt: skip
 def vector_norm(g: Guard, call: Call) -> Tensor:
     """As ``torch.norm``."""
     return _norm(g, call, call["ord"])
@@ -256,9 +293,21 @@ def vector_norm(g: Guard, call: Call) -> Tensor:
 
 @rule(F.normalize, params="input, p=2.0, dim=1, eps=1e-12, out=None", folds=True)
 def normalize(g: Guard, call: Call) -> Tensor:
-    """Over channels (or any dimension but the spatial ones): local; over a spatial one
-    refused."""
+    """Over channels (or any dimension but the spatial ones): local. Over every spatial
+    dimension (``dim=(2, 3)``, or a flattened token dimension: cross-covariance attention's
+    ``F.normalize(q, dim=-1)``), p = 1, 2 or inf: ``x`` over the whole samples' norm
+    (``torch.norm``'s rule, all-reduced), clamped to eps as torch's; a block. Over some of
+    them: refused."""
     x = call["input"]
-    if set(_dims(x, call["dim"])) & set(_spatial(g, x)) or call["out"] is not None:
-        raise g.refuse(call.name, "it normalizes over a spatial dimension")
-    return g.marked(call.run(), g.places(x))
+    if call["out"] is not None:
+        raise g.refuse(call.name, "out= has no rule")
+    dims = _dims(x, call["dim"])
+    if not set(dims) & set(_spatial(g, x)):  # a window partition's channels too
+        return g.marked(call.run(), g.places(x))
+    _taken(g, call, x)
+    if not set(_spatial(g, x)) <= set(dims):
+        raise g.refuse(call.name, "it normalizes over a spatial dimension but not over every "
+                       "one (only over all of them, a flattened token dimension, is "
+                       "exact)")  # fmt: skip
+    with g.rules():
+        return x / torch.norm(x, call["p"], dims, keepdim=True).clamp_min(call["eps"])
