@@ -33,7 +33,6 @@ from parallelkit.comm.base import (
     PEER_FAILED_EXIT,
     CommError,
     Communicator,
-    Message,
     Op,
     Work,
     env_debug,
@@ -161,14 +160,6 @@ class TorchCommunicator(Communicator):
         if self._traceable(t, out) and 0 <= src < self.size:
             return traced.broadcast(t, self._global[src], self.group)
         return super().broadcast(t, src, out=out)
-
-    def neighbor_exchange(self, send: Sequence[Message], recv: Sequence[Message]
-                          ) -> list[torch.Tensor]:  # fmt: skip
-        # Every rank takes the same path (an all-to-all is collective): decided on what all
-        # ranks share, never on this rank's messages, which may be none.
-        if self.size > 1 and not self.debug and traced.tracing() and traced.outside_eager_regions():
-            return traced.neighbor_exchange(send, recv, self.size, self.group)
-        return super().neighbor_exchange(send, recv)
 
     # Staging (gloo with device tensors): inputs are copied to the host, results computed in
     # host buffers and copied back into the caller's ``out``; otherwise both are used as given.

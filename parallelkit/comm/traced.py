@@ -9,9 +9,9 @@ which dynamo keeps inside the graph (as DTensor and torch's DDP under compile do
 
 Only what needs no host metadata is served here: all-reduce, broadcast, an all-gather whose
 sizes the caller gives and are equal, an even reduce-scatter. Everything else (uneven sizes,
-``out=`` buffers, debug mode, device tensors staged through gloo) takes the eager path, and
-dynamo breaks the graph there, as before. MPI and XLA communicators keep their eager paths:
-mpi4py calls are opaque to dynamo, and XLA traces its own graphs.
+``out=`` buffers, debug mode, device tensors staged through gloo, neighbour exchanges) takes
+the eager path, and dynamo breaks the graph there, as before. MPI and XLA communicators keep
+their eager paths: mpi4py calls are opaque to dynamo, and XLA traces its own graphs.
 """
 
 from __future__ import annotations
@@ -70,31 +70,3 @@ def equal(sizes: Sequence[int] | None, own: int) -> bool:
     """Whether caller-given ``sizes`` are all ``own`` (an all-gather needing no metadata)."""
     return sizes is not None and all(int(s) == own for s in sizes)
 
-
-def neighbor_exchange(send: Sequence[tuple[int, torch.Tensor]],
-                      recv: Sequence[tuple[int, torch.Tensor]], size: int, group: ProcessGroup,
-                      ) -> list[torch.Tensor]:  # fmt: skip
-    """Point-to-point messages as one all-to-all (dynamo traces no P2P): each rank's messages
-    to a peer are concatenated, in the order listed, and the receive buffers filled from the
-    pieces each peer sent, in the order listed (the eager path's matching)."""
-    messages = [t for _, t in (*send, *recv)]
-    kinds = {(t.dtype, t.device) for t in messages}
-    if len(kinds) > 1 or not all(0 <= p < size for p, _ in (*send, *recv)):
-        raise ValueError("neighbor_exchange under torch.compile: messages of one dtype and "
-                         "device, to ranks of the group")  # fmt: skip
-    flat = [[] for _ in range(size)]  # type: list[list[torch.Tensor]]
-    for peer, t in send:
-        flat[peer].append(t.reshape(-1))
-    pieces = [t for ts in flat for t in ts]
-    data = torch.cat(pieces) if pieces else (
-        messages[0].new_empty(0) if messages else torch.empty(0))
-    incoming = [0] * size
-    for peer, buf in recv:
-        incoming[peer] += buf.numel()
-    got = funcol.all_to_all_single(data, incoming, [sum(t.numel() for t in ts) for ts in flat],
-                                   group)  # fmt: skip
-    start = [sum(incoming[:p]) for p in range(size)]
-    for peer, buf in recv:
-        buf.copy_(got[start[peer] : start[peer] + buf.numel()].view(buf.shape))
-        start[peer] += buf.numel()
-    return [buf for _, buf in recv]

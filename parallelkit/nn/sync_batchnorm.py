@@ -305,10 +305,9 @@ class _SyncBatchNorm(Function):
         if x.numel() == 0:  # an empty rank still joins the all-reduce
             sum_dy_xhat, sum_dy = mean.new_zeros(c), mean.new_zeros(c)
         else:
-            # (the weight only scales the input gradient, which is not asked for here)
             _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-                grad, x, weight if weight is not None else torch.ones_like(mean), None, None,
-                mean, invstd, True, eps, [False, True, True],
+                grad, x, torch.ones_like(mean), None, None, mean, invstd, True, eps,
+                [False, True, True],
             )  # fmt: skip
         grad_weight = sum_dy_xhat.to(weight.dtype) if ctx.needs_input_grad[1] else None
         grad_bias = sum_dy.to(weight.dtype) if ctx.needs_input_grad[2] else None
