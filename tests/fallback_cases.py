@@ -25,8 +25,9 @@ from network_cases import Triple, _grads
 
 
 class TokenMixer(nn.Module):
-    """Global attention over the H x W tokens of a feature map, with a residual, its softmax
-    over the queries (a softmax across split tokens has no rule: the module is refused)."""
+    """Causal linear attention over the H x W tokens of a feature map in raster order, with a
+    residual: each token reads the running sums of the tokens before it (a scan across split
+    tokens has no rule: the module is refused)."""
 
     def __init__(self, c: int) -> None:
         super().__init__()
@@ -35,8 +36,8 @@ class TokenMixer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, c, h, w = x.shape
         q, k, v = self.qkv(self.norm(x)).flatten(2).chunk(3, dim=1)  # (N, C, HW) each
-        attn = (q.transpose(1, 2) @ k / c**0.5).softmax(1)  # (N, HW, HW)
-        y = self.proj(attn @ v.transpose(1, 2))  # (N, HW, C)
+        kv = (k.sigmoid() * v).cumsum(2)  # (N, C, HW): the sums over the tokens so far
+        y = self.proj((q.sigmoid() * kv / (h * w)).transpose(1, 2))  # (N, HW, C)
         return x + y.transpose(1, 2).reshape(n, c, h, w)
 
 

@@ -612,17 +612,18 @@ def se_without_gradient_sum(comm: Communicator) -> list[str]:
     return bad
 
 
-class _TokenSoftmax(nn.Module):
-    """A softmax over the H x W tokens: flattening H and W together is refused on blocks."""
+class _TokenScan(nn.Module):
+    """A running sum over the H x W tokens in raster order: a scan across split tokens is
+    refused on blocks."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.flatten(2).softmax(-1).view_as(x)
+        return x.flatten(2).cumsum(-1).view_as(x)
 
 
 def keep_dense_way_out(comm: Communicator) -> list[Triple | str]:
     """A module the guard refuses is named in the message; keep_dense=[it] runs it whole."""
     torch.manual_seed(0)
-    dense = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), _TokenSoftmax(), nn.Conv2d(4, 2, 1))
+    dense = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), _TokenScan(), nn.Conv2d(4, 2, 1))
     dense = dense.double()
     x = torch.randn(2, 3, 10, 8, dtype=torch.float64)
     try:

@@ -215,7 +215,7 @@ def test_negative_control_se_without_the_gradient_sum(ranks):
 
 def test_refusal_names_the_module_and_keep_dense_is_the_way_out(ranks):
     for message, triple in ranks(2).run(keep_dense_way_out):
-        assert message.startswith("spatial parallelism: Tensor.softmax in '1' (_TokenSoftmax)"), (
+        assert message.startswith("spatial parallelism: Tensor.cumsum in '1' (_TokenScan)"), (
             message
         )
         assert "keep_dense=['1']" in message

@@ -107,8 +107,8 @@ def test_negative_control_a_forward_started_again_without_restoring(ranks):
 
 def test_the_default_refuses_and_names_the_way_out(ranks):
     for message in ranks(2).run(hybrid_refused):
-        # attention over the H x W tokens with its softmax across the (split) queries
-        assert message.startswith("spatial parallelism: Tensor.softmax in 'mixer' (TokenMixer)")
+        # a causal scan along the (split) H x W tokens
+        assert message.startswith("spatial parallelism: Tensor.cumsum in 'mixer' (TokenMixer)")
         assert "keep_dense=['mixer']" in message and 'fallback="gather"' in message, message
 
 

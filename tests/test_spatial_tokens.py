@@ -35,7 +35,7 @@ KINDS = [
     "mha",  # nn.MultiheadAttention with its weights and a boolean mask: written out
     "mha sdpa",  # the same without weights: scaled_dot_product_attention
     "token pool",  # mean, sum, amax, logsumexp, var, std over x.flatten(2): all-reduced
-    "gc context",  # GCNet: a softmax over the tokens by logsumexp, then a sum over them
+    "gc context",  # GCNet: a softmax over the tokens (all-reduced logsumexp), a sum over them
     "xca",  # XCiT: F.normalize over the tokens, q^T k, softmax, attn @ v
 ]
 IMAGE = (3, 5, 7)  # (C, H, W): uneven blocks on 2, 3 and 4 ranks
@@ -64,7 +64,7 @@ def test_token_mixing_matches_dense_on_a_two_by_two_grid(ranks, kind):
         (2, dict(rows=2), (3, 9), 2),  # a signal's L
     ],
 )
-@pytest.mark.parametrize("kind", ["sdpa", "explicit"])
+@pytest.mark.parametrize("kind", ["sdpa", "explicit", "gc context"])
 def test_attention_on_other_grids_and_dimensions(ranks, size, grid, shape, heads, kind):
     for triples in ranks(size).run(token_parity, kind, grid, shape, heads, timeout=120):
         assert_triples(triples)
@@ -121,16 +121,16 @@ def test_a_flatten_into_a_linear_map_is_whole_and_dense():
 
 
 def test_what_stays_refused_over_the_tokens_and_spatial_dimensions():
-    """One rank: softmax over the flattened tokens (its rule takes no token dimension yet),
-    and softmax, F.normalize and reductions over only one of H and W, stay refused."""
+    """One rank: a scan along the flattened tokens, and softmax, F.normalize and reductions
+    over only one of H and W, stay refused."""
     guard = SpatialGuard(nn.Identity(), LocalCommunicator())
     x = torch.randn(2, 4, 5, 6, dtype=torch.float64)
     guard.mark(x, size=(5, 6))
     with guard:
         tokens_ = x.flatten(2)
         unflattened = tokens_.unflatten(2, (5, 6))
-        for refused in (lambda: tokens_.softmax(-1), lambda: F.log_softmax(tokens_, 2),
-                        lambda: x.softmax(2), lambda: F.normalize(x, dim=3),
-                        lambda: x.sum(2), lambda: unflattened.mean(-1)):  # fmt: skip
+        for refused in (lambda: tokens_.cumsum(-1), lambda: x.softmax(2),
+                        lambda: F.normalize(x, dim=3), lambda: x.sum(2),
+                        lambda: unflattened.mean(-1)):  # fmt: skip
             with pytest.raises(ValueError, match="spatial dimension"):
                 refused()

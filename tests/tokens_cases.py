@@ -3,10 +3,10 @@ feature map into tokens and mix all of them (global attention by ``F.scaled_dot_
 by ``q @ k^T``/softmax/``@ v`` and by ``einsum``, with masks, biases and causality; whole
 queries pooling the tokens; linear attention; MLP-Mixer's token MLP; a flatten into a
 ``Linear``; reductions over the tokens (ViT's mean pooling, sums, extremes, logsumexp, var,
-std and norm); GCNet's context pooling with its softmax over the tokens written out by
-logsumexp; cross-covariance attention over tokens
-normalized by ``F.normalize``), run parallelized against the dense network: outputs, the
-input's gradient and every parameter's gradient, float64.
+std and norm); GCNet's context pooling with its softmax over the tokens, and a log_softmax;
+cross-covariance attention over tokens normalized by ``F.normalize``), run parallelized
+against the dense network: outputs, the input's gradient and every parameter's gradient,
+float64.
 
 ``broken``: the collectives that bring the other ranks' tokens replaced by this rank's own
 (attention over local keys only, a sum over local tokens only): the negative control.
@@ -73,11 +73,11 @@ class TokenNet(nn.Module):
             return self.pool_fc(torch.cat(feats, 1))
         if self.kind == "gc context":  # GCNet: a softmax over the tokens, a weighted sum
             logits = self.gc_mask(x).flatten(2)  # (N, 1, L)
-            weights = (logits - logits.logsumexp(-1, keepdim=True)).exp()
+            weights = logits.softmax(-1)
             context = (x.flatten(2) @ weights.transpose(1, 2)).squeeze(-1)  # (N, C), whole
-            f = x.flatten(2)
-            logp = (f - torch.logsumexp(f, 2, keepdim=True)).reshape(n, c, *spatial)
-            return self.head(x + self.gc_t(context)[..., None, None] + 0.1 * logp)
+            logp = F.log_softmax(x.flatten(2), 2).reshape(n, c, *spatial)
+            gate = self.gc_t(context).reshape(n, c, *(1 for _ in spatial))
+            return self.head(x + gate + 0.1 * logp)
         if self.kind == "token mlp":  # MLP-Mixer: a linear map over the token axis
             mixed = self.mix2(F.gelu(self.mix1(self.norm(t).transpose(1, 2))))
             return self.head(x + mixed.reshape(n, c, *spatial))

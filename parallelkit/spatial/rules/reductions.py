@@ -15,8 +15,9 @@ A flattened token dimension (``x.flatten(2)``: every spatial dimension folded in
 ``tokens``) is reduced alike: over it (and maybe more), the per-rank parts of the whole
 tokens are all-reduced, a mean divided by the whole token count (ViT's ``x.flatten(2).mean(-1)``
 or ``tokens.mean(1)``), and ``F.normalize`` over it is ``x`` over the all-reduced norm, a
-block. ``softmax`` over it is still refused (written out as ``(x - x.logsumexp(-1,
-keepdim=True)).exp()`` it is exact).
+block. ``softmax`` over every spatial dimension at once (a 1-D signal's length, a flattened
+token dimension: attention pooling, a global-context block's weights) is the block less the
+all-reduced ``logsumexp``, exponentiated: a block, exact.
 """
 
 from __future__ import annotations
@@ -186,10 +187,8 @@ def max_min(g: Guard, call: Call) -> Any:
 
 @rule(*ops("argmax argmin prod all any", torch, Tensor),
       params="input, dim=None, keepdim=False, *_, **__", folds=True)  # fmt: skip
-@rule(*ops("softmax log_softmax", torch, Tensor, F), params="input, dim=None, *_, **__",
-      folds=True)  # fmt: skip
 def along_others(g: Guard, call: Call) -> Any:
-    """Local over channels or the batch (``argmax(1)``, ``softmax(1)``, ``prod(1)``);
+    """Local over channels or the batch (``argmax(1)``, ``prod(1)``);
     refused over a spatial dimension, or over everything."""
     x = call["input"]
     if call["dim"] is None:
@@ -197,10 +196,33 @@ def along_others(g: Guard, call: Call) -> Any:
     dims = _dims(x, call["dim"])
     if set(dims) & set(_spatial(g, x)):
         raise g.refuse(call.name, "it reduces over a spatial dimension (only sum, mean, var, "
-                       "std, norm, logsumexp, amax and amin over all of them are exact "
+                       "std, norm, logsumexp, softmax, amax and amin over all of them are exact "
                        "here)")  # fmt: skip
-    keep = "softmax" in call.name or call.get("keepdim", False)
-    return _local(g, call, x, dims, keep)
+    return _local(g, call, x, dims, call["keepdim"])
+
+
+@rule(*ops("softmax log_softmax", torch, Tensor, F), params="input, dim=None, *rest, **options",
+      folds=True)  # fmt: skip
+def softmax(g: Guard, call: Call) -> Tensor:
+    """Over channels or the batch (class scores' ``softmax(1)``): local. Over every spatial
+    dimension at once (the one dimension of a signal, or a flattened token dimension: the
+    weights of attention pooling and of a global-context block), ``x - logsumexp(x)`` with the
+    logsumexp all-reduced (its rule below), exponentiated for ``softmax``: a block, and its
+    gradient the whole softmax's through that rule's. Over some of them, refused."""
+    x = call["input"]
+    if call["dim"] is None:
+        raise g.refuse(call.name, "it reduces over every dimension, the spatial ones among them")
+    dims = _dims(x, call["dim"])
+    if not _over_spatial(g, call, x, dims):
+        return _local(g, call, x, dims, keepdim=True)
+    _taken(g, call, x)
+    dtype = call["options"].get("dtype") or next(
+        (a for a in call["rest"] if isinstance(a, torch.dtype)), None
+    )
+    with g.rules():
+        x = x if dtype is None else x.to(dtype)
+        y = x - x.logsumexp(dims[0], keepdim=True)
+        return y if call.name.endswith("log_softmax") else y.exp()
 
 
 @rule(torch.logsumexp, Tensor.logsumexp, params="input, dim, keepdim=False, *, out=None",
