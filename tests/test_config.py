@@ -55,6 +55,7 @@ def test_round_trip_through_saved_yaml(tmp_path):
         (["train.keep_checkpoints=0"], "train.keep_checkpoints"),
         (["train.fail_how=segfault"], "train.fail_how"),
         (["parallel.fallback=whole"], "parallel.fallback"),
+        (["train.compile=true", "train.compile_backend=tensorrt2"], "train.compile_backend"),
         (["model.stem=tiny"], "model.stem"),
         (["optim.betas=[0.5"], "not valid YAML"),
     ],

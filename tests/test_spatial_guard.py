@@ -52,6 +52,9 @@ BLOCKS = {
     ).view(2, 5, 6, 4).permute(0, 3, 1, 2),
     "mean over channels": lambda x: x.mean(1, keepdim=True),
     "softmax over channels": lambda x: x.softmax(1),
+    "stack before C, flattened, then a softmax over it": (
+        lambda x: torch.stack([x, x], 1).flatten(1).softmax(1)
+    ),
     "1x1 F.conv2d": lambda x: F.conv2d(x, torch.ones(3, 4, 1, 1)),
     "3x3 F.conv2d, stride 2": lambda x: F.conv2d(x, torch.ones(3, 4, 3, 3), stride=2, padding=1),
     "F.conv2d, 'same', dilated, grouped": lambda x: F.conv2d(
@@ -208,6 +211,8 @@ WHOLE = {
         lambda x: x.sum((2, 3)) / (x.shape[2] * x.shape[3]), None
     ),
     "a mean by hand over numel()": (lambda x: x.sum((1, 2, 3)) / x[0].numel(), None),
+    # A fold that holds every spatial dimension: each rank's part of it is its own.
+    "view(N, -1), then a sum over it": (lambda x: x.view(2, -1).sum(1), None),
 }
 REFUSED = {
     "repeat along W": (lambda x: x.repeat(1, 1, 1, 2), "it repeats a spatial dimension"),
@@ -216,8 +221,8 @@ REFUSED = {
     ),
     # Merging spatial dimensions with others folds them: what treats the fold as a batch
     # takes it; what reads across it is refused.
-    "view(N, -1), then a sum over it": (
-        lambda x: x.view(2, -1).sum(1), "Tensor.sum in the model's forward touches a block of "
+    "flatten(1, 2): C with H, then a sum over it": (
+        lambda x: x.flatten(1, 2).sum(1), "Tensor.sum in the model's forward touches a block of "
         "split images, and it is given a window partition",
     ),
     "flatten(1, 2): C with H, then a slice of it": (
@@ -236,8 +241,8 @@ REFUSED = {
         lambda x: x + torch.ones(5), "varies over a spatial dimension, whose whole size is 6"
     ),
     "cat along H": (lambda x: torch.cat([x, x], 2), "along a spatial dimension"),
-    "stack before C, flattened, then a softmax over it": (
-        lambda x: torch.stack([x, x], 1).flatten(1).softmax(1), "reduces over a spatial dimension"
+    "stack before C, flattened, then a cumsum over it": (
+        lambda x: torch.stack([x, x], 1).flatten(1).cumsum(1), "it is given a window partition"
     ),
     "F.conv2d with a split weight": (
         lambda x: F.conv2d(x, x[:, :, :2, :2]), "its weight is a block"

@@ -27,6 +27,8 @@ KINDS = [
     "sdpa bias",  # a whole relative-position bias (h, L, L) as a float mask: rows cut
     "sdpa causal",
     "explicit",  # q @ k^T * scale + bias, softmax, @ v
+    "map softmax",  # one softmax over the whole flattened (h, L, L) map: all-reduced
+    "talking heads",  # 1x1 convolutions over the heads of the (h, L, L) map: local
     "einsum",
     "linear attention",  # k^T v over tokens: an all-reduce of a (d x d) matrix
     "pooling queries",  # whole learned queries attending to every token
@@ -70,7 +72,20 @@ def test_attention_on_other_grids_and_dimensions(ranks, size, grid, shape, heads
         assert_triples(triples)
 
 
-@pytest.mark.parametrize("kind", ["sdpa", "einsum", "linear attention", "pooling queries",
+@pytest.mark.parametrize(
+    ("size", "grid", "shape"),
+    [(2, dict(rows=2), (3, 8, 6)), (3, dict(rows=3), (3, 12, 4)), (2, dict(cols=2), (3, 4, 8)),
+     (4, dict(rows=2, cols=2), (3, 8, 8))],
+)  # fmt: skip
+def test_patches_folded_after_the_channels(ranks, size, grid, shape):
+    """MobileViTv2's linear attention: GroupNorm over (C, P, patches), a 1x1 convolution and
+    a softmax over the folded patches, a whole context vector expanded back to the blocks."""
+    for triples in ranks(size).run(token_parity, "patch attention", grid, shape, timeout=120):
+        assert_triples(triples)
+
+
+@pytest.mark.parametrize("kind", ["sdpa", "einsum", "talking heads", "linear attention",
+                                  "pooling queries",
                                   "token mlp", "flatten linear", "token pool", "gc context",
                                   "xca"])  # fmt: skip
 def test_negative_control_own_tokens_only_do_not_match(ranks, kind):

@@ -204,6 +204,16 @@ def test_ranks_started_as_new_processes(tmp_path, reference):
     assert_dense_export(tmp_path)
 
 
+def test_compiled_training_gives_the_eager_curve(tmp_path, reference):
+    # torch.compile'd steps and evaluation (aot_eager: dynamo's graphs and their backward,
+    # without inductor's code generation, minutes on this machine) on 2 data ranks.
+    train(tmp_path, *TINY, "train.compile=true", "train.compile_backend=aot_eager",
+          "parallel.ranks=2")  # fmt: skip
+    assert_curves_equal(curve(tmp_path), reference["classify"])
+    assert [r["count"] for r in records(tmp_path, "eval").values()] == [359]
+    assert_dense_export(tmp_path)
+
+
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install mpich)")
 def test_mpi_backend(tmp_path, reference):
     train(tmp_path, *TINY, "parallel.backend=mpi", "parallel.ranks=2")

@@ -56,6 +56,8 @@ class TokenNet(nn.Module):
         self.pool_fc = nn.Linear(9 * c + 2, 5)
         self.gc_mask, self.gc_t = conv(c, 1, 1), nn.Linear(c, c)
         self.temperature = nn.Parameter(1 + 0.1 * torch.randn(heads, 1, 1))
+        self.talk1, self.talk2 = nn.Conv2d(heads, heads, 1), nn.Conv2d(heads, heads, 1)
+        self.patch_norm, self.patch_qkv = nn.GroupNorm(1, c), nn.Conv2d(c, 1 + 2 * c, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stem(x)
@@ -78,6 +80,15 @@ class TokenNet(nn.Module):
             logp = F.log_softmax(x.flatten(2), 2).reshape(n, c, *spatial)
             gate = self.gc_t(context).reshape(n, c, *(1 for _ in spatial))
             return self.head(x + gate + 0.1 * logp)
+        if self.kind == "patch attention":  # MobileViTv2: 2 x 2 patches folded, (N, C, P, N)
+            (hh, ww), r = spatial, 2
+            p = x.reshape(n, c, hh // r, r, ww // r, r).permute(0, 1, 3, 5, 2, 4)
+            p = self.patch_norm(p.reshape(n, c, r * r, -1))  # GroupNorm over C, P and patches
+            q, k, v = self.patch_qkv(p).split([1, c, c], dim=1)  # a 1x1 conv on the fold
+            context = (k * F.softmax(q, dim=-1)).sum(-1, keepdim=True)  # (N, C, P, 1), whole
+            y = F.relu(v) * context.expand_as(v)
+            y = y.reshape(n, c, r, r, hh // r, ww // r).permute(0, 1, 4, 2, 5, 3)
+            return self.head(x + y.reshape(n, c, hh, ww))
         if self.kind == "token mlp":  # MLP-Mixer: a linear map over the token axis
             mixed = self.mix2(F.gelu(self.mix1(self.norm(t).transpose(1, 2))))
             return self.head(x + mixed.reshape(n, c, *spatial))
@@ -98,6 +109,12 @@ class TokenNet(nn.Module):
         elif self.kind == "einsum":  # MONAI's SABlock
             attn = torch.einsum("bhxd,bhyd->bhxy", q, k).mul(q.shape[-1] ** -0.5).softmax(-1)
             y = torch.einsum("bhxy,bhyd->bhxd", attn, v)
+        elif self.kind == "talking heads":  # EfficientFormerV2: 1x1 convs over the heads
+            attn = self.talk2(self.talk1(q @ k.transpose(-2, -1)).softmax(-1))
+            y = attn @ v
+        elif self.kind == "map softmax":  # MAnet's position attention: one softmax, whole map
+            attn = (q @ k.transpose(-2, -1)).reshape(n, -1).softmax(-1).view(n, h, L, L)
+            y = attn @ v
         elif self.kind == "linear attention":  # sums over tokens: k^T v, then q (k^T v)
             kv = k.softmax(-1).transpose(-2, -1) @ v
             y = q.softmax(-1) @ kv + torch.einsum("bhnd,bhne->bhde", k, v).sum() * 1e-3

@@ -87,10 +87,18 @@ class _SpatialConv(SpatialLayer):
         _same_on_every_rank(self, comm)
         self.windows = conv_windows(self.kernel_size, self.stride, padding, self.dilation)
 
+    @property
+    def pointwise(self) -> bool:
+        """A 1x1 (1x1x1) convolution with stride 1 and no padding: it needs no halo, so it
+        runs on a block of any form whose channels are dimension 1 (EfficientFormerV2's
+        talking heads over an attention map, MobileViTv2's projections over folded
+        patches)."""
+        no_padding = self.padding in ("same", "valid") or not any(self.padding)
+        return no_padding and set(self.kernel_size) == {1} and set(self.stride) == {1}
+
     def forward(self, x_blk: torch.Tensor, size: Sequence[int] | None = None) -> torch.Tensor:
         if not layout.is_split(x_blk):  # a whole tensor inside a spatial region
             return self.to_dense()(x_blk)
-        size = size or self.grid.global_size(x_blk, type(self).__name__)
         if x_blk.shape[1] != self.in_channels:
             raise ValueError(
                 f"{type(self).__name__}: input has {x_blk.shape[1]} channels, expected "
@@ -98,6 +106,9 @@ class _SpatialConv(SpatialLayer):
             )
         weight = layout.replicated(self.weight, self.comm)
         bias = None if self.bias is None else layout.replicated(self.bias, self.comm)
+        if self.pointwise:
+            return self._conv_forward(x_blk, weight, bias)
+        size = size or self.grid.global_size(x_blk, type(self).__name__)
         return conv_blocks(
             x_blk, weight, bias, self.windows, self.groups, self.grid, size, self.overlap
         )

@@ -85,7 +85,7 @@ class SpatialGuard(TorchFunctionMode):
         self.folds_now: tuple[Fold, ...] = ()  # and its folds
         self.read_sizes: set[Size] = set()  # whole sizes of blocks whose shape code read
         # (module, trusted, given blocks, their size, a gathered one's layout, given folds)
-        self._stack: list[tuple[nn.Module, bool, bool, Size | None, Any, bool] | None] = []
+        self._stack: list[tuple[nn.Module, bool, bool, Size | None, Any, bool, Any] | None] = []
         self._restore: dict[int, tuple[Any, Any]] = {}
         self._trusted = 0
         self._off_stack: nn.Module | None = None  # the trusted layer we stepped aside for
@@ -230,8 +230,13 @@ class SpatialGuard(TorchFunctionMode):
         kind = takes_blocks(module)
         trusted, ends = kind is not None, kind == "ends"
         blocks = self._blocks_in(args, {})
+        form = None  # a pointwise convolution's input form, which its output keeps
         if trusted and any(self.places(b) != standard(b) or self.folds(b) for b in blocks):
-            raise self.refuse(type(module).__name__, "it wants (N, C, *spatial) blocks", module)
+            if not (getattr(module, "pointwise", False) and len(blocks) == 1
+                    and all(blocks[0].dim() + d >= 2 for d in self.places(blocks[0]))):  # fmt: skip
+                raise self.refuse(type(module).__name__, "it wants (N, C, *spatial) blocks",
+                                  module)  # fmt: skip
+            form = self.form(blocks[0])
         if kind == "norm" and not blocks and self.comm.size > 1:
             self._normalize_whole(module)
         self._trusted += trusted
@@ -240,14 +245,15 @@ class SpatialGuard(TorchFunctionMode):
             self._off_stack = module
         size = self.size_of(blocks[0]) if blocks else None
         folded = any(self.folds(b) for b in blocks)
-        self._stack.append((module, trusted, bool(blocks) and not ends, size, whole, folded))
+        self._stack.append((module, trusted, bool(blocks) and not ends, size, whole, folded,
+                            form))  # fmt: skip
         return args if whole else None
 
     def _leave_module(self, module: nn.Module, args: tuple, out: Any) -> Any:
         entry = self._stack.pop()
         if entry is None:
             return None
-        _, trusted, blocks_out, size, whole, _ = entry
+        _, trusted, blocks_out, size, whole, _, form = entry
         if id(module) in self._restore:
             module.use_communicators(*self._restore.pop(id(module)))
         if trusted:
@@ -255,7 +261,9 @@ class SpatialGuard(TorchFunctionMode):
             if self._off_stack is module:
                 self._off_stack = None
                 torch._C._push_on_torch_function_stack(self)
-            if blocks_out:  # a spatial layer's output size from its geometry; norms keep it
+            if form is not None:
+                self.mark(out, places=form[0], size=size, folds=form[1])
+            elif blocks_out:  # a spatial layer's output size from its geometry; norms keep it
                 out_size = module.out_size(size) if size and hasattr(module, "out_size") else size
                 self.mark(out, size=out_size)
         if whole is not None:

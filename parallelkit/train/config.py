@@ -152,6 +152,11 @@ def validate(cfg: Config) -> None:
     _one_of(p.device, DEVICES, "parallel.device")
     _one_of(p.fallback, ("refuse", "gather"), "parallel.fallback")
     _one_of(t.fail_how, FAULTS, "train.fail_how")
+    if t.compile:
+        import torch._dynamo
+
+        backends = tuple(torch._dynamo.list_backends(exclude_tags=()))
+        _one_of(t.compile_backend, backends, "train.compile_backend")
     if imported.is_import_path(t.loss):  # the user's own loss of whole logits
         imported.load(t.loss, "train.loss")
         if p.depth * p.rows * p.cols > 1 or p.strategy == "spatial":

@@ -40,14 +40,21 @@ Losses = dict[str, torch.Tensor]
 Metrics = dict[str, Any]
 
 
+def uncompiled(model: nn.Module) -> nn.Module:
+    """The module ``torch.compile`` wrapped (``train.compile``), or ``model`` itself."""
+    return getattr(model, "_orig_mod", model)
+
+
 def unwrap(model: nn.Module) -> nn.Module:
-    """The model without its DataParallel wrapper: what checkpoints hold, so that a run may
-    resume with another number of data-parallel replicas."""
+    """The model without its torch.compile and DataParallel wrappers: what checkpoints hold,
+    so that a run may resume with another number of data-parallel replicas."""
+    model = uncompiled(model)
     return model.module if isinstance(model, DataParallel) else model
 
 
 def no_sync(model: nn.Module, skip: bool):
     """Accumulate gradients locally (DataParallel.no_sync) when ``skip``."""
+    model = uncompiled(model)
     if skip and isinstance(model, DataParallel):
         return model.no_sync()
     return contextlib.nullcontext()
@@ -169,7 +176,8 @@ class Task:
 
     # ------------------------------------------------------------------ shared set-up
     def add(self, name: str, dense: nn.Module, **parallelize_kwargs: Any) -> nn.Module:
-        """``dense`` parallelized over the grid, with an optimizer and a schedule."""
+        """``dense`` parallelized over the grid, with an optimizer and a schedule; compiled
+        where ``train.compile`` says (the network kept in ``nets`` is the uncompiled one)."""
         if self.cfg.parallel.find_unused_parameters:  # else parallelize's own choice
             parallelize_kwargs["find_unused_parameters"] = True
         net = pk.parallelize(
@@ -187,6 +195,8 @@ class Task:
         self.schedules[name] = build_schedule(
             self.cfg.optim, opt, self.steps_per_epoch, self.total_steps
         )
+        if self.cfg.train.compile:
+            return torch.compile(net, backend=self.cfg.train.compile_backend)
         return net
 
     def update(self, name: str) -> None:

@@ -111,6 +111,11 @@ class TrainConfig:
     batch_size: int = 64
     accumulate: int = 1  # micro-batches per optimizer step
     precision: str = "fp32"
+    # torch.compile the parallelized networks (the step's forward and backward; docs/design.md
+    # "Compiled steps": few graphs on gloo and NCCL, a graph break at each collective on MPI and
+    # XLA), with torch.compile's backend compile_backend
+    compile: bool = False
+    compile_backend: str = "inductor"
     seed: int = 0
     max_steps: int = 0  # stop after this many optimizer steps (0: run every epoch)
     log_every: int = 10  # steps between global loss reductions and log lines

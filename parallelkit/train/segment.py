@@ -186,7 +186,7 @@ class Segment(Task):
         (eval mode: BatchNorm's running statistics)."""
         g = self.grid
         spatial = Grid(g.spatial_comm, depth=g.depth, rows=g.rows, cols=g.cols)
-        predictor = Predictor(pk.to_dense(self.model), spatial, data.normalizer)
+        predictor = Predictor(pk.to_dense(self.nets["model"]), spatial, data.normalizer)
         k = self.classes
         counts = torch.zeros(3, k, dtype=torch.float64)
         loss, samples = 0.0, 0

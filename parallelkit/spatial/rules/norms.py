@@ -21,14 +21,25 @@ from parallelkit.spatial.rules.shape import cut_whole
 
 def _group_norm(g: Guard, x: Tensor, groups: int, weight: Tensor | None, bias: Tensor | None,
                 eps: float) -> Tensor:  # fmt: skip
+    """Written out in rules. A block whose spatial dimensions are folded after the channels
+    (MobileViTv2's patches, (N, C, P, N)) takes its statistics over the groups flattened
+    into one fold that holds all of them."""
     n, c = x.shape[:2]
     dims = tuple(range(2, x.dim() + 1))  # the group's channels and the spatial dimensions
     channel = (1, c, *(1,) * (x.dim() - 2))
     with g.rules():
         xg = x.reshape(n, groups, c // groups, *x.shape[2:])
-        mean = xg.mean(dims, keepdim=True)
-        centred = xg - mean
-        var = centred.square().mean(dims, keepdim=True)
+        if g.folds(x):
+            flat = x.reshape(n, groups, -1)
+            mean = flat.mean(-1, keepdim=True)
+            var = (flat - mean).square().mean(-1, keepdim=True)
+            shape = (n, groups, *(1,) * (x.dim() - 1))
+            mean, var = mean.reshape(shape), var.reshape(shape)
+            centred = xg - mean
+        else:
+            mean = xg.mean(dims, keepdim=True)
+            centred = xg - mean
+            var = centred.square().mean(dims, keepdim=True)
         y = (centred / torch.sqrt(var + eps)).reshape(x.shape)
         if weight is not None:
             y = y * weight.view(channel)
@@ -37,11 +48,16 @@ def _group_norm(g: Guard, x: Tensor, groups: int, weight: Tensor | None, bias: T
     return y
 
 
-@rule(F.group_norm, params="input, num_groups, weight=None, bias=None, eps=1e-5")
+@rule(F.group_norm, params="input, num_groups, weight=None, bias=None, eps=1e-5", folds=True)
 def group_norm(g: Guard, call: Call) -> Tensor:
     """Written out as means over the spatial dimensions (all-reduced, whole) and pointwise
-    operations, so the statistics' gradients are summed (smp's FPN decoder)."""
-    channels_first(g, call, call["input"])
+    operations, so the statistics' gradients are summed (smp's FPN decoder); on spatial
+    dimensions folded after the channels too (MobileViTv2's GroupNorm over its patches)."""
+    x = call["input"]
+    if not g.folds(x):
+        channels_first(g, call, x)
+    elif any(x.dim() + d < 2 for d in g.places(x)):
+        raise g.refuse(call.name, "its channels (dimension 1) hold a spatial dimension")
     return _group_norm(g, call["input"], call["num_groups"], call["weight"], call["bias"],
                        call["eps"])  # fmt: skip
 

@@ -47,23 +47,22 @@ def _spatial(g: Guard, x: Tensor) -> list[int]:
     return sorted({x.dim() + d for d in g.places(x)})
 
 
-def _tokens_only(g: Guard, x: Tensor) -> bool:
-    """Whether block ``x`` is unfolded, or its one fold is every spatial dimension alone (a
-    flattened token dimension, ``x.flatten(2)``)."""
+def _every_spatial_fold(g: Guard, x: Tensor) -> bool:
+    """Whether block ``x`` is unfolded, or its one fold holds all of every spatial dimension,
+    maybe with other dimensions: a flattened token dimension (``x.flatten(2)``), or a whole
+    attention map flattened (``(q @ k^T).view(n, -1)``, queries split and keys whole). The
+    blocks of such a fold are disjoint parts of the whole one, so sums over it add up."""
     folds = g.folds(x)
-    if not folds:
-        return True
-    factors = sorted(-1 if k is None else k for _, k in folds[0])
-    return len(folds) == 1 and factors == list(range(len(g.places(x))))
+    return not folds or (len(folds) == 1 and len(set(g.places(x))) == 1)
 
 
 def _taken(g: Guard, call: Call, x: Tensor) -> None:
-    """Refuse a block folded otherwise than into a token dimension of spatial dimensions
-    alone (a window partition, spatial dimensions merged with channels)."""
-    if not _tokens_only(g, x):
+    """Refuse a block folded otherwise (a window partition, a fold of only some spatial
+    dimensions)."""
+    if not _every_spatial_fold(g, x):
         raise g.refuse(call.name, "it is given a window partition (spatial dimensions folded "
-                       "with others into one); reductions take only a token dimension of "
-                       "every spatial dimension alone (x.flatten(2))")  # fmt: skip
+                       "apart, or only some of them); reductions take a fold only where it "
+                       "holds every spatial dimension (x.flatten(2), x.view(n, -1))")  # fmt: skip
 
 
 def _local(g: Guard, call: Call, x: Tensor, dims: list[int], keepdim: bool) -> Any:

@@ -280,15 +280,16 @@ def repeat(g: Guard, call: Call) -> Any:
     return g.marked(call.run(), dims)
 
 
-@rule(*ops("expand_as", Tensor), params="input, other")
+@rule(*ops("expand_as", Tensor), params="input, other", folds=True)
 def expand_as(g: Guard, call: Call) -> Any:
     """Local: a block expanded along non-spatial dimensions of size 1, or a whole tensor of
-    size 1 in the spatial dimensions (timm's ECA gate, (N, C, 1, 1)) expanded to a block,
-    whose gradient is then each rank's share of the dense one (summed, as in pointwise)."""
+    size 1 in the spatial dimensions (timm's ECA gate, (N, C, 1, 1); MobileViTv2's context
+    vector, (N, C, P, 1) against folded patches) expanded to a block, whose gradient is then
+    each rank's share of the dense one (summed, as in pointwise)."""
     x, other = call["input"], call["other"]
     dims = g.places(other) if g.is_split(other) else g.places(x)
     if g.is_split(x):
-        if not g.is_split(other) or g.places(other) != dims:
+        if not g.is_split(other) or g.form(other) != g.form(x):
             raise g.refuse(call.name, "it expands a block to a tensor of another layout")
         return g.marked(x.expand_as(other), dims)
     if any(x.dim() >= -d and x.shape[d] != 1 for d in dims):

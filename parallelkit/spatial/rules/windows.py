@@ -51,20 +51,28 @@ ADAPTIVE_MAX_INDICES = (
 
 
 @rule(F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d,
-      params="input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1")  # fmt: skip
+      params="input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1",
+      folds=True)  # fmt: skip
 def conv(g: Guard, call: Call) -> Tensor:
     """The spatial convolution's halo fetch or edge path with the call's weight, which is
     whole (a parameter, or computed from one) and whose gradient is summed; a 1x1 (1x1x1)
-    with stride 1 and no padding is local."""
+    with stride 1 and no padding is local, on a block of any form whose channels are
+    dimension 1 (an attention map's heads, folded patches)."""
     x, weight, bias = call["input"], call["weight"], call["bias"]
     if not g.is_split(x) or g.is_split(weight) or g.is_split(bias):
         raise g.refuse(call.name, "its weight is a block of split samples")
-    ndim = channels_first(g, call, x)
     stride, padding, dilation = call["stride"], call["padding"], call["dilation"]
-    weight, bias = g.summed(weight), g.summed(bias)
     kernel = tuple(weight.shape[2:])
-    if all_(kernel, 1) and all_(stride, 1) and (padding == "valid" or all_(padding, 0)):
-        return g.marked(call.func(x, weight, bias, 1, 0, dilation, call["groups"]))
+    if all_(kernel, 1) and all_(stride, 1) and (padding in ("same", "valid") or all_(padding, 0)):
+        if any(x.dim() + d < 2 for d in g.places(x)):
+            raise g.refuse(call.name, "its channels (dimension 1) hold a spatial dimension")
+        weight, bias = g.summed(weight), g.summed(bias)
+        return g.marked(call.func(x, weight, bias, 1, 0, dilation, call["groups"]), g.places(x))
+    if g.folds(x):
+        raise g.refuse(call.name, "it is given a window partition (spatial dimensions folded "
+                       "into one) and its kernel reaches across positions")  # fmt: skip
+    ndim = channels_first(g, call, x)
+    weight, bias = g.summed(weight), g.summed(bias)
     if padding == "same" and not all_(stride, 1):  # as torch says it
         raise ValueError("padding='same' is not supported for strided convolutions")
     if len(kernel) != ndim:
