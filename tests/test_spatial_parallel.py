@@ -55,7 +55,9 @@ def test_conv_width_and_2x2_splits(ranks, size, grid):
     ],
 )
 def test_conv_uneven_and_thin_shards(ranks, size, hw, grid):
-    configs = [c for c in CONVS if c["kernel_size"] in (3, 4, 7) and c["groups"] == 1]
+    # 1 x 1 with stride 1: the pointwise path, on an empty block too (F.conv refuses one)
+    pointwise = [c for c in CONVS if c["kernel_size"] == 1 and c["stride"] == 1]
+    configs = pointwise + [c for c in CONVS if c["kernel_size"] in (3, 4, 7) and c["groups"] == 1]
     _check(ranks(size).run(failures, "conv", configs, hw, grid, timeout=300), 20)
 
 

@@ -38,6 +38,7 @@ from parallelkit.spatial.conv import (
     conv_windows,
     transposed_out_size,
 )
+from parallelkit.spatial.fetch import empty_output
 from parallelkit.spatial.grid import SpatialGrid, grid_of
 
 
@@ -106,7 +107,9 @@ class _SpatialConv(SpatialLayer):
             )
         weight = layout.replicated(self.weight, self.comm)
         bias = None if self.bias is None else layout.replicated(self.bias, self.comm)
-        if self.pointwise:
+        if self.pointwise:  # F.conv refuses an empty block; the parameters stay in the graph
+            if 0 in x_blk.shape[2:]:
+                return empty_output(x_blk, self.out_channels, x_blk.shape[2:], x_blk, weight, bias)
             return self._conv_forward(x_blk, weight, bias)
         size = size or self.grid.global_size(x_blk, type(self).__name__)
         return conv_blocks(

@@ -1337,73 +1337,41 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('tv maxvit', 'rows'): (
-        'refused',
-        "spatial parallelism: torch.einsum in 'blocks.0.layers.0.layers.grid_atte"
-        "ntion.attn_layer.1' (Relativ ... rs.grid_attention.attn_layer.1'] to run"
-        ' that module on whole images from there on, or fallback="gather" to run '
-        'it on gathered whole images and split again after it, or use the data or'
-        ' channel ...',
+        'exact',
+        '',
     ),
     ('timm maxvit', 'rows'): (
-        'refused',
-        "spatial parallelism: F.scaled_dot_product_attention in 'stages.0.blocks."
-        "0.attn_grid.attn' (Attention ... ages.0.blocks.0.attn_grid.attn'] to run"
-        ' that module on whole images from there on, or fallback="gather" to run '
-        'it on gathered whole images and split again after it, or use the data or'
-        ' channel ...',
+        'exact',
+        '',
     ),
     ('timm coatnet', 'rows'): (
-        'refused',
-        "spatial parallelism: F.scaled_dot_product_attention in 'stages.2.blocks."
-        "0.attn' (Attention2d) touche ... dense=['stages.2.blocks.0.attn'] to run"
-        ' that module on whole images from there on, or fallback="gather" to run '
-        'it on gathered whole images and split again after it, or use the data or'
-        ' channel ...',
+        'exact',
+        '',
     ),
     ('timm mobilevit_xxs', 'rows'): (
-        'refused',
-        "spatial parallelism: F.scaled_dot_product_attention in 'stages.2.1.trans"
-        "former.0.attn' (Attention) t ... 'stages.2.1.transformer.0.attn'] to run"
-        ' that module on whole images from there on, or fallback="gather" to run '
-        'it on gathered whole images and split again after it, or use the data or'
-        ' channel ...',
+        'exact',
+        '',
     ),
     ('timm mobilevitv2_050', 'rows'): (
-        'refused',
-        "spatial parallelism: F.group_norm in 'stages.2.1.transformer.0.norm1' (G"
-        "roupNorm1) touches a block o ... stages.2.1.transformer.0.norm1'] to run"
-        ' that module on whole images from there on, or fallback="gather" to run '
-        'it on gathered whole images and split again after it, or use the data or'
-        ' channel ...',
+        'exact',
+        '',
     ),
     ('timm edgenext_xx_small', 'rows'): (
-        'refused',
-        "spatial parallelism: F.normalize in 'stages.1.blocks.1.xca' (CrossCovari"
-        "anceAttn) touches a block of ... _dense=['stages.1.blocks.1.xca'] to run"
-        ' that module on whole images from there on, or fallback="gather" to run '
-        'it on gathered whole images and split again after it, or use the data or'
-        ' channel ...',
+        'exact',
+        '',
     ),
     ('timm efficientformerv2_s0', 'rows'): (
-        'refused',
-        "spatial parallelism: Tensor.matmul in 'stages.2.blocks.1.token_mixer' (A"
-        "ttention2d) touches a block  ... 'stages.2.blocks.1.token_mixer'] to run"
-        ' that module on whole images from there on, or fallback="gather" to run '
-        'it on gathered whole images and split again after it, or use the data or'
-        ' channel ...',
+        'exact',
+        '',
     ),
     ('smp Segformer mit_b0', 'rows'): (
-        'refused',
-        "spatial parallelism: Tensor.matmul in 'encoder.block1.0.attn' (Attention"
-        ") touches a block of split i ... _dense=['encoder.block1.0.attn'] to run"
-        ' that module on whole images from there on, or fallback="gather" to run '
-        'it on gathered whole images and split again after it, or use the data or'
-        ' channel ...',
+        'exact',
+        '',
     ),
     ('smp MAnet mobilenetv3', 'rows'): (
         'refused',
-        "spatial parallelism: torch.matmul in 'decoder.center' (PABBlock) touches"
-        " a block of split images, an ... ss keep_dense=['decoder.center'] to run"
+        "spatial parallelism: Tensor.add in 'decoder.center' (PABBlock) touches a"
+        " block of split images, and  ... ss keep_dense=['decoder.center'] to run"
         ' that module on whole images from there on, or fallback="gather" to run '
         'it on gathered whole images and split again after it, or use the data or'
         ' channel ...',
@@ -1493,12 +1461,8 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('monai UNETR', 'rows'): (
-        'refused',
-        "spatial parallelism: torch.einsum in 'vit.blocks.0.attn' (SABlock) touch"
-        "es a block of split images,  ... keep_dense=['vit.blocks.0.attn'] to run"
-        ' that module on whole images from there on, or fallback="gather" to run '
-        'it on gathered whole images and split again after it, or use the data or'
-        ' channel ...',
+        'exact',
+        '',
     ),
     ('monai HighResNet', 'rows'): (
         'exact',
@@ -1561,73 +1525,41 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('tv maxvit', 'cols'): (
-        'refused',
-        "spatial parallelism: torch.einsum in 'blocks.0.layers.0.layers.grid_atte"
-        "ntion.attn_layer.1' (Relativ ... rs.grid_attention.attn_layer.1'] to run"
-        ' that module on whole images from there on, or fallback="gather" to run '
-        'it on gathered whole images and split again after it, or use the data or'
-        ' channel ...',
+        'exact',
+        '',
     ),
     ('timm maxvit', 'cols'): (
-        'refused',
-        "spatial parallelism: F.scaled_dot_product_attention in 'stages.0.blocks."
-        "0.attn_grid.attn' (Attention ... ages.0.blocks.0.attn_grid.attn'] to run"
-        ' that module on whole images from there on, or fallback="gather" to run '
-        'it on gathered whole images and split again after it, or use the data or'
-        ' channel ...',
+        'exact',
+        '',
     ),
     ('timm coatnet', 'cols'): (
-        'refused',
-        "spatial parallelism: F.scaled_dot_product_attention in 'stages.2.blocks."
-        "0.attn' (Attention2d) touche ... dense=['stages.2.blocks.0.attn'] to run"
-        ' that module on whole images from there on, or fallback="gather" to run '
-        'it on gathered whole images and split again after it, or use the data or'
-        ' channel ...',
+        'exact',
+        '',
     ),
     ('timm mobilevit_xxs', 'cols'): (
-        'refused',
-        "spatial parallelism: F.scaled_dot_product_attention in 'stages.2.1.trans"
-        "former.0.attn' (Attention) t ... 'stages.2.1.transformer.0.attn'] to run"
-        ' that module on whole images from there on, or fallback="gather" to run '
-        'it on gathered whole images and split again after it, or use the data or'
-        ' channel ...',
+        'exact',
+        '',
     ),
     ('timm mobilevitv2_050', 'cols'): (
-        'refused',
-        "spatial parallelism: F.group_norm in 'stages.2.1.transformer.0.norm1' (G"
-        "roupNorm1) touches a block o ... stages.2.1.transformer.0.norm1'] to run"
-        ' that module on whole images from there on, or fallback="gather" to run '
-        'it on gathered whole images and split again after it, or use the data or'
-        ' channel ...',
+        'exact',
+        '',
     ),
     ('timm edgenext_xx_small', 'cols'): (
-        'refused',
-        "spatial parallelism: F.normalize in 'stages.1.blocks.1.xca' (CrossCovari"
-        "anceAttn) touches a block of ... _dense=['stages.1.blocks.1.xca'] to run"
-        ' that module on whole images from there on, or fallback="gather" to run '
-        'it on gathered whole images and split again after it, or use the data or'
-        ' channel ...',
+        'exact',
+        '',
     ),
     ('timm efficientformerv2_s0', 'cols'): (
-        'refused',
-        "spatial parallelism: Tensor.matmul in 'stages.2.blocks.1.token_mixer' (A"
-        "ttention2d) touches a block  ... 'stages.2.blocks.1.token_mixer'] to run"
-        ' that module on whole images from there on, or fallback="gather" to run '
-        'it on gathered whole images and split again after it, or use the data or'
-        ' channel ...',
+        'exact',
+        '',
     ),
     ('smp Segformer mit_b0', 'cols'): (
-        'refused',
-        "spatial parallelism: Tensor.matmul in 'encoder.block1.0.attn' (Attention"
-        ") touches a block of split i ... _dense=['encoder.block1.0.attn'] to run"
-        ' that module on whole images from there on, or fallback="gather" to run '
-        'it on gathered whole images and split again after it, or use the data or'
-        ' channel ...',
+        'exact',
+        '',
     ),
     ('smp MAnet mobilenetv3', 'cols'): (
         'refused',
-        "spatial parallelism: torch.matmul in 'decoder.center' (PABBlock) touches"
-        " a block of split images, an ... ss keep_dense=['decoder.center'] to run"
+        "spatial parallelism: Tensor.add in 'decoder.center' (PABBlock) touches a"
+        " block of split images, and  ... ss keep_dense=['decoder.center'] to run"
         ' that module on whole images from there on, or fallback="gather" to run '
         'it on gathered whole images and split again after it, or use the data or'
         ' channel ...',
@@ -1953,12 +1885,8 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('timm mobilevit_xxs', 'data x rows'): (
-        'refused',
-        "spatial parallelism: F.scaled_dot_product_attention in 'stages.2.1.trans"
-        "former.0.attn' (Attention) t ... 'stages.2.1.transformer.0.attn'] to run"
-        ' that module on whole images from there on, or fallback="gather" to run '
-        'it on gathered whole images and split again after it, or use the data or'
-        ' channel ...',
+        'exact',
+        '',
     ),
     ('monai UNet', 'depth'): (
         'exact',
@@ -1989,12 +1917,8 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('monai UNETR', 'depth'): (
-        'refused',
-        "spatial parallelism: torch.einsum in 'vit.blocks.0.attn' (SABlock) touch"
-        "es a block of split images,  ... keep_dense=['vit.blocks.0.attn'] to run"
-        ' that module on whole images from there on, or fallback="gather" to run '
-        'it on gathered whole images and split again after it, or use the data or'
-        ' channel ...',
+        'exact',
+        '',
     ),
     ('monai HighResNet', 'depth'): (
         'exact',
@@ -2053,12 +1977,8 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('monai UNETR', 'depth x cols'): (
-        'refused',
-        "spatial parallelism: torch.einsum in 'vit.blocks.0.attn' (SABlock) touch"
-        "es a block of split images,  ... keep_dense=['vit.blocks.0.attn'] to run"
-        ' that module on whole images from there on, or fallback="gather" to run '
-        'it on gathered whole images and split again after it, or use the data or'
-        ' channel ...',
+        'exact',
+        '',
     ),
     ('monai HighResNet', 'depth x cols'): (
         'exact',
@@ -2104,91 +2024,11 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
 # END EXPECTED
 # BEGIN EXPECTED GATHER
 EXPECTED_GATHER: dict[tuple[str, str], tuple[str, str]] = {
-    ('tv maxvit', 'rows'): (
-        'exact',
-        '',
-    ),
-    ('timm maxvit', 'rows'): (
-        'exact',
-        '',
-    ),
-    ('timm coatnet', 'rows'): (
-        'exact',
-        '',
-    ),
-    ('timm mobilevit_xxs', 'rows'): (
-        'exact',
-        '',
-    ),
-    ('timm mobilevitv2_050', 'rows'): (
-        'exact',
-        '',
-    ),
-    ('timm edgenext_xx_small', 'rows'): (
-        'exact',
-        '',
-    ),
-    ('timm efficientformerv2_s0', 'rows'): (
-        'exact',
-        '',
-    ),
-    ('smp Segformer mit_b0', 'rows'): (
-        'exact',
-        '',
-    ),
     ('smp MAnet mobilenetv3', 'rows'): (
         'exact',
         '',
     ),
-    ('monai UNETR', 'rows'): (
-        'exact',
-        '',
-    ),
-    ('tv maxvit', 'cols'): (
-        'exact',
-        '',
-    ),
-    ('timm maxvit', 'cols'): (
-        'exact',
-        '',
-    ),
-    ('timm coatnet', 'cols'): (
-        'exact',
-        '',
-    ),
-    ('timm mobilevit_xxs', 'cols'): (
-        'exact',
-        '',
-    ),
-    ('timm mobilevitv2_050', 'cols'): (
-        'exact',
-        '',
-    ),
-    ('timm edgenext_xx_small', 'cols'): (
-        'exact',
-        '',
-    ),
-    ('timm efficientformerv2_s0', 'cols'): (
-        'exact',
-        '',
-    ),
-    ('smp Segformer mit_b0', 'cols'): (
-        'exact',
-        '',
-    ),
     ('smp MAnet mobilenetv3', 'cols'): (
-        'exact',
-        '',
-    ),
-    ('timm mobilevit_xxs', 'data x rows'): (
-        'exact',
-        '',
-    ),
-    ('monai UNETR', 'depth'): (
-        'exact',
-        '',
-    ),
-    ('monai UNETR', 'depth x cols'): (
         'exact',
         '',
     ),

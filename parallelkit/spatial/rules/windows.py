@@ -25,6 +25,7 @@ import parallelkit.functional as pkf
 from parallelkit.geometry import per_dim, starts, tensor_split_sizes
 from parallelkit.spatial import adaptive_max, resample
 from parallelkit.spatial.conv import conv_blocks, conv_windows
+from parallelkit.spatial.fetch import empty_output
 from parallelkit.spatial.grid import gather
 from parallelkit.spatial.pool import avg_pool_blocks, max_pool_blocks, pool_windows
 from parallelkit.spatial.rules.reductions import mean_spatial
@@ -67,7 +68,11 @@ def conv(g: Guard, call: Call) -> Tensor:
         if any(x.dim() + d < 2 for d in g.places(x)):
             raise g.refuse(call.name, "its channels (dimension 1) hold a spatial dimension")
         weight, bias = g.summed(weight), g.summed(bias)
-        return g.marked(call.func(x, weight, bias, 1, 0, dilation, call["groups"]), g.places(x))
+        if 0 in x.shape[2:]:  # an empty block (F.conv refuses it): parameters kept in the graph
+            y = empty_output(x, weight.shape[0], x.shape[2:], x, weight, bias)
+        else:
+            y = call.func(x, weight, bias, 1, 0, dilation, call["groups"])
+        return g.marked(y, g.places(x))
     if g.folds(x):
         raise g.refuse(call.name, "it is given a window partition (spatial dimensions folded "
                        "into one) and its kernel reaches across positions")  # fmt: skip
