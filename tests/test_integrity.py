@@ -2,8 +2,8 @@
 next older one is tried; where none is left, or a save cannot be written, the job stops with
 one line. ``parallelkit train`` in subprocesses (tests/jobs.py), 1 and 2 ranks on gloo.
 
-Items of issue 23: 1 integrity, 2 unusable checkpoints, 5 a full disk during a save, 8 a
-damaged shard reported once, a checkpoint without its manifest removed with a word.
+Covered: integrity, unusable checkpoints, a full disk during a save, a damaged shard
+reported once, a checkpoint without its manifest removed with a word.
 """
 
 from __future__ import annotations

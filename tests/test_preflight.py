@@ -2,8 +2,8 @@
 and no rank started (nothing written under ``train.run_dir``). ``parallelkit train`` in
 subprocesses (tests/jobs.py) with the default 2 local ranks.
 
-Items of issue 23: 4 config mistakes that used to surface inside the ranks, 5 run directories
-that cannot take the run; 8 the docs' table of faults.
+Covered: config mistakes that used to surface inside the ranks, run directories that cannot
+take the run, the docs' table of faults.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Window attention runs split, not gathered (issue 32): Swin's windows folded into the batch
+"""Window attention runs split, not gathered: Swin's windows folded into the batch
 on each rank's block, whole windows per rank, the attention mask cut to this rank's windows.
 
 ``test_zoo.py`` holds these networks exact against the dense model (EXPECTED); here each

@@ -167,4 +167,4 @@ def test_every_case_has_an_expected_outcome():
         assert set(EXPECTED_GATHER) == set(gather_cases()), REFRESH
     assert len(ARCHS) >= 47
     assert {a.source for a in ARCHS.values()} == {"torchvision", "timm", "smp", "monai"}
-    assert sum(a.volume for a in ARCHS.values()) >= 12  # issue 21: at least 12 3-D networks
+    assert sum(a.volume for a in ARCHS.values()) >= 12  # at least 12 3-D networks

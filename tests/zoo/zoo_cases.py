@@ -14,7 +14,7 @@ smallest input the architecture accepts well (64 x 64 unless noted), the small v
 reduced encoder depth. Randomness inside the model (dropout, stochastic depth) is switched
 off, so the dense and the parallel model compute the same function.
 
-Volumes (issue 21): MONAI's 3-D segmentation networks and classifiers and torchvision's video
+Volumes: MONAI's 3-D segmentation networks and classifiers and torchvision's video
 classifiers take (N, C, D, H, W) and run under their own strategies (``VOLUME_STRATEGIES``:
 data, channel, depth, rows, depth x cols, and data x depth for ``FOUR_RANKS_3D``); images run
 under ``IMAGE_STRATEGIES`` as before.
@@ -454,7 +454,7 @@ ARCHS: dict[str, Arch] = {
         "smp", _smp("Linknet", encoder="mobilenet_v2"),
         what="mobilenet_v2 encoder, transposed-conv decoder",
     ),
-    # ---------------------------------------------------------------- added 2026-11 (issue 20)
+    # ---------------------------------------------------------------- added 2026-11
     # Hybrids first: attention over windows, grids or every position, and patch reshapes.
     # Under rows and cols most are refused today (attention over a whole map cannot run on
     # blocks); under fallback="gather" each must be exact (test_exact_under_gather).
@@ -578,7 +578,7 @@ ARCHS: dict[str, Arch] = {
         "smp", _smp("UPerNet", encoder="mobilenet_v2", decoder_channels=32),
         what="pyramid pooling module (pools to 1, 2, 3, 6) and FPN fusion by interpolation",
     ),
-    # ---------------------------------------------------------------- volumes (issue 21)
+    # ---------------------------------------------------------------- volumes
     # (C, D, H, W) inputs, under VOLUME_STRATEGIES. 16^3 unless a network's depth of
     # downsampling needs more. Where the last maps have 1 plane along a split dimension (the
     # video ResNets' last stage over depth, MC3's over rows, UNETR's one patch), one rank's
@@ -743,7 +743,7 @@ SWEEP_ARCHS: dict[str, Arch] = {
                         init_filters=8, in_channels=1, out_channels=2), (1, 32, 32, 32),
         what="sweep",
     ),
-    # Window attention the tier holds only small (issue 32), at sizes of whole windows per block.
+    # Window attention the tier holds only small, at sizes of whole windows per block.
     "tv swin_v2_t": Arch("torchvision", _tv("swin_v2_t", num_classes=5), (3, 512, 256),
                          what="sweep"),
     "timm swin_tiny": Arch(
