@@ -29,6 +29,8 @@ KINDS = [
     "explicit",  # q @ k^T * scale + bias, softmax, @ v
     "map softmax",  # one softmax over the whole flattened (h, L, L) map: all-reduced
     "talking heads",  # 1x1 convolutions over the heads of the (h, L, L) map: local
+    "tensor unfold",  # Tensor.unfold along H and W: windows with a halo from the neighbours
+    "F.unfold",  # im2col: a convolution's halo, the positions a token dimension
     "einsum",
     "linear attention",  # k^T v over tokens: an all-reduce of a (d x d) matrix
     "pooling queries",  # whole learned queries attending to every token
@@ -84,7 +86,8 @@ def test_patches_folded_after_the_channels(ranks, size, grid, shape):
         assert_triples(triples)
 
 
-@pytest.mark.parametrize("kind", ["sdpa", "einsum", "talking heads", "linear attention",
+@pytest.mark.parametrize("kind", ["sdpa", "einsum", "talking heads", "tensor unfold",
+                                  "F.unfold", "linear attention",
                                   "pooling queries",
                                   "token mlp", "flatten linear", "token pool", "gc context",
                                   "xca"])  # fmt: skip

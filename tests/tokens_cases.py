@@ -24,7 +24,7 @@ from torch import nn
 
 import parallelkit as pk
 from parallelkit.comm import Communicator
-from parallelkit.spatial.rules import tokens
+from parallelkit.spatial.rules import tokens, windows
 
 Triple = tuple[str, torch.Tensor, torch.Tensor]
 
@@ -58,6 +58,7 @@ class TokenNet(nn.Module):
         self.temperature = nn.Parameter(1 + 0.1 * torch.randn(heads, 1, 1))
         self.talk1, self.talk2 = nn.Conv2d(heads, heads, 1), nn.Conv2d(heads, heads, 1)
         self.patch_norm, self.patch_qkv = nn.GroupNorm(1, c), nn.Conv2d(c, 1 + 2 * c, 1)
+        self.window_w, self.cols_proj = nn.Parameter(torch.randn(3, 4)), nn.Linear(9 * c, c)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stem(x)
@@ -80,6 +81,14 @@ class TokenNet(nn.Module):
             logp = F.log_softmax(x.flatten(2), 2).reshape(n, c, *spatial)
             gate = self.gc_t(context).reshape(n, c, *(1 for _ in spatial))
             return self.head(x + gate + 0.1 * logp)
+        if self.kind == "tensor unfold":  # HaloNet-style sliding windows with a halo, by hand
+            win = F.pad(x, (1, 1, 1, 1)).unfold(2, 3, 1).unfold(3, 4, 2)  # (N, C, H, W', 3, 4)
+            return self.head((win * self.window_w).sum((-2, -1)))
+        if self.kind == "F.unfold":  # im2col, then a linear map of each position's window
+            (hh, ww) = spatial
+            cols = F.unfold(x, 3, padding=1, stride=(1, 2))  # (N, 9C, H * W')
+            y = self.cols_proj(cols.transpose(1, 2)).transpose(1, 2)  # (N, C, H * W')
+            return self.head(y.reshape(n, c, hh, (ww - 1) // 2 + 1))
         if self.kind == "patch attention":  # MobileViTv2: 2 x 2 patches folded, (N, C, P, N)
             (hh, ww), r = spatial, 2
             p = x.reshape(n, c, hh // r, r, ww // r, r).permute(0, 1, 3, 5, 2, 4)
@@ -153,6 +162,7 @@ def token_parity(
             stack.enter_context(mock.patch.object(tokens, "whole_tokens", _own_tokens))
             stack.enter_context(mock.patch.object(tokens, "_by_heads", _own_heads))
             stack.enter_context(mock.patch.object(tokens.layout, "summed", lambda t, _: t))
+            stack.enter_context(mock.patch.object(windows, "fetch", _halo_off_by_one))
         y_mine = model(x_mine)
         y_mine.square().sum().backward()
     out = [("output", y_mine.detach(), y.detach())]
@@ -174,6 +184,15 @@ def _own_tokens(g, t, whole_out=False):  # type: ignore[no-untyped-def]
 
 def _own_heads(g, q, k, v, scale):  # type: ignore[no-untyped-def]
     return F.scaled_dot_product_attention(q, k, v, scale=scale)
+
+
+def _halo_off_by_one(x, grid, windows, size, native=False):  # type: ignore[no-untyped-def]
+    """The negative control of the unfolds: the fetched rows one row off."""
+    x_halo, out_size, pad = _FETCH(x, grid, windows, size, native)
+    return x_halo.roll(1, 2), out_size, pad
+
+
+_FETCH = windows.fetch
 
 
 def orders_match_blocks(comm: Communicator, grid: dict, size: tuple) -> list[Triple]:

@@ -25,7 +25,7 @@ import parallelkit.functional as pkf
 from parallelkit.geometry import per_dim, starts, tensor_split_sizes
 from parallelkit.spatial import adaptive_max, resample
 from parallelkit.spatial.conv import conv_blocks, conv_windows
-from parallelkit.spatial.fetch import empty_output
+from parallelkit.spatial.fetch import empty_output, fetch
 from parallelkit.spatial.grid import gather
 from parallelkit.spatial.pool import avg_pool_blocks, max_pool_blocks, pool_windows
 from parallelkit.spatial.rules.reductions import mean_spatial
@@ -87,6 +87,59 @@ def conv(g: Guard, call: Call) -> Tensor:
     size = whole_size(g, x)
     out = conv_blocks(x, weight, bias, windows, call["groups"], g.grid, size)
     return g.marked(out, size=tuple(w.out_size(n) for w, n in zip(windows, size, strict=True)))
+
+
+def _halo(g: Guard, x: Tensor, windows: tuple) -> tuple[Tensor, tuple, tuple, tuple]:
+    """The rows the output block of ``windows`` reads (a convolution's halo), the padding left
+    to the operation, and the output block's and the whole output's sizes."""
+    size = whole_size(g, x)
+    x_halo, out_size, pad = fetch(x, g.grid, windows, size, native=True)
+    return x_halo, pad, out_size, tuple(w.out_size(n) for w, n in zip(windows, size, strict=True))
+
+
+@rule(F.unfold, params="input, kernel_size, dilation=1, padding=0, stride=1")
+def unfold(g: Guard, call: Call) -> Tensor:
+    """``F.unfold`` (im2col: VOLO's outlook attention, patch extraction by hand): the rows this
+    rank's output positions read fetched as a convolution's halo, then unfolded; the output's
+    positions, flattened, are a token dimension of the whole output's size."""
+    x = call["input"]
+    if channels_first(g, call, x) != 2:
+        raise g.refuse(call.name, "it takes (N, C, H, W) blocks")
+    kernel = per_dim(call["kernel_size"], 2)
+    windows = conv_windows(kernel, call["stride"], call["padding"], call["dilation"])
+    x_halo, pad, out_size, whole = _halo(g, x, windows)
+    if min(out_size) == 0:  # no output position here: an empty block, x kept in the graph
+        y = x_halo.new_zeros(x.shape[0], x.shape[1] * math.prod(kernel), 0) + 0 * x_halo.sum()
+    else:
+        y = F.unfold(x_halo, kernel, call["dilation"], pad, call["stride"])
+    return g.marked(y, (-1, -1), size=whole, folds=(((whole[0], 0), (whole[1], 1)),))
+
+
+@rule(Tensor.unfold, params="input, dimension, size, step")
+def tensor_unfold(g: Guard, call: Call) -> Tensor:
+    """``Tensor.unfold`` along a spatial dimension (HaloNet's blocked attention with a halo,
+    sliding windows by hand): the windows that start in this rank's block, with the rows they
+    reach fetched from the neighbours; the window count is the dimension's whole size from
+    then on, the window's own positions a new last dimension. Along channels or the batch:
+    local."""
+    x, dim, k, step = call["input"], call["dimension"], call["size"], call["step"]
+    ndim = len(g.places(x))
+    if [x.dim() + d for d in g.places(x)] != list(range(2, 2 + ndim)):  # (N, C, *spatial, ...)
+        raise g.refuse(call.name, "its spatial dimensions are not the ones after N and C")
+    moved = tuple(d - 1 for d in g.places(x))  # a new last dimension
+    axis = dim % x.dim() - 2
+    if axis < 0:
+        return g.marked(call.run(), moved)
+    kernel, stride = [1] * ndim, [1] * ndim
+    kernel[axis], stride[axis] = k, step
+    x_halo, _, out_size, whole = _halo(g, x, conv_windows(kernel, stride, 0, 1))
+    if out_size[axis] == 0:  # no window starts here: an empty block, x kept in the graph
+        shape = list(x_halo.shape)
+        shape[2 + axis] = 0
+        y = x_halo.new_zeros(*shape, k) + 0 * x_halo.sum()
+    else:
+        y = x_halo.unfold(2 + axis, k, step)
+    return g.marked(y, moved, size=whole)
 
 
 def _pool(g: Guard, call: Call, dims: int, dilation: Any = 1) -> tuple[Tensor, tuple, tuple]:
