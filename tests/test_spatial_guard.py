@@ -211,6 +211,9 @@ WHOLE = {
         lambda x: x.sum((2, 3)) / (x.shape[2] * x.shape[3]), None
     ),
     "a mean by hand over numel()": (lambda x: x.sum((1, 2, 3)) / x[0].numel(), None),
+    "F.mse_loss against a block, and F.l1_loss summed": (
+        lambda x: F.mse_loss(x, x.flip(1) * 2) + F.l1_loss(x.relu(), x, reduction="sum"), None
+    ),
     # A fold that holds every spatial dimension: each rank's part of it is its own.
     "view(N, -1), then a sum over it": (lambda x: x.view(2, -1).sum(1), None),
 }

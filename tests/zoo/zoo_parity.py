@@ -77,6 +77,12 @@ model gathered whole is named 'the model'. test_zoo.py checks the two still agre
 Gathered = tuple[str, str, float]  # (module path, module type, MiB per rank it states)
 
 
+def _rows(t: torch.Tensor, rows: Any) -> torch.Tensor:
+    """This rank's samples of an output; a scalar (a loss the network returns, as
+    SegResNetVAE's) is whole on every rank of a spatial grid."""
+    return t[rows] if t.dim() else t
+
+
 def zoo_parity(
     comm: Communicator,
     arch: str,
@@ -181,6 +187,7 @@ def _run(
         state["phase"] = f"{at} dense"
         x_dense = x.clone().requires_grad_()
         opt_dense.zero_grad()
+        torch.manual_seed(1000 + step)  # draws in the forward (a VAE's noise) alike in both
         out = dense(x_dense)
         leaves = _leaves(out, "output")
         targets = {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in leaves.items()}
@@ -189,16 +196,18 @@ def _run(
         state["phase"] = f"{at} forward"
         x_mine = x[rows].clone().requires_grad_()
         opt.zero_grad()
+        torch.manual_seed(1000 + step)
         out_mine = model(x_mine)
         mine = _leaves(out_mine, "output")
-        shapes_ok = _same_shapes(comm, mine, {k: v[rows] for k, v in leaves.items()}, state, at)
+        shapes_ok = _same_shapes(comm, mine, {k: _rows(v, rows) for k, v in leaves.items()}, state,
+                                 at)  # fmt: skip
         if not shapes_ok:
             return  # every rank stops here: backward on wrong shapes would only crash
-        _compare(state, [(f"{at} {k}", mine[k], leaves[k].detach()[rows]) for k in leaves])
+        _compare(state, [(f"{at} {k}", mine[k], _rows(leaves[k].detach(), rows)) for k in leaves])
 
         state["phase"] = f"{at} backward"
         # DataParallel averages over the data group: scale so the mean is the batch's gradient.
-        loss_mine = _loss(mine, {k: v[rows] for k, v in targets.items()}) * grid.data / BATCH
+        loss_mine = _loss(mine, {k: _rows(v, rows) for k, v in targets.items()}) * grid.data / BATCH
         loss_mine.backward()
         if tamper == "perturb-grad" and comm.rank == 0:
             p = next(p for p in model.parameters() if p.grad is not None)

@@ -224,6 +224,23 @@ def softmax(g: Guard, call: Call) -> Tensor:
         return y if call.name.endswith("log_softmax") else y.exp()
 
 
+@rule(F.mse_loss, F.l1_loss,
+      params="input, target, size_average=None, reduce=None, reduction='mean', weight=None")
+def pointwise_loss(g: Guard, call: Call) -> Tensor:
+    """A block against a block (the reconstruction loss SegResNetVAE computes in its forward):
+    the pointwise terms, then ``mean`` or ``sum`` over the whole samples (all-reduced, whole);
+    ``reduction='none'`` keeps the block."""
+    x, target, reduction = call["input"], call["target"], call["reduction"]
+    if call["size_average"] is not None or call["reduce"] is not None or call["weight"] is not None:
+        raise g.refuse(call.name, "size_average, reduce and weight have no rule")
+    with g.rules():
+        diff = x - target
+        terms = diff.square() if call.func is F.mse_loss else diff.abs()
+        if reduction == "none":
+            return terms
+        return terms.mean() if reduction == "mean" else terms.sum()
+
+
 @rule(torch.logsumexp, Tensor.logsumexp, params="input, dim, keepdim=False, *, out=None",
       folds=True)  # fmt: skip
 def logsumexp(g: Guard, call: Call) -> Tensor:
