@@ -14,7 +14,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from tokens_cases import all_to_all_adjoint, dropout_refused, orders_match_blocks, token_parity
+from tokens_cases import (
+    all_to_all_adjoint,
+    dropout_refused,
+    orders_match_blocks,
+    refusal_of,
+    token_parity,
+)
 from torch import nn
 
 from parallelkit.comm.local import LocalCommunicator
@@ -72,6 +78,28 @@ def test_token_mixing_matches_dense_on_a_two_by_two_grid(ranks, kind):
 def test_attention_on_other_grids_and_dimensions(ranks, size, grid, shape, heads, kind):
     for triples in ranks(size).run(token_parity, kind, grid, shape, heads, timeout=120):
         assert_triples(triples)
+
+
+@pytest.mark.parametrize(
+    ("size", "grid", "shape"),
+    [(2, dict(rows=2), (3, 8, 6)), (3, dict(rows=3), (3, 12, 4)), (2, dict(cols=2), (3, 4, 7)),
+     (4, dict(rows=2, cols=2), (3, 8, 8))],
+)  # fmt: skip
+def test_max_unpool_to_the_indices_of_whole_windows(ranks, size, grid, shape):
+    """max_pool's indices numbered in the whole plane, and MaxUnpool back to this rank's
+    block, where every block is whole 2 x 2 windows (the last may keep a remainder row)."""
+    for triples in ranks(size).run(token_parity, "unpool", grid, shape, timeout=120):
+        assert_triples(triples)
+
+
+def test_negative_control_indices_numbered_in_the_block_do_not_match(ranks):
+    results = ranks(2).run(token_parity, "unpool", dict(rows=2), (3, 8, 6), 2, True, timeout=120)
+    assert "output" in mismatches([(label, got, want, {}) for label, got, want in results[1]])
+
+
+def test_max_unpool_of_windows_across_blocks_is_refused_on_every_rank(ranks):
+    for result in ranks(2).run(refusal_of, "unpool", dict(rows=2), (3, 10, 6), timeout=120):
+        assert "return_indices, with windows that are not whole in every block" in result
 
 
 @pytest.mark.parametrize(

@@ -59,6 +59,7 @@ class TokenNet(nn.Module):
         self.talk1, self.talk2 = nn.Conv2d(heads, heads, 1), nn.Conv2d(heads, heads, 1)
         self.patch_norm, self.patch_qkv = nn.GroupNorm(1, c), nn.Conv2d(c, 1 + 2 * c, 1)
         self.window_w, self.cols_proj = nn.Parameter(torch.randn(3, 4)), nn.Linear(9 * c, c)
+        self.pool_i, self.unpool = nn.MaxPool2d(2, return_indices=True), nn.MaxUnpool2d(2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stem(x)
@@ -81,6 +82,13 @@ class TokenNet(nn.Module):
             logp = F.log_softmax(x.flatten(2), 2).reshape(n, c, *spatial)
             gate = self.gc_t(context).reshape(n, c, *(1 for _ in spatial))
             return self.head(x + gate + 0.1 * logp)
+        if self.kind == "unpool":  # SegNet: max pooling's indices, then MaxUnpool to them
+            y, index = self.pool_i(x)
+            up = self.unpool(self.gc_mask(y).sigmoid() * y, index, output_size=x.shape[-2:])
+            _, index_f = F.max_pool2d(up.relu() + x, 2, return_indices=True)  # functional
+            numbers = 1e-3 * index_f.double().mean((2, 3), keepdim=True)  # the whole plane's
+            return self.head(x + up + F.max_unpool2d(y, index_f, 2, output_size=x.shape[-2:])
+                             + numbers)  # fmt: skip
         if self.kind == "tensor unfold":  # HaloNet-style sliding windows with a halo, by hand
             win = F.pad(x, (1, 1, 1, 1)).unfold(2, 3, 1).unfold(3, 4, 2)  # (N, C, H, W', 3, 4)
             return self.head((win * self.window_w).sum((-2, -1)))
@@ -163,6 +171,7 @@ def token_parity(
             stack.enter_context(mock.patch.object(tokens, "_by_heads", _own_heads))
             stack.enter_context(mock.patch.object(tokens.layout, "summed", lambda t, _: t))
             stack.enter_context(mock.patch.object(windows, "fetch", _halo_off_by_one))
+            stack.enter_context(mock.patch.object(windows, "_plane", _block_numbers))
         y_mine = model(x_mine)
         y_mine.square().sum().backward()
     out = [("output", y_mine.detach(), y.detach())]
@@ -193,6 +202,11 @@ def _halo_off_by_one(x, grid, windows, size, native=False):  # type: ignore[no-u
 
 
 _FETCH = windows.fetch
+
+
+def _block_numbers(index, local, starts, whole):  # type: ignore[no-untyped-def]
+    """The negative control of max_pool's indices: numbered in the block's plane."""
+    return index
 
 
 def orders_match_blocks(comm: Communicator, grid: dict, size: tuple) -> list[Triple]:
@@ -248,6 +262,21 @@ def dropout_refused(comm: Communicator) -> str:
     model = pk.parallelize(Dropped(), comm, "spatial")
     try:
         model(torch.randn(1, 2, 4, 4))
+    except ValueError as e:
+        comm.barrier()
+        return str(e)
+    return "no error"
+
+
+def refusal_of(comm: Communicator, kind: str, grid: dict, shape: tuple) -> str:
+    """The message of the ValueError the parallelized TokenNet(kind) raises on this rank
+    (every rank must raise it: the barrier after it would hang otherwise)."""
+    torch.manual_seed(0)
+    dense = TokenNet(kind, len(shape) - 1, size=shape[1:]).double()
+    g = pk.Grid(comm, **grid)
+    model = pk.parallelize(dense, g, g)
+    try:
+        model(torch.randn(2, *shape, dtype=torch.float64))
     except ValueError as e:
         comm.barrier()
         return str(e)

@@ -65,6 +65,12 @@ class SpatialMaxPool2d(_SpatialPool):
 
     dense: type[nn.Module] = nn.MaxPool2d
 
+    @classmethod
+    def covers(cls, module: nn.Module) -> bool:
+        """Not with ``return_indices``: the pooling stays dense, and its call's rule numbers
+        the indices in the whole sample's plane (for ``MaxUnpool``)."""
+        return not getattr(module, "return_indices", False)
+
     def __init__(
         self,
         kernel_size: int | Sequence[int],

@@ -169,6 +169,93 @@ def max_pool(g: Guard, call: Call) -> Tensor:
     return _marked(g, max_pool_blocks(x, windows, g.grid, size), windows, size)
 
 
+MAX_POOLS_INDICES = {F.max_pool1d_with_indices: 1, F.max_pool2d_with_indices: 2,
+                     F.max_pool3d_with_indices: 3}  # fmt: skip
+MAX_UNPOOLS = {F.max_unpool1d: 1, F.max_unpool2d: 2, F.max_unpool3d: 3}
+
+
+def _whole_windows(g: Guard, windows: tuple, size: tuple) -> bool:
+    """Whether every block is whole windows that read no other block (kernel = stride, no
+    padding or dilation), and the output's blocks are those windows' (each block but the
+    last a multiple of the stride): pooling and unpooling are local there."""
+    for w, n, (_, parts, _) in zip(windows, size, g.grid.axes(len(size)), strict=True):
+        if (w.kernel, w.pad_lo, w.pad_hi, w.dilation) != (w.stride, 0, 0, 1):
+            return False
+        ins, outs = tensor_split_sizes(n, parts), tensor_split_sizes(w.out_size(n), parts)
+        if any(i != o * w.stride for i, o in zip(ins[:-1], outs[:-1], strict=True)):
+            return False
+    return True
+
+
+@rule(*MAX_POOLS_INDICES,
+      params="input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, "
+      "return_indices=False")  # fmt: skip
+def max_pool_indices(g: Guard, call: Call) -> tuple[Tensor, Tensor]:
+    """``max_pool(return_indices=True)`` (SegNet's encoder, before ``MaxUnpool``) where every
+    block is whole windows: local, the indices numbered in the whole sample's plane, as the
+    dense pooling numbers them. Windows across blocks: refused."""
+    x, dims = call["input"], MAX_POOLS_INDICES[call.func]
+    if channels_first(g, call, x) != dims:
+        raise g.refuse(call.name, f"a block with {x.dim() - 2} spatial dimensions")
+    windows = pool_windows(call["kernel_size"], call["stride"], call["padding"],
+                           call["dilation"], call["ceil_mode"], dims, call.name)  # fmt: skip
+    size = whole_size(g, x)
+    if call["ceil_mode"] or not _whole_windows(g, windows, size):
+        raise g.refuse(call.name, "return_indices, with windows that are not whole in every "
+                       "block (kernel = stride, no padding, blocks of whole windows)")  # fmt: skip
+    kernel = tuple(w.kernel for w in windows)
+    out_local = tuple(n // k for n, k in zip(x.shape[2:], kernel, strict=True))
+    if 0 in out_local:  # no window here: empty, x kept in the graph
+        y = x.new_zeros(*x.shape[:2], *out_local) + 0 * x.sum()
+        index = torch.zeros(y.shape, dtype=torch.long, device=x.device)
+    else:
+        y, index = call.func(x, kernel, kernel, 0, 1, False, True)
+    starts = tuple(b.start for b in g.grid.block(*size))
+    whole = _plane(index, tuple(x.shape[2:]), starts, size)
+    out = tuple(w.out_size(n) for w, n in zip(windows, size, strict=True))
+    return g.marked(y, size=out), g.marked(whole, size=out)
+
+
+def _plane(index: Tensor, local: tuple, starts: tuple, whole: tuple) -> Tensor:
+    """Flat indices into a block's plane (``local`` its size, ``starts`` where it starts in
+    the whole plane) as flat indices into the whole plane of size ``whole``; with ``local``
+    and ``whole`` swapped and ``starts`` negated, the way back."""
+    out, rest, scale = torch.zeros_like(index), index, 1
+    for n, start, m in zip(reversed(local), reversed(starts), reversed(whole), strict=True):
+        out, rest, scale = out + (rest % n + start) * scale, rest // n, scale * m
+    return out
+
+
+@rule(*MAX_UNPOOLS, params="input, indices, kernel_size, stride=None, padding=0, output_size=None")
+def max_unpool(g: Guard, call: Call) -> Tensor:
+    """``MaxUnpool`` of blocks pooled with their indices (the rule above): where every block
+    is whole windows, each value goes to its place in this rank's block of the output, the
+    indices taken back from the whole plane to the block's. Otherwise refused."""
+    x, index, dims = call["input"], call["indices"], MAX_UNPOOLS[call.func]
+    if channels_first(g, call, x) != dims or not g.is_split(index) or g.form(index) != g.form(x):
+        raise g.refuse(call.name, "its input and indices are not blocks of one layout")
+    windows = pool_windows(call["kernel_size"], call["stride"], call["padding"], 1, False,
+                           dims, call.name)  # fmt: skip
+    size = whole_size(g, x)
+    out = tuple(int(n) for n in call["output_size"][-dims:]) if call["output_size"] else tuple(
+        (n - 1) * w.stride - w.pad_lo - w.pad_hi + w.kernel
+        for w, n in zip(windows, size, strict=True)
+    )  # fmt: skip
+    pooled = tuple(w.out_size(n) for w, n in zip(windows, out, strict=True))
+    if pooled != tuple(size) or not _whole_windows(g, windows, out):
+        raise g.refuse(call.name, "its windows are not whole in every block (kernel = stride, "
+                       "no padding, blocks of whole windows)")  # fmt: skip
+    block = g.grid.block(*out)
+    local = tuple(b.stop - b.start for b in block)
+    if 0 in x.shape[2:] or 0 in local:
+        y = x.new_zeros(*x.shape[:2], *local) + 0 * x.sum()
+    else:
+        mine = _plane(index, out, tuple(-b.start for b in block), local)
+        kernel = tuple(w.kernel for w in windows)
+        y = call.func(x, mine, kernel, kernel, 0, local)
+    return g.marked(y, size=out)
+
+
 @rule(*AVG_POOLS,
       params="input, kernel_size, stride=None, padding=0, ceil_mode=False, "
       "count_include_pad=True, divisor_override=None")  # fmt: skip
