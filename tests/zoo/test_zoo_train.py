@@ -77,7 +77,10 @@ def test_model_by_name_trains_like_one_process(tmp_path, library):
     one, many = records(tmp_path / "one", "train"), records(tmp_path / "many", "train")
     want = torch.tensor([r["loss"] for r in one])
     assert len(want) == 3 and len(set(want.tolist())) == 3  # it trains
-    torch.testing.assert_close(torch.tensor([r["loss"] for r in many]), want, rtol=2e-4, atol=1e-5)
+    # float32, lr 0.1, BatchNorm: rounding grows step by step. torchvision's resnet18 under
+    # spatial measured 1e-7, 1.5e-5 and 4.4e-4 relative at steps 0, 1, 2 (the first two steps
+    # of the same model and strategy are exact in float64 in test_zoo.py).
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in many]), want, rtol=1e-3, atol=1e-5)
     (a,), (b,) = records(tmp_path / "one", "eval"), records(tmp_path / "many", "eval")
     for key in ("loss", "accuracy", "miou", "pixel_accuracy"):
         if key in a:
