@@ -40,7 +40,12 @@ COMMON = [
     "data.test_samples=8",
     "optim.lr=0.1",
 ]
-CLASSIFY = [*COMMON, "data.name=synthetic", "data.num_classes=4", "data.image_size=64"]
+# float32 rounding grows step by step with the rate: at lr 0.1, torchvision's resnet18 under
+# spatial moved 1e-7, 1.5e-5 and 4.4e-4 (relative) from the 1-process loss at steps 0-2, and
+# one of 8 test images changed class; at 0.02, 4e-6 and 3e-5. (Exactness is test_zoo.py's, in
+# float64.)
+CLASSIFY = [*COMMON, "optim.lr=0.02", "data.name=synthetic", "data.num_classes=4",
+            "data.image_size=64"]  # fmt: skip
 SEGMENT = [
     *COMMON, "train.task=segment", "data.image_size=32", "model.name=smp:Unet",
     "model.kwargs={encoder_name: resnet18, encoder_depth: 3, decoder_channels: [16, 8, 8]}",
@@ -77,10 +82,7 @@ def test_model_by_name_trains_like_one_process(tmp_path, library):
     one, many = records(tmp_path / "one", "train"), records(tmp_path / "many", "train")
     want = torch.tensor([r["loss"] for r in one])
     assert len(want) == 3 and len(set(want.tolist())) == 3  # it trains
-    # float32, lr 0.1, BatchNorm: rounding grows step by step. torchvision's resnet18 under
-    # spatial measured 1e-7, 1.5e-5 and 4.4e-4 relative at steps 0, 1, 2 (the first two steps
-    # of the same model and strategy are exact in float64 in test_zoo.py).
-    torch.testing.assert_close(torch.tensor([r["loss"] for r in many]), want, rtol=1e-3, atol=1e-5)
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in many]), want, rtol=2e-4, atol=1e-5)
     (a,), (b,) = records(tmp_path / "one", "eval"), records(tmp_path / "many", "eval")
     for key in ("loss", "accuracy", "miou", "pixel_accuracy"):
         if key in a:
