@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallelkit.comm import Communicator
-from parallelkit.nn import convert_sync_batchnorm
+from parallelkit.nn import SyncBatchNorm, convert_sync_batchnorm
 from parallelkit.parallel import DataParallel
 
 BATCHES = {
@@ -117,6 +117,31 @@ def state_dict_after_backward(comm: Communicator) -> list[str]:
         f"module.{n}" for n, _ in model.module.named_buffers()
     ]
     return list(model.state_dict())
+
+
+def broadcast_buffers(comm: Communicator, own_group: bool) -> tuple[list[int], list[float]]:
+    """The sizes of the buffer broadcasts in a training forward, and the running means after it.
+
+    Rank 1 perturbs every running mean first. The plain BatchNorm's buffers are broadcast
+    (rank 0's win); a SyncBatchNorm over the wrapper's own communicator keeps its buffers
+    equal by itself and is left out, unless it synchronizes over another communicator
+    object (``own_group=False``, the negative control).
+    """
+    torch.manual_seed(0)
+    sync_comm = comm if own_group else comm.split(0, comm.rank)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), SyncBatchNorm(4, comm=sync_comm))
+    model = DataParallel(model, comm)
+    if comm.rank == 1:
+        with torch.no_grad():
+            model.module[1].running_mean.fill_(7.0)
+            model.module[2].running_mean.fill_(7.0)
+    sizes, broadcast = [], comm.broadcast
+    comm.broadcast = lambda t, src=0, **kw: sizes.append(t.numel()) or broadcast(t, src, **kw)
+    try:
+        model(torch.randn(2, 1, 6, 6))
+    finally:
+        del comm.broadcast
+    return sizes, [float(model.module[1].running_mean[0]), float(model.module[2].running_mean[0])]
 
 
 # ----------------------------------------------------------------------------- overlap, order

@@ -12,6 +12,7 @@ from parallelkit.parallel.buckets import assign_buckets
 from cases import WORLD_SIZES, assert_triples
 from dp_cases import (
     BATCHES,
+    broadcast_buffers,
     bucket_counts,
     bucket_order,
     dropped_wrapper_is_freed,
@@ -55,6 +56,18 @@ def test_bucket_cap_changes_the_buckets(ranks):
     """Not vacuous: 0 MiB is one bucket per parameter, 25 MiB one bucket for the small model."""
     assert ranks(2).run(bucket_counts, 0) == [9, 9]
     assert ranks(2).run(bucket_counts, 25) == [1, 1]
+
+
+def test_buffers_a_sync_batchnorm_keeps_equal_are_not_broadcast(ranks):
+    """A plain BatchNorm's buffers are broadcast before a training forward (running_mean,
+    running_var: 8 floats; num_batches_tracked: 1); a SyncBatchNorm over the same ranks keeps
+    its own equal, so the second running mean updates from rank 1's perturbed value there."""
+    (sizes, means), (_, means_1) = ranks(2).run(broadcast_buffers, True)
+    assert sizes == [8, 1]
+    assert means[0] == means_1[0] and means[1] != means_1[1]
+    # Negative control: a SyncBatchNorm over another communicator object is broadcast too.
+    (sizes, means), (_, means_1) = ranks(2).run(broadcast_buffers, False)
+    assert sizes == [16, 2] and means == means_1
 
 
 def test_state_dict_after_backward(ranks):

@@ -212,9 +212,9 @@ def _local_stats(x: torch.Tensor) -> torch.Tensor:
     # Not lowered to XLA (it would run on the host, ending the graph), and no fake-tensor
     # kernel for torch.compile's tracing (it would break the graph).
     if _on_xla(x) or torch.compiler.is_compiling():
-        var, mean = torch.var_mean(x.to(stat_dtype), [0, *range(2, x.dim())], correction=0)
+        var, mean = torch.var_mean(_as(x, stat_dtype), [0, *range(2, x.dim())], correction=0)
     else:
-        mean, var = torch.batch_norm_update_stats(x.to(stat_dtype), None, None, 0.0)
+        mean, var = torch.batch_norm_update_stats(_as(x, stat_dtype), None, None, 0.0)
     return torch.cat((mean.new_full((1,), n), mean, var))
 
 
@@ -239,6 +239,12 @@ def _merge(gathered: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor, 
     mean = (w * means).sum(0)
     d = means - mean
     return mean, (w * torch.addcmul(variances, d, d)).sum(0), count
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``, without a call where it is already (even a no-op ``.to`` costs
+    microseconds, and a layer would make eight a step)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _per_channel(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -273,11 +279,11 @@ class _SyncBatchNorm(Function):
             # running += factor (new - running), both in one fused call; the variance unbiased
             new_mean, unbiased = mean, var * (count / (count - 1))
             if tracing:
-                new_mean = torch.where(count > 0, mean, running_mean.to(mean.dtype))
-                unbiased = torch.where(count > 0, unbiased, running_var.to(var.dtype))
+                new_mean = torch.where(count > 0, mean, _as(running_mean, mean.dtype))
+                unbiased = torch.where(count > 0, unbiased, _as(running_var, var.dtype))
             torch._foreach_lerp_(
                 [running_mean, running_var],
-                [new_mean.to(running_mean.dtype), unbiased.to(running_var.dtype)], factor,
+                [_as(new_mean, running_mean.dtype), _as(unbiased, running_var.dtype)], factor,
             )  # fmt: skip
         ctx.comm, ctx.count, ctx.eps = comm, count, eps
         ctx.save_for_backward(x, weight, mean, var)
@@ -286,7 +292,7 @@ class _SyncBatchNorm(Function):
         # Normalizing with given statistics is what eval-mode batch_norm does, in one fused pass
         # (it wants the statistics in the parameters' dtype when those are 16-bit).
         if weight is not None and weight.dtype != mean.dtype:
-            mean, var = mean.to(weight.dtype), var.to(weight.dtype)
+            mean, var = _as(mean, weight.dtype), _as(var, weight.dtype)
         return F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)
 
     @staticmethod
@@ -301,25 +307,25 @@ class _SyncBatchNorm(Function):
         # exactly these as the bias and weight gradients. They are this rank's parameter
         # gradients, too. (The eval-mode form, given running statistics, is not served
         # everywhere: CUDA asserts that the saved statistics are defined, XLA lowers only this.)
-        invstd = torch.rsqrt(var + eps)
+        invstd, ones = torch.rsqrt(var + eps), torch.ones_like(mean)
         if x.numel() == 0:  # an empty rank still joins the all-reduce
             sum_dy_xhat, sum_dy = mean.new_zeros(c), mean.new_zeros(c)
         else:
             _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-                grad, x, torch.ones_like(mean), None, None, mean, invstd, True, eps,
+                grad, x, ones, None, None, mean, invstd, True, eps,
                 [False, True, True],
             )  # fmt: skip
-        grad_weight = sum_dy_xhat.to(weight.dtype) if ctx.needs_input_grad[1] else None
-        grad_bias = sum_dy.to(weight.dtype) if ctx.needs_input_grad[2] else None
+        grad_weight = _as(sum_dy_xhat, weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_bias = _as(sum_dy, weight.dtype) if ctx.needs_input_grad[2] else None
         grad_x = None
         if ctx.needs_input_grad[0]:
             # One all-reduce of both sums: the input gradient needs their whole-batch values.
-            sums = comm.all_reduce(torch.cat([sum_dy, sum_dy_xhat]).to(stat_dtype))
-            grad_x = _input_grad(grad, x, weight, mean, invstd, sums, count)
+            sums = comm.all_reduce(_as(torch.cat([sum_dy, sum_dy_xhat]), stat_dtype))
+            grad_x = _input_grad(grad, x, weight, mean, invstd, ones, sums, count)
         return grad_x, grad_weight, grad_bias, None, None, None, None, None
 
 
-def _input_grad(grad, x, weight, mean, invstd, sums, count):
+def _input_grad(grad, x, weight, mean, invstd, ones, sums, count):
     """dx = w invstd (dy - sum(dy)/count - xhat sum(dy xhat)/count) in two passes over the batch.
 
     That is ``scale dy + (x - mean) k - scale sum(dy)/count`` per channel, with scale = w
@@ -331,13 +337,13 @@ def _input_grad(grad, x, weight, mean, invstd, sums, count):
     """
     if x.numel() == 0:
         return torch.zeros_like(x)
-    scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
+    scale = invstd if weight is None else invstd * _as(weight, invstd.dtype)
     # rows: [-scale mean(dy), -scale mean(dy xhat)] (C each), the bias and k / invstd
     terms = sums.view(2, -1) / -count * scale
     dtype = x.dtype
     if dtype in (torch.float16, torch.bfloat16):
         grad, x = grad.float(), x.float()
-    dx = F.batch_norm(x, mean, torch.ones_like(mean), terms[1] * invstd, terms[0], False, 0.0,
+    dx = F.batch_norm(x, mean, ones, terms[1] * invstd, terms[0], False, 0.0,
                       0.0)  # fmt: skip
     dx.addcmul_(grad, _per_channel(scale, x))
-    return dx.to(dtype)
+    return _as(dx, dtype)

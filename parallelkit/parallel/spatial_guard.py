@@ -113,7 +113,8 @@ class SpatialGuard(TorchFunctionMode):
     def form(self, t: Tensor) -> tuple[Places, tuple[Fold, ...]]:
         """Where block ``t``'s spatial dimensions are and how they are folded: two blocks of
         one form line up element for element, so an operation between them is local."""
-        return self.places(t), self.folds(t)
+        entry = self._blocks[id(t)]
+        return entry[1], entry[3]
 
     def mark(
         self,
@@ -124,7 +125,8 @@ class SpatialGuard(TorchFunctionMode):
     ) -> None:
         """Record ``tensors`` as blocks whose spatial dimensions are ``places`` (default: every
         one after N and C), folded as ``folds`` says."""
-        for t in tree_leaves(tensors):
+        single = len(tensors) == 1 and isinstance(tensors[0], Tensor)  # no tree to walk
+        for t in tensors if single else tree_leaves(tensors):
             if isinstance(t, Tensor) and t.dim() >= (-min(places) if places else 3):
                 self._blocks[id(t)] = (weakref.ref(t), places or standard(t), size, folds)
 
@@ -231,12 +233,9 @@ class SpatialGuard(TorchFunctionMode):
         trusted, ends = kind is not None, kind == "ends"
         blocks = self._blocks_in(args, {})
         form = None  # a pointwise convolution's input form, which its output keeps
-        if trusted and any(self.places(b) != standard(b) or self.folds(b) for b in blocks):
-            if not (getattr(module, "pointwise", False) and len(blocks) == 1
-                    and all(blocks[0].dim() + d >= 2 for d in self.places(blocks[0]))):  # fmt: skip
-                raise self.refuse(type(module).__name__, "it wants (N, C, *spatial) blocks",
-                                  module)  # fmt: skip
-            form = self.form(blocks[0])
+        if trusted and blocks:
+            with self.suspended():  # shapes read here need no rule
+                form = self._layer_form(module, blocks)
         if kind == "norm" and not blocks and self.comm.size > 1:
             self._normalize_whole(module)
         self._trusted += trusted
@@ -249,6 +248,17 @@ class SpatialGuard(TorchFunctionMode):
                             form))  # fmt: skip
         return args if whole else None
 
+    def _layer_form(self, module: nn.Module, blocks: list[Tensor]) -> Any:
+        """None for (N, C, *spatial) blocks, which every layer that takes blocks takes; the
+        form of a pointwise convolution's one block in another form (its output keeps it);
+        otherwise the refusal."""
+        if all(self.places(b) == standard(b) and not self.folds(b) for b in blocks):
+            return None
+        if not (getattr(module, "pointwise", False) and len(blocks) == 1
+                and all(blocks[0].dim() + d >= 2 for d in self.places(blocks[0]))):  # fmt: skip
+            raise self.refuse(type(module).__name__, "it wants (N, C, *spatial) blocks", module)
+        return self.form(blocks[0])
+
     def _leave_module(self, module: nn.Module, args: tuple, out: Any) -> Any:
         entry = self._stack.pop()
         if entry is None:
@@ -256,16 +266,16 @@ class SpatialGuard(TorchFunctionMode):
         _, trusted, blocks_out, size, whole, _, form = entry
         if id(module) in self._restore:
             module.use_communicators(*self._restore.pop(id(module)))
-        if trusted:
-            self._trusted -= 1
-            if self._off_stack is module:
-                self._off_stack = None
-                torch._C._push_on_torch_function_stack(self)
+        if trusted:  # marked while no rule runs (still trusted, or stepped aside)
             if form is not None:
                 self.mark(out, places=form[0], size=size, folds=form[1])
             elif blocks_out:  # a spatial layer's output size from its geometry; norms keep it
                 out_size = module.out_size(size) if size and hasattr(module, "out_size") else size
                 self.mark(out, size=out_size)
+            self._trusted -= 1
+            if self._off_stack is module:
+                self._off_stack = None
+                torch._C._push_on_torch_function_stack(self)
         if whole is not None:
             self._gathering -= 1
             self.warn_once(module, gathered_message(self.names[module], module, args, out))
@@ -300,13 +310,13 @@ class SpatialGuard(TorchFunctionMode):
             return func(*args, **kwargs)
         if entry is None:
             raise self.refuse(op_name(func), "it has no exact rule for blocks of split images")
-        if not entry.folds and any(self.folds(b) for b in blocks):
+        if not entry.folds and any(self._blocks[id(b)][3] for b in blocks):
             raise self.refuse(op_name(func), "it is given a window partition (spatial "
                               "dimensions folded into one), which only reshapes, permutes, "
                               "pointwise, linear and attention operations take")  # fmt: skip
         before = self.size_now, self.folds_now
-        self.size_now = self.size_of(blocks[0]) if blocks else None
-        self.folds_now = self.folds(blocks[0]) if blocks else ()
+        first = self._blocks[id(blocks[0])] if blocks else (None, None, None, ())
+        self.size_now, self.folds_now = first[2], first[3]
         try:
             return entry.fn(self, entry.normalize(self, Call(func, args, kwargs, blocks)))
         finally:
