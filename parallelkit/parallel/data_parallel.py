@@ -2,9 +2,10 @@
 
 ``DataParallel(module, comm)`` works like torch's DistributedDataParallel, over any
 communicator (gloo, NCCL, MPI, ...). At construction rank 0's parameters and buffers are
-broadcast. In backward each gradient is copied into a flat bucket buffer the moment autograd
-has accumulated it (``register_post_accumulate_grad_hook``); when a bucket is complete its
-all-reduce starts asynchronously while backward goes on with earlier layers. A callback at
+broadcast. In backward a hook counts each gradient the moment autograd has accumulated it
+(``register_post_accumulate_grad_hook``); when a bucket is complete its gradients are copied
+into its flat buffer in one operation and its all-reduce starts asynchronously while backward
+goes on with earlier layers. A callback at
 the end of backward waits for the buckets and copies the means back, so when
 ``loss.backward()`` returns every parameter's ``.grad`` is the mean over ranks.
 
@@ -210,16 +211,34 @@ class DataParallel(nn.Module):
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         self._arrival.append(i)
-        self._copy_in(i, p.grad)
-        k, _ = self._where[i]
-        self._missing[k] -= 1
+        self._ready[i] = True
+        self._missing[self._where[i][0]] -= 1
         self._launch_complete()
+
+    def _fill(self, k: int) -> None:
+        """Bucket k's gradients divided by the group size, in two operations for the bucket
+        where every parameter has a gradient of the wire dtype (one per parameter would cost
+        more than the copy on a fast device); otherwise parameter by parameter."""
+        bucket, flat = self._buckets[k], self._flat[k]
+        grads = [self._params[i].grad for i in bucket.params]
+        if not all(g is not None and g.dtype == flat.dtype for g in grads):
+            for i in bucket.params:
+                self._copy_in(i, self._params[i].grad)
+            return
+        torch._foreach_copy_([self._slots[i] for i in bucket.params], grads)
+        flat[: bucket.numel].mul_(self._scale(bucket.params[0]))
+        if self.find_unused_parameters:
+            flat[bucket.numel :] = 1.0
+
+    def _scale(self, i: int) -> float:
+        """What parameter i's gradient is multiplied by before the sum over its ranks."""
+        comm = self._comms[i]
+        return 1.0 / (self.replicas if comm is self.comm else comm.size)
 
     def _copy_in(self, i: int, grad: torch.Tensor | None) -> None:
         """Put ``grad / group size`` (zeros for no gradient) into parameter i's bucket slot."""
         k, slot = self._where[i]
-        view, comm = self._slots[i], self._comms[i]
-        scale = 1.0 / (self.replicas if comm is self.comm else comm.size)
+        view, scale = self._slots[i], self._scale(i)
         if grad is None:
             view.zero_()
         elif view.dtype == grad.dtype:
@@ -234,6 +253,7 @@ class DataParallel(nn.Module):
         """Start the all-reduces of complete buckets, in bucket order."""
         while len(self._works) < len(self._buckets) and self._missing[len(self._works)] == 0:
             k = len(self._works)
+            self._fill(k)
             comm = self._comms[self._buckets[k].params[0]]
             self._works.append(comm.all_reduce_async(self._flat[k], out=self._flat[k]))
 
@@ -250,8 +270,8 @@ class DataParallel(nn.Module):
                 "find_unused_parameters=True if the model does not use every parameter in "
                 "every step, or reduce_over={name: None} to leave a parameter out."
             )
-        for i in missing:  # a gradient accumulated under no_sync still counts
-            self._copy_in(i, self._params[i].grad)
+        # The buckets still waiting are filled as they are launched: a gradient accumulated
+        # under no_sync still counts, and none counts as zeros.
         for k in range(len(self._buckets)):
             self._missing[k] = 0
         self._launch_complete()

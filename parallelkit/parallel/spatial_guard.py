@@ -232,16 +232,15 @@ class SpatialGuard(TorchFunctionMode):
         kind = takes_blocks(module)
         trusted, ends = kind is not None, kind == "ends"
         blocks = self._blocks_in(args, {})
-        form = None  # a pointwise convolution's input form, which its output keeps
-        if trusted and blocks:
-            with self.suspended():  # shapes read here need no rule
-                form = self._layer_form(module, blocks)
         if kind == "norm" and not blocks and self.comm.size > 1:
             self._normalize_whole(module)
         self._trusted += trusted
         if trusted and self._off_stack is None and self._on_top():
             torch._C._pop_torch_function_stack()  # nothing to rule on inside: step aside
             self._off_stack = module
+        # A pointwise convolution's input form, which its output keeps; read while trusted
+        # (no rule runs for the shapes it reads). A refusal here ends this guard's forward.
+        form = self._layer_form(module, blocks) if trusted and blocks else None
         size = self.size_of(blocks[0]) if blocks else None
         folded = any(self.folds(b) for b in blocks)
         self._stack.append((module, trusted, bool(blocks) and not ends, size, whole, folded,
