@@ -29,9 +29,9 @@ from parallelkit.parallel.spatial_guard import SpatialGuard
 from cases import assert_triples, mismatches
 
 KINDS = [
-    "sdpa",  # the head all-to-all where the heads divide among the ranks, else gathered
-    "sdpa bias",  # a whole relative-position bias (h, L, L) as a float mask: rows cut
-    "sdpa causal",
+    "sdpa",  # the head all-to-all where the heads divide among the ranks, else the ring
+    "sdpa bias",  # a whole relative-position bias (h, L, L) as a float mask: the ring
+    "sdpa causal",  # the ring, with query blocks whose keys in a block are all masked
     "explicit",  # q @ k^T * scale + bias, softmax, @ v
     "map softmax",  # one softmax over the whole flattened (h, L, L) map: all-reduced
     "talking heads",  # 1x1 convolutions over the heads of the (h, L, L) map: local
@@ -69,7 +69,7 @@ def test_token_mixing_matches_dense_on_a_two_by_two_grid(ranks, kind):
     ("size", "grid", "shape", "heads"),
     [
         (4, dict(rows=4), (3, 9, 4), 4),  # the head all-to-all, uneven token blocks
-        (3, dict(rows=3), (3, 7, 4), 2),  # heads that do not divide: gathered
+        (3, dict(rows=3), (3, 7, 4), 2),  # heads that do not divide: the ring
         (2, dict(depth=2), (3, 3, 3, 2), 2),  # a volume's D * H * W tokens
         (2, dict(rows=2), (3, 9), 2),  # a signal's L
     ],
@@ -121,6 +121,16 @@ def test_patches_folded_after_the_channels(ranks, size, grid, shape):
                                   "xca"])  # fmt: skip
 def test_negative_control_own_tokens_only_do_not_match(ranks, kind):
     results = ranks(4).run(token_parity, kind, dict(rows=2, cols=2), IMAGE, 2, True, timeout=120)
+    bad = mismatches([(label, got, want, {}) for label, got, want in results[0]])
+    assert "output" in bad
+
+
+@pytest.mark.parametrize(("fault", "kind"), [("no shift", "sdpa"), ("no rescale", "sdpa bias")])
+def test_negative_control_the_ring_needs_its_shifts_and_its_rescaling(ranks, fault, kind):
+    """The ring attention (2 heads on 3 ranks) with its key/value blocks never passed on, or
+    its partial results added without their log-sum-exp weights, must not match."""
+    results = ranks(3).run(token_parity, kind, dict(rows=3), IMAGE, 2, False, fault,
+                           timeout=120)  # fmt: skip
     bad = mismatches([(label, got, want, {}) for label, got, want in results[0]])
     assert "output" in bad
 

@@ -9,7 +9,8 @@ against the dense network: outputs, the input's gradient and every parameter's g
 float64.
 
 ``broken``: the collectives that bring the other ranks' tokens replaced by this rank's own
-(attention over local keys only, a sum over local tokens only): the negative control.
+(attention over local keys only, a ring that passes nothing on, a sum over local tokens
+only): the negative control.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import nn
 
 import parallelkit as pk
 from parallelkit.comm import Communicator
+from parallelkit.spatial import ring_attention as ring
 from parallelkit.spatial.rules import tokens, windows
 
 Triple = tuple[str, torch.Tensor, torch.Tensor]
@@ -153,10 +155,12 @@ class TokenNet(nn.Module):
 
 def token_parity(
     comm: Communicator, kind: str, grid: dict, shape: tuple, heads: int = 2,
-    broken: bool = False,
+    broken: bool = False, ring_fault: str | None = None,
 ) -> list[Triple]:  # fmt: skip
     """The parallelized TokenNet(kind) against the dense one on a batch of 2 samples of
-    ``shape`` (C, *spatial)."""
+    ``shape`` (C, *spatial). ``ring_fault``: the ring attention with a fault (negative
+    controls): "no shift" (each rank's keys and values never leave it) or "no rescale"
+    (partial results added without their log-sum-exp weights)."""
     torch.manual_seed(0)
     dense = TokenNet(kind, len(shape) - 1, heads=heads, size=shape[1:]).double()
     g = pk.Grid(comm, **grid)
@@ -172,6 +176,10 @@ def token_parity(
             stack.enter_context(mock.patch.object(tokens.layout, "summed", lambda t, _: t))
             stack.enter_context(mock.patch.object(windows, "fetch", _halo_off_by_one))
             stack.enter_context(mock.patch.object(windows, "_plane", _block_numbers))
+        if ring_fault == "no shift" or broken:
+            stack.enter_context(mock.patch.object(ring, "_shift", lambda c, ts, n: list(ts)))
+        if ring_fault == "no rescale":
+            stack.enter_context(mock.patch.object(ring, "_merge", _sum_unweighted))
         y_mine = model(x_mine)
         y_mine.square().sum().backward()
     out = [("output", y_mine.detach(), y.detach())]
@@ -184,6 +192,11 @@ def token_parity(
             got = p.grad if p.grad is not None else torch.zeros_like(p)
             out.append((f"{key} grad", got, wanted[key].grad))
     return out
+
+
+def _sum_unweighted(out, lse, out_s, lse_s):  # type: ignore[no-untyped-def]
+    """The negative control of the ring's merge: partial attentions added as they are."""
+    return out + out_s, torch.logaddexp(lse, lse_s)
 
 
 def _own_tokens(g, t, whole_out=False):  # type: ignore[no-untyped-def]

@@ -172,8 +172,8 @@ def attention(g: Guard, call: Call) -> Tensor:
     local where query, key and value are blocks of one layout whose spatial dimensions are
     all batch dimensions; a whole mask of every window is cut to this rank's windows. Over a
     token dimension (global attention over H x W tokens, MaxViT's grid): ``tokens``, with
-    the head all-to-all or gathered keys and values. With dropout, or over one spatial
-    dimension of several: refused."""
+    the head all-to-all, the ring, or gathered keys and values. With dropout, or over one
+    spatial dimension of several: refused."""
     q, k, v, mask = call["query"], call["key"], call["value"], call["attn_mask"]
     form = g.form(q) if g.is_split(q) else None
     blocks = (q, k, v, mask) if g.is_split(mask) else (q, k, v)

@@ -7,13 +7,17 @@ partition. Each rank holds a box of the whole token index space
 (:func:`parallelkit.spatial.token_comm.token_orders`). On such blocks:
 
 - **Softmax attention** (``F.scaled_dot_product_attention``; ``q @ k.transpose(-2, -1)``,
-  ``softmax``, ``@ v``; the same by ``einsum``): queries stay on their rank. Keys and values
-  come to every rank, either all-gathered and put in the whole order (``"gather"``: the
-  scores' columns are then the whole samples' keys, so a whole mask or relative-position
-  bias needs only its rows cut to this rank's queries), or, for ``scaled_dot_product_attention``
-  where the heads divide among the ranks, by the head all-to-all of DeepSpeed-Ulysses
-  (``"heads"``: each rank then attends for its share of the heads over every token, with 1/P
-  of the keys and values; two all-to-alls forward, two backward).
+  ``softmax``, ``@ v``; the same by ``einsum``): queries stay on their rank. For
+  ``scaled_dot_product_attention`` of queries, keys and values split alike (self-attention):
+  where the heads divide among the ranks and no mask is given, the head all-to-all of
+  DeepSpeed-Ulysses (each rank then attends for its share of the heads over every token, with
+  1/P of the keys and values; two all-to-alls forward, two backward); otherwise the ring
+  (:mod:`parallelkit.spatial.ring_attention`: key/value blocks passed around, partial results
+  merged by their log-sum-exp; never more than two key/value blocks on a rank), with a whole
+  mask or bias cut to this rank's query rows. Otherwise (the explicit pattern, keys and values
+  of another map, such as Segformer's pooled ones, or whole queries) the keys and values are
+  all-gathered and put in the whole order: the scores' columns are then the whole samples'
+  keys, so a whole mask or bias needs only its rows cut.
 - **Contractions over tokens** (``k.transpose(-2, -1) @ v`` of linear attention,
   cross-covariance ``q.transpose(-2, -1) @ k``, a whole (M, L) matrix times a block): a local
   product of this rank's tokens, all-reduced; the result is whole.
@@ -36,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from parallelkit.spatial import layout, token_comm
+from parallelkit.spatial.ring_attention import ring_attention
 from parallelkit.spatial.rules.registry import Call, Guard, rule, whole_size
 
 
@@ -142,6 +147,11 @@ def attention(g: Guard, call: Call) -> Tensor | None:
             and heads >= g.grid.comm.size > 1 and heads % g.grid.comm.size == 0
             and _same_tokens(g, q, k)):  # fmt: skip
         return _like(g, _by_heads(g, q, k, v, call["scale"]), q)
+    if (mine and not call["enable_gqa"] and _same_tokens(g, q, k)
+            and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]):  # fmt: skip
+        columns = _orders(g, k)[0]
+        y = ring_attention(q, k, v, g.grid.comm, columns, mask, call["scale"])
+        return _like(g, y, q)
     k_w, v_w = whole_tokens(g, k, not mine), whole_tokens(g, v, not mine)
     y = F.scaled_dot_product_attention(q, k_w, v_w, mask, 0.0, causal, **kw)
     return _like(g, y, q) if mine else y
