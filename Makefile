@@ -106,7 +106,7 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check parallelkit tests benchmarks examples
 
 test-py: $(VENV)/.installed
-	$(PY) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
+	$(PY) -m pytest -q --durations=60 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 test-mpi: $(VENV)/.installed
 	for n in 1 2 3 4; do \

@@ -16,9 +16,10 @@ scores or the whole keys and values that gathering them would hold. Time: P - 1 
 forward and P backward, one after the other, against one all-gather and one reduce-scatter.
 
 Shapes: q (.., L_r, d), k (.., Lk_r, d), v (.., Lk_r, e) with the same leading dimensions;
-``mask`` (.., L_r, Lk) broadcastable to the scores, this rank's query rows and every key's
-column in the whole order, boolean (True: attend) or additive; ``columns[s]`` the whole key
-indices rank s holds, in its block's order.
+``sizes[s]`` the number of keys rank s holds; ``mask`` (.., L_r, Lk) broadcastable to the
+scores, this rank's query rows and every key's column, the columns in rank order (rank 0's
+keys, then rank 1's, ...: each step's columns are then a slice, not a copy), boolean (True:
+attend) or additive.
 """
 
 from __future__ import annotations
@@ -39,22 +40,25 @@ def ring_attention(
     k: Tensor,
     v: Tensor,
     comm: Communicator,
-    columns: Sequence[Tensor],
+    sizes: Sequence[int],
     mask: Tensor | None = None,
     scale: float | None = None,
 ) -> Tensor:
-    """``F.scaled_dot_product_attention(q, k_whole, v_whole, mask)`` for this rank's queries,
-    with the keys and values passed around the ring (see the module docstring)."""
+    """``F.scaled_dot_product_attention(q, k_all, v_all, mask)`` for this rank's queries, with
+    the keys and values passed around the ring (see the module docstring)."""
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _RingAttention.apply(q, k, v, mask, comm, tuple(columns), scale)
+    keys = tuple((sum(sizes[:r]), n) for r, n in enumerate(sizes))  # (start, count) per rank
+    return _RingAttention.apply(q, k, v, mask, comm, keys, scale)
 
 
-def _scores(q: Tensor, k: Tensor, mask: Tensor | None, columns: Tensor, scale: float) -> Tensor:
-    """This rank's queries against one key block: (.., L_r, Lk_s), masked as SDPA masks."""
+def _scores(q: Tensor, k: Tensor, mask: Tensor | None, keys: tuple[int, int],
+            scale: float) -> Tensor:  # fmt: skip
+    """This rank's queries against the key block at ``keys`` (start, count) of the mask's
+    columns: (.., L_r, Lk_s), masked as SDPA masks."""
     s = (q @ k.transpose(-2, -1)) * scale
     if mask is None:
         return s
-    m = mask.index_select(-1, columns)
+    m = mask.narrow(-1, *keys)
     return s.masked_fill(~m, -math.inf) if m.dtype == torch.bool else s + m
 
 
@@ -82,18 +86,18 @@ def _shift(comm: Communicator, tensors: Sequence[Tensor], tokens: int) -> list[T
 
 class _RingAttention(Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, comm, columns, scale):  # type: ignore[override]
+    def forward(ctx, q, k, v, mask, comm, keys, scale):  # type: ignore[override]
         rank, size = comm.rank, comm.size
         k_s, v_s, out, lse = k, v, None, None
         for step in range(size):
             src = (rank - step) % size  # whose keys and values this rank holds now
-            s = _scores(q, k_s, mask, columns[src], scale)
+            s = _scores(q, k_s, mask, keys[src], scale)
             lse_s = torch.logsumexp(s, -1)
             out_s = (s - _finite(lse_s).unsqueeze(-1)).exp() @ v_s
             out, lse = (out_s, lse_s) if out is None else _merge(out, lse, out_s, lse_s)
             if step < size - 1:
-                k_s, v_s = _shift(comm, (k_s, v_s), len(columns[(src - 1) % size]))
-        ctx.comm, ctx.columns, ctx.scale = comm, columns, scale
+                k_s, v_s = _shift(comm, (k_s, v_s), keys[(src - 1) % size][1])
+        ctx.comm, ctx.keys, ctx.scale = comm, keys, scale
         ctx.save_for_backward(q, k, v, mask, out, lse)
         return out
 
@@ -101,7 +105,7 @@ class _RingAttention(Function):
     @once_differentiable
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, mask, out, lse = ctx.saved_tensors
-        comm, columns, scale = ctx.comm, ctx.columns, ctx.scale
+        comm, keys, scale = ctx.comm, ctx.keys, ctx.scale
         rank, size = comm.rank, comm.size
         mask_grad = mask is not None and ctx.needs_input_grad[3]
         dmask = torch.zeros_like(mask) if mask_grad else None
@@ -110,16 +114,16 @@ class _RingAttention(Function):
         k_s, v_s, dk_s, dv_s = k, v, torch.zeros_like(k), torch.zeros_like(v)
         for step in range(size):
             src = (rank - step) % size
-            p = (_scores(q, k_s, mask, columns[src], scale) - _finite(lse).unsqueeze(-1)).exp()
+            p = (_scores(q, k_s, mask, keys[src], scale) - _finite(lse).unsqueeze(-1)).exp()
             ds = p * (dout @ v_s.transpose(-2, -1) - delta)  # the scores' gradient
             dq += (ds @ k_s) * scale
             dk_s += (ds.transpose(-2, -1) @ q) * scale
             dv_s += p.transpose(-2, -1) @ dout
             if dmask is not None:
-                shape = (*mask.shape[:-1], ds.shape[-1])
-                dmask.index_add_(-1, columns[src], ds.sum_to_size(shape))
+                part = dmask.narrow(-1, *keys[src])
+                part += ds.sum_to_size(part.shape)
             if step < size - 1:  # the gradients travel with their keys and values
-                tokens = len(columns[(src - 1) % size])
+                tokens = keys[(src - 1) % size][1]
                 k_s, v_s, dk_s, dv_s = _shift(comm, (k_s, v_s, dk_s, dv_s), tokens)
         # Each rank now holds the whole gradient of the next rank's block: one more shift.
         dk, dv = _shift(comm, (dk_s, dv_s), k.shape[-2]) if size > 1 else (dk_s, dv_s)

@@ -149,9 +149,11 @@ def attention(g: Guard, call: Call) -> Tensor | None:
         return _like(g, _by_heads(g, q, k, v, call["scale"]), q)
     if (mine and not call["enable_gqa"] and _same_tokens(g, q, k)
             and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]):  # fmt: skip
-        columns = _orders(g, k)[0]
-        y = ring_attention(q, k, v, g.grid.comm, columns, mask, call["scale"])
-        return _like(g, y, q)
+        orders, where = _orders(g, k)
+        if isinstance(mask, Tensor) and where is not None:  # its columns in rank order
+            mask = mask.index_select(-1, torch.cat(orders))
+        sizes = [len(o) for o in orders]
+        return _like(g, ring_attention(q, k, v, g.grid.comm, sizes, mask, call["scale"]), q)
     k_w, v_w = whole_tokens(g, k, not mine), whole_tokens(g, v, not mine)
     y = F.scaled_dot_product_attention(q, k_w, v_w, mask, 0.0, causal, **kw)
     return _like(g, y, q) if mine else y
