@@ -141,6 +141,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/model_parallel.py
 	$(PY) benchmarks/spatial_resnet.py
 	$(PY) benchmarks/spatial_volume.py
+	$(PY) benchmarks/token_mixing.py
 	$(PY) benchmarks/train.py
 	$(PY) benchmarks/startup.py
 	$(PY) benchmarks/plan_vs_measured.py

@@ -353,3 +353,24 @@ def test_data_parallel_efficiency_rows() -> None:
     table = dp.scaling_table(list(scaled.values()))
     assert "| 32x32 | 2 | 200 | 110 | 1.82 | pk | 120 | 1.67 | 0.92 (goal >= 0.9: met) |" in table
     assert "| ddp | 125 | 1.60 | 0.88 (goal >= 0.9: MISSED) |" in table
+
+
+def test_token_mixing_compares_each_path_with_its_dense_network() -> None:
+    """The ring against the dense network with the same bias; memory against an even share
+    of that network's, the most of the two ranks (rank 1 runs no dense step)."""
+    import token_mixing
+
+    def mem(largest: float, saved: float) -> dict:
+        return {"largest_mib": largest, "saved_mib": saved}
+
+    ms = {"dense": 100.0, "heads": 60.0, "dense, bias": 200.0, "ring": 120.0, "gather": 110.0}
+    shared = {"heads": mem(5, 10), "ring": mem(10, 20), "gather": mem(10, 20)}
+    dense = {"dense": mem(10, 20), "dense, bias": mem(20, 40)}
+    row = {"case": "volume", "side": 8, "tokens": 1, "ms": ms}
+    ranks = [{"rows": [{**row, "memory": {**dense, **shared}}]},
+             {"rows": [{**row, "memory": {**shared, "ring": mem(11, 22)}}]}]  # fmt: skip
+    env = {"command": "c", "cpu": "x", "nproc": "2", "python": "3", "torch": "t", "date": "d"}
+    md = token_mixing.report(token_mixing.Config(), ranks, env)
+    assert "| heads | 60 | 0.60 | 5.0 | 1.00 | 10.0 | 1.00 |" in md
+    assert "| ring | 120 | 0.60 | 11.0 | 1.10 | 22.0 | 1.10 |" in md
+    assert "| gather | 110 | 1.10 | 10.0 | 2.00 | 20.0 | 2.00 |" in md
