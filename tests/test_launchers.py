@@ -176,6 +176,40 @@ def test_cpu_ranks_are_forks_of_the_launcher(monkeypatch, backend, cuda, variabl
         assert seen[1].forked() == 0 and ran == [["train", "a=1"]]
 
 
+_ZARR_THEN_FORK = """
+import os, sys
+import numpy as np, zarr
+from parallelkit.train import launch
+from parallelkit.train.rankproc import other_threads
+z = zarr.create_array(sys.argv[1], shape=(4, 4), dtype="f4")
+z[:] = np.arange(16, dtype="f4").reshape(4, 4)  # the launcher's checks read a store so
+started = other_threads()
+launch.stop_library_threads()
+print(started, other_threads(), launch.how_ranks_start("gloo", False)[0])
+pid = os.fork()
+if pid == 0:  # a forked rank reads and writes the store again
+    z = zarr.open_array(sys.argv[1])
+    z[0, 0] = 100.0
+    os._exit(0 if float(z[:].sum()) == 220.0 else 1)
+print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), float(zarr.open_array(sys.argv[1])[0, 0]))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks are forked on Linux")
+def test_zarrs_threads_stopped_after_the_checks_let_the_ranks_be_forks(tmp_path):
+    # Reading a zarr store starts zarr's IO thread and its executor; the launcher stops them
+    # after its checks, so the ranks are forks (not new processes, each importing torch again),
+    # and zarr starts its threads again in a fork that reads the store.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", _ZARR_THEN_FORK, str(tmp_path / "a.zarr")],
+                          capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    threads, after, forked = proc.stdout.split()[:3]
+    assert int(threads) > 0  # not vacuous: zarr did start threads
+    assert (int(after), forked) == (0, "True")
+    assert proc.stdout.split()[3:] == ["0", "100.0"]
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks are forked on Linux")
 def test_a_launcher_running_threads_starts_new_processes(monkeypatch):
     # A fork copies only the thread that forks: with any other thread running (OpenMP's pool,

@@ -38,6 +38,7 @@ import os
 import shutil
 import socket
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -154,6 +155,7 @@ def launch(
     env.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores
     processes = command[: len(PACKAGE_CLI)] == PACKAGE_CLI  # else mpiexec
     cuda = processes and cuda_available()
+    stop_library_threads()
     fork, how = how_ranks_start(backend, cuda) if processes else (False, "mpiexec")
     env[STARTED] = f"{ranks} local ranks started by parallelkit ({how}): {launcher.detect().why}"
     if backend == "auto" and processes and mpi_available() and not cuda:
@@ -201,6 +203,20 @@ def how_ranks_start(backend: str, cuda: bool) -> tuple[bool, str]:
         return False, (f"processes, not forks: the launcher runs {threads + 1} threads, which "
                        "a fork would not copy")  # fmt: skip
     return True, "forked processes"
+
+
+def stop_library_threads() -> None:
+    """Stop the threads that the launcher's checks started in a library that can stop them, so
+    that the ranks can be forks: zarr's IO loop and its executor (the checks read the data's
+    stores; zarr starts them again when it next needs them, in the launcher or a rank)."""
+    sync = sys.modules.get("zarr.core.sync")
+    if sync is None or not hasattr(sync, "cleanup_resources"):
+        return
+    sync.cleanup_resources()
+    # The loop's own executor threads were told to stop, not waited for: a moment to exit.
+    deadline = time.monotonic() + 1.0
+    while other_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def checks_on_one_thread(cfg: Config) -> int | None:
