@@ -201,9 +201,11 @@ def predict(argv: list[str]) -> int:
         if not saved.is_file():
             raise ValueError(f"train.run_dir={runs[-1]} is not a run: it has no config.yaml")
         cfg = config.load(str(saved), args.overrides)
+        restore = None
         if ranked:
             startup.check_mpi_world(cfg.parallel.backend, job)
         else:
+            restore = launch.checks_on_one_thread(cfg)  # the ranks may then be forks
             predicting.check(cfg, cfg.parallel.ranks)
             command = launch.local_command(cfg, argv, "predict")
     except ValueError as e:
@@ -220,6 +222,8 @@ def predict(argv: list[str]) -> int:
         except DataError as e:
             exit_now(REFUSED, f"parallelkit predict: error: {one_line(e)}")
         return 0
+    if command is None and restore is not None:
+        torch.set_num_threads(restore)  # one rank, run here: the threads asked for
     return run_or_launch("predict", predicting.run, cfg, command)
 
 

@@ -5,9 +5,9 @@ communicator (gloo, NCCL, MPI, ...). At construction rank 0's parameters and buf
 broadcast. In backward a hook counts each gradient the moment autograd has accumulated it
 (``register_post_accumulate_grad_hook``); when a bucket is complete its gradients are copied
 into its flat buffer in one operation and its all-reduce starts asynchronously while backward
-goes on with earlier layers. A callback at
-the end of backward waits for the buckets and copies the means back, so when
-``loss.backward()`` returns every parameter's ``.grad`` is the mean over ranks.
+goes on with earlier layers. A callback at the end of backward waits for the buckets and
+copies the means back, so when ``loss.backward()`` returns every parameter's ``.grad`` is the
+mean over ranks.
 
 Buckets are launched strictly in bucket order on every rank (collectives are matched by
 order), so a bucket that completes early waits for the ones before it. They start in reverse
