@@ -137,19 +137,21 @@ def train(argv: list[str]) -> int:
     if cfg.parallel.backend == "xla":
         launch.launch_xla(cfg)
         return 0
-    if command is None and restore is not None:
-        torch.set_num_threads(restore)  # one rank, run here: the threads asked for
-    return run_or_launch("train", trainer.run, cfg, command)
+    return run_or_launch("train", trainer.run, cfg, command, restore)
 
 
-def run_or_launch(name: str, run, cfg, command: list[str] | None) -> int:
+def run_or_launch(name: str, run, cfg, command: list[str] | None, threads: int | None) -> int:
     """``parallelkit NAME``'s ranks after the launcher's checks: ``run(cfg)`` in this process
-    (``command`` None: one rank), or the local ranks started and supervised; the exit status."""
+    (``command`` None: one rank), or the local ranks started and supervised; the exit status.
+    ``threads``: the OpenMP thread count the checks ran without (``checks_on_one_thread``),
+    given back to a rank run here."""
     from parallelkit.data.errors import one_line
     from parallelkit.train import launch, procs
     from parallelkit.train.agree import Stop
 
     if command is None:  # one rank, in this process
+        if threads is not None:
+            torch.set_num_threads(threads)  # the threads asked for
         try:
             run(cfg)
         except (ValueError, Stop) as e:
@@ -222,9 +224,7 @@ def predict(argv: list[str]) -> int:
         except DataError as e:
             exit_now(REFUSED, f"parallelkit predict: error: {one_line(e)}")
         return 0
-    if command is None and restore is not None:
-        torch.set_num_threads(restore)  # one rank, run here: the threads asked for
-    return run_or_launch("predict", predicting.run, cfg, command)
+    return run_or_launch("predict", predicting.run, cfg, command, restore)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -247,7 +247,6 @@ class DataParallel(nn.Module):
             view.copy_(grad).mul_(scale)
         if self.find_unused_parameters:
             self._flat[k][self._buckets[k].numel + slot] = 0.0 if grad is None else 1.0
-        self._ready[i] = True
 
     def _launch_complete(self) -> None:
         """Start the all-reduces of complete buckets, in bucket order."""

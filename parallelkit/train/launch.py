@@ -38,6 +38,7 @@ import os
 import shutil
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -210,12 +211,14 @@ def stop_library_threads() -> None:
     that the ranks can be forks: zarr's IO loop and its executor (the checks read the data's
     stores; zarr starts them again when it next needs them, in the launcher or a rank)."""
     sync = sys.modules.get("zarr.core.sync")
-    if sync is None or not hasattr(sync, "cleanup_resources"):
-        return
+    running = sync is not None and getattr(sync, "loop", [None])[0] is not None
+    if not running or not hasattr(sync, "cleanup_resources"):
+        return  # zarr not imported, or it runs no loop
     sync.cleanup_resources()
-    # The loop's own executor threads were told to stop, not waited for: a moment to exit.
+    # The loop's own executor threads were told to stop, not waited for: a moment for them to
+    # exit. They are Python threads: an OpenMP pool, which stays, costs no wait.
     deadline = time.monotonic() + 1.0
-    while other_threads() and time.monotonic() < deadline:
+    while threading.active_count() > 1 and time.monotonic() < deadline:
         time.sleep(0.01)
 
 
