@@ -123,23 +123,47 @@ def test_debug_and_timeout_come_from_the_environment(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("backend", "mpi", "cuda", "says"),
-    [("auto", True, False, True), ("gloo", True, False, False), ("auto", False, False, False),
-     ("auto", True, True, False)],
+    ("backend", "mpich", "cuda", "says"),
+    [("auto", True, False, "; MPI, started by the launcher itself: every socket on loopback"),
+     ("mpi", True, False, "; MPI, started by the launcher itself: every socket on loopback"),
+     ("auto", False, False, "; gloo (pip install mpi4py mpich: MPI is faster on CPUs)"),
+     ("gloo", True, False, ""), ("auto", True, True, "")],
 )  # fmt: skip
-def test_the_header_says_why_local_ranks_use_gloo(monkeypatch, backend, mpi, cuda, says):
-    # The launcher's line of the run's header names the transport auto chose for local ranks,
-    # and the faster one it passed over, only where MPI would run and the ranks use gloo.
+def test_the_header_names_the_local_ranks_transport(monkeypatch, backend, mpich, cuda, says):
+    # The launcher's line of the run's header says which transport auto chose for local ranks:
+    # MPI where mpi4py and MPICH are installed, on CPUs; gloo, and the faster one, otherwise.
     from parallelkit.train import launch
 
     seen = {}
-    monkeypatch.setattr(launch, "mpi_available", lambda: mpi)
+    monkeypatch.setattr(launch, "mpich_available", lambda: mpich)
     monkeypatch.setattr(launch, "cuda_available", lambda: cuda)
     monkeypatch.setattr(
         launch, "supervise", lambda children, **_: seen.update(children[0].env) or 0
     )
     assert launch.launch([*launch.PACKAGE_CLI, "train"], 2, backend) == 0
-    assert ("parallel.backend=mpi is faster" in seen[launch.STARTED]) == says
+    assert seen[launch.STARTED].endswith("are set" + says), seen[launch.STARTED]
+    assert ("PMI_RANK" in seen) == bool(says.startswith("; MPI"))
+
+
+def test_local_mpi_ranks_get_the_launchers_pmi_and_torchruns_numbers(monkeypatch):
+    # Each MPI rank: its end of a socket pair (PMI_FD, kept by a new process), MPI's and
+    # torchrun's numbers, which agree, and no store: it is MPI's rank, not torchrun's.
+    from parallelkit.comm import launcher
+    from parallelkit.train import launch
+
+    seen = []
+    monkeypatch.setattr(launch, "mpich_available", lambda: True)
+    monkeypatch.setattr(launch, "other_threads", lambda: 0)
+    monkeypatch.setattr(launch, "supervise", lambda children, **_: seen.extend(children) or 0)
+    assert launch.launch([*launch.PACKAGE_CLI, "train"], 3, "auto", entry=lambda a: 0) == 0
+    for rank, child in enumerate(seen):
+        assert child.env["PMI_FD"] == str(child.fds[0]) and child.forked is not None
+        assert child.env["PMI_RANK"] == child.env["RANK"] == str(rank)
+        assert child.env["PMI_SIZE"] == child.env["WORLD_SIZE"] == "3"
+        assert "MASTER_PORT" not in child.env
+        job = launcher.detect(child.env)
+        assert (job.name, job.rank, job.world) == ("mpiexec", rank, 3)
+    assert len({c.fds[0] for c in seen}) == 3
 
 
 @pytest.mark.parametrize(
@@ -160,6 +184,7 @@ def test_cpu_ranks_are_forks_of_the_launcher(monkeypatch, backend, cuda, variabl
         monkeypatch.setenv(launch.FORK_RANKS, variable)
     seen = []
     monkeypatch.setattr(launch, "cuda_available", lambda: cuda)
+    monkeypatch.setattr(launch, "mpich_available", lambda: False)  # gloo's ranks here
     monkeypatch.setattr(launch, "other_threads", lambda: 0)  # pytest's threads are not the point
     monkeypatch.setattr(launch, "supervise", lambda children, **_: seen.extend(children) or 0)
     ran = []

@@ -55,12 +55,14 @@ request and check of :func:`die_with_launcher`, with nothing imported, then ``MO
 @dataclass
 class Child:
     """One process to start: its command, environment and the name used in messages; with
-    ``forked``, a fork of this process that runs ``forked()`` (its exit status) in ``env``."""
+    ``forked``, a fork of this process that runs ``forked()`` (its exit status) in ``env``.
+    ``fds``: descriptors a new process keeps (a fork keeps all)."""
 
     command: list[str]
     env: dict[str, str]
     name: str
     forked: Callable[[], int] | None = None
+    fds: tuple[int, ...] = ()
 
 
 def rank_command(command: list[str]) -> list[str]:
@@ -76,7 +78,7 @@ def start(child: Child) -> subprocess.Popen | Forked:
     if child.forked is not None:
         return Forked(child)
     command = rank_command(child.command) if LAUNCHER_PID in child.env else child.command
-    return subprocess.Popen(command, env=child.env, start_new_session=True)
+    return subprocess.Popen(command, env=child.env, start_new_session=True, pass_fds=child.fds)
 
 
 def other_threads() -> int:

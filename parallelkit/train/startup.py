@@ -146,10 +146,11 @@ def join(cfg) -> Communicator:
 
 
 def check_mpi_world(backend: str, job: launcher.Launcher) -> None:
-    """Under an srun step whose ranks would use MPI: MPI's world must be the step's tasks, or a
-    ``ValueError`` (MPI started without PMI sees each task alone, and each would train alone).
-    Initializes MPI, as ``pk.init`` would next."""
-    if job.name != "srun" or (backend if backend != "auto" else detect_backend()) != "mpi":
+    """Under an srun step or MPI launcher whose ranks would use MPI: MPI's world must be the
+    launcher's, or a ``ValueError`` (MPI started without its launcher's PMI sees each rank
+    alone, and each would train alone). Initializes MPI, as ``pk.init`` would next."""
+    used = backend if backend != "auto" else detect_backend()
+    if job.name not in ("srun", "mpiexec") or used != "mpi":
         return
     try:
         from mpi4py import MPI
