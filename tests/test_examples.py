@@ -16,11 +16,15 @@ from PIL import Image
 
 from parallelkit import models
 from parallelkit.testing import free_port
+from parallelkit.train.launch import mpich_available
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 QUIET = ["train.progress=false", "train.tensorboard=false", "parallel.timeout=120"]
+
+# What 2 local ranks run on: MPI where mpi4py and MPICH are installed (the test venv), else gloo.
+LOCAL = "2 (mpi)" if mpich_available() else "2 (gloo)"
 
 
 def test_digits_allreduce_learns_on_two_ranks():
@@ -63,7 +67,7 @@ def test_resnet_digits(tmp_path):
     table = train_example(
         "resnet_digits", tmp_path, "model.width=8", "data.image_size=16", "train.max_steps=2"
     )
-    assert table["ranks"] == "2 (gloo)"
+    assert table["ranks"] == LOCAL
     assert table["grid (data x depth x rows x cols x channel)"] == "2 x 1 x 1 x 1 x 1"
     assert table["steps"] == "2" and table["test accuracy"].endswith("%")
     assert [r["count"] for r in records(tmp_path, "eval")] == [359]  # every test image once
@@ -103,7 +107,7 @@ def test_channel_parallel(tmp_path):
 def test_dcgan(tmp_path):
     pytest.importorskip("sklearn")
     table = train_example("dcgan", tmp_path, "model.width=8", "train.max_steps=2")
-    assert table["ranks"] == "2 (gloo)" and "train loss_g" in table
+    assert table["ranks"] == LOCAL and "train loss_g" in table
     with Image.open(tmp_path / "samples" / "epoch-001.png") as grid:
         assert grid.size == (8 * 32, 8 * 32)  # 8x8 samples of 32x32
     # The grid the README shows is in the folder.

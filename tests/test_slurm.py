@@ -20,6 +20,7 @@ from parallelkit.comm import detect_backend
 from parallelkit.comm.launcher import Launcher, detect, first_host, torch_variables
 from parallelkit.testing import free_port
 from parallelkit.train import keys
+from parallelkit.train.launch import mpich_available
 
 BATCH = {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "0", "SLURM_NTASKS": "4",
          "SLURM_JOB_NODELIST": "localhost"}  # fmt: skip
@@ -166,7 +167,7 @@ def test_batch_script_runs_the_local_ranks_it_was_asked_for(tmp_path):
     proc = cli("train", f"train.run_dir={tmp_path / 'run'}", "parallel.ranks=2", *TINY,
                env=clean_env(**BATCH), cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "2 ranks (gloo)" in proc.stdout, proc.stdout
+    assert f"2 ranks ({'mpi' if mpich_available() else 'gloo'})" in proc.stdout, proc.stdout
     assert "2 local ranks started by parallelkit" in proc.stdout
     assert "Slurm batch script" in proc.stdout
 
