@@ -157,13 +157,21 @@ def mpich_available() -> bool:
     return shutil.which("mpichversion", path=str(Path(mpiexec).parent)) is not None
 
 
-def local_mpi(backend: str, cuda: bool) -> bool:
+def local_mpi(backend: str, cuda: bool, ranks: int) -> bool:
     """Whether the local ranks the launcher starts use MPI over its own PMI: asked for with
     MPICH installed, or ``auto`` on CPUs where it is (5-10 us a small all-reduce against
-    gloo's 1 ms; every socket stays on loopback, as gloo's)."""
+    gloo's 1 ms; every socket stays on loopback, as gloo's) and the ranks have a core each:
+    MPICH waits by spinning, which would take the cores of the ranks that compute."""
     if backend == "mpi":
         return mpich_available()
-    return backend == "auto" and not cuda and mpich_available()
+    return backend == "auto" and not cuda and ranks <= cores() and mpich_available()
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def launch(
@@ -182,12 +190,14 @@ def launch(
     env.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores
     processes = command[: len(PACKAGE_CLI)] == PACKAGE_CLI  # else mpiexec
     cuda = processes and cuda_available()
-    mpi = processes and local_mpi(backend, cuda)
+    mpi = processes and local_mpi(backend, cuda, ranks)
     stop_library_threads()
     fork, how = how_ranks_start(backend, cuda) if processes else (False, "mpiexec")
     env[STARTED] = f"{ranks} local ranks started by parallelkit ({how}): {launcher.detect().why}"
     if mpi:
         env[STARTED] += "; MPI, started by the launcher itself: every socket on loopback"
+    elif backend == "auto" and processes and not cuda and ranks > cores():
+        env[STARTED] += f"; gloo, which waits without spinning: {ranks} ranks on {cores()} cores"
     elif backend == "auto" and processes and not cuda:
         env[STARTED] += "; gloo (pip install mpi4py mpich: MPI is faster on CPUs)"
     startup = Startup(ranks, timeout) if timeout is not None else None
