@@ -144,6 +144,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/token_mixing.py
 	$(PY) benchmarks/train.py
 	$(PY) benchmarks/startup.py
+	$(PY) benchmarks/transport.py
 	$(PY) benchmarks/plan_vs_measured.py
 
 # The peers side by side (~3 min, plus ~2 min to create .venv-chainer the first time):

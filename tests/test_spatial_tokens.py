@@ -37,6 +37,7 @@ KINDS = [
     "talking heads",  # 1x1 convolutions over the heads of the (h, L, L) map: local
     "tensor unfold",  # Tensor.unfold along H and W: windows with a halo from the neighbours
     "F.unfold",  # im2col: a convolution's halo, the positions a token dimension
+    "F.fold",  # col2im: a one-hot transposed convolution, the halo rows' sums sent back
     "einsum",
     "linear attention",  # k^T v over tokens: an all-reduce of a (d x d) matrix
     "pooling queries",  # whole learned queries attending to every token
@@ -115,7 +116,7 @@ def test_patches_folded_after_the_channels(ranks, size, grid, shape):
 
 
 @pytest.mark.parametrize("kind", ["sdpa", "einsum", "talking heads", "tensor unfold",
-                                  "F.unfold", "linear attention",
+                                  "F.unfold", "F.fold", "linear attention",
                                   "pooling queries",
                                   "token mlp", "flatten linear", "token pool", "gc context",
                                   "xca"])  # fmt: skip

@@ -26,6 +26,7 @@ from torch import nn
 import parallelkit as pk
 from parallelkit.comm import Communicator
 from parallelkit.spatial import ring_attention as ring
+from parallelkit.spatial.conv import transposed_out_size
 from parallelkit.spatial.rules import tokens, windows
 
 Triple = tuple[str, torch.Tensor, torch.Tensor]
@@ -62,6 +63,7 @@ class TokenNet(nn.Module):
         self.patch_norm, self.patch_qkv = nn.GroupNorm(1, c), nn.Conv2d(c, 1 + 2 * c, 1)
         self.window_w, self.cols_proj = nn.Parameter(torch.randn(3, 4)), nn.Linear(9 * c, c)
         self.pool_i, self.unpool = nn.MaxPool2d(2, return_indices=True), nn.MaxUnpool2d(2)
+        self.fold_in = conv(c, 9 * c, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stem(x)
@@ -99,6 +101,12 @@ class TokenNet(nn.Module):
             cols = F.unfold(x, 3, padding=1, stride=(1, 2))  # (N, 9C, H * W')
             y = self.cols_proj(cols.transpose(1, 2)).transpose(1, 2)  # (N, C, H * W')
             return self.head(y.reshape(n, c, hh, (ww - 1) // 2 + 1))
+        if self.kind == "F.fold":  # VOLO's outlook attention: each position's 3 x 3 window,
+            (hh, ww) = spatial  # summed back into the map where the windows overlap (col2im)
+            cols = self.fold_in(x).flatten(2)  # (N, 9C, H * W)
+            same = F.fold(cols, (hh, ww), 3, padding=1)
+            up = F.fold(cols.tanh(), (2 * hh, 2 * ww - 1), 3, padding=1, stride=2)
+            return self.head(x + same + F.avg_pool2d(up, 2, ceil_mode=True))
         if self.kind == "patch attention":  # MobileViTv2: 2 x 2 patches folded, (N, C, P, N)
             (hh, ww), r = spatial, 2
             p = x.reshape(n, c, hh // r, r, ww // r, r).permute(0, 1, 3, 5, 2, 4)
@@ -176,6 +184,7 @@ def token_parity(
             stack.enter_context(mock.patch.object(tokens.layout, "summed", lambda t, _: t))
             stack.enter_context(mock.patch.object(windows, "fetch", _halo_off_by_one))
             stack.enter_context(mock.patch.object(windows, "_plane", _block_numbers))
+            stack.enter_context(mock.patch.object(windows, "conv_transpose_blocks", _alone))
         if ring_fault == "no shift" or broken:
             stack.enter_context(mock.patch.object(ring, "_shift", lambda c, ts, n: list(ts)))
         if ring_fault == "no rescale":
@@ -215,6 +224,25 @@ def _halo_off_by_one(x, grid, windows, size, native=False):  # type: ignore[no-u
 
 
 _FETCH = windows.fetch
+
+
+def _alone(x, weight, bias, stride, padding, extra, dilation, groups, grid, size):  # type: ignore[no-untyped-def]
+    """The negative control of the fold: each block's windows summed alone, the rows they
+    reach in the neighbours' blocks dropped (the scatter not sent)."""
+    want = _CONV_T(x, weight, bias, stride, padding, extra, dilation, groups, grid, size)
+    y = F.conv_transpose2d(x, weight, None, stride, padding, extra, groups, dilation)
+    out = torch.zeros_like(want)
+    crop = []
+    whole = transposed_out_size(size, weight.shape[2:], stride, padding, extra, dilation)
+    for d, (w, o) in enumerate(zip(grid.block(*size), grid.block(*whole), strict=True)):
+        first = w.start * stride[d]  # the global row of y's local row 0
+        crop.append(slice(max(o.start - first, 0), max(o.stop - first, 0)))
+    part = y[(..., *crop)]
+    out[(..., *(slice(0, n) for n in part.shape[2:]))] = part
+    return out
+
+
+_CONV_T = windows.conv_transpose_blocks
 
 
 def _block_numbers(index, local, starts, whole):  # type: ignore[no-untyped-def]

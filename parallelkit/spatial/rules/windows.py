@@ -24,7 +24,7 @@ from torch import Tensor
 import parallelkit.functional as pkf
 from parallelkit.geometry import per_dim, starts, tensor_split_sizes
 from parallelkit.spatial import adaptive_max, resample
-from parallelkit.spatial.conv import conv_blocks, conv_windows
+from parallelkit.spatial.conv import conv_blocks, conv_transpose_blocks, conv_windows
 from parallelkit.spatial.fetch import empty_output, fetch
 from parallelkit.spatial.grid import gather
 from parallelkit.spatial.pool import avg_pool_blocks, max_pool_blocks, pool_windows
@@ -113,6 +113,46 @@ def unfold(g: Guard, call: Call) -> Tensor:
     else:
         y = F.unfold(x_halo, kernel, call["dilation"], pad, call["stride"])
     return g.marked(y, (-1, -1), size=whole, folds=(((whole[0], 0), (whole[1], 1)),))
+
+
+@rule(F.fold, params="input, output_size, kernel_size, dilation=1, padding=0, stride=1",
+      folds=True)  # fmt: skip
+def fold(g: Guard, call: Call) -> Tensor:
+    """``F.fold`` (col2im: VOLO's outlook attention sums its windows back into the map), the
+    adjoint of ``F.unfold``: each channel's k*k columns transposed-convolved with a one-hot
+    kernel (groups by channel), so that the rows a block's windows reach beyond it are added
+    into their owners' blocks by the spatial transposed convolution's scatter. The columns'
+    positions are a token dimension of the whole window grid (rows, then columns), split as
+    the map's rows and columns are. A column holding inf or NaN spreads NaN over its k*k
+    outputs (the kernel's zeros times it), where torch's fold keeps it to one."""
+    cols = call["input"]
+    places, folds = g.form(cols)
+    if cols.dim() != 3 or places != (-1, -1) or [[k for _, k in f] for f in folds] != [[0, 1]]:
+        raise g.refuse(call.name, "its columns' positions are not one token dimension of a "
+                       "split map's rows and columns, (N, C * k * k, L)")  # fmt: skip
+    windows = tuple(n for n, _ in folds[0])  # the whole window grid
+    size = per_dim(call["output_size"], 2)
+    kernel, dilation, padding, stride = (
+        per_dim(call[name], 2) for name in ("kernel_size", "dilation", "padding", "stride")
+    )
+    # The transposed convolution's output padding: the rows of output_size past the last
+    # window's reach (fewer than a stride, or the window grid is not output_size's).
+    reach = zip(windows, kernel, stride, padding, dilation, strict=True)
+    extra = tuple(n - ((w - 1) * s - 2 * p + d * (k - 1) + 1)
+                  for n, (w, k, s, p, d) in zip(size, reach, strict=True))  # fmt: skip
+    area = math.prod(kernel)
+    if cols.shape[1] % area or not all(0 <= e < s for e, s in zip(extra, stride, strict=True)):
+        raise ValueError(f"fold: input of {cols.shape[1]} channels and {windows} windows "
+                         f"does not fit output_size={size}, kernel_size={kernel}, "
+                         f"dilation={dilation}, padding={padding}, stride={stride}")  # fmt: skip
+    n = cols.shape[0]
+    rows = [b.stop - b.start for b in g.grid.block(*windows)]
+    channels = cols.shape[1] // area
+    one_hot = torch.eye(area, dtype=cols.dtype, device=cols.device).view(area, 1, *kernel)
+    y = conv_transpose_blocks(cols.reshape(n, cols.shape[1], *rows),
+                              one_hot.repeat(channels, 1, 1, 1), None, stride, padding, extra,
+                              dilation, channels, g.grid, windows)  # fmt: skip
+    return g.marked(y, size=size, folds=())  # (N, C, H, W) blocks, no fold
 
 
 @rule(Tensor.unfold, params="input, dimension, size, step")
