@@ -70,19 +70,13 @@ def _buf(t: torch.Tensor, count: Any = None) -> list[Any]:
                          "contiguous; collectives move contiguous tensors")  # fmt: skip
     if t.is_cuda:
         data = t
-    elif nbytes := t.nbytes:
+    elif nbytes := t.numel() * t.element_size():  # not t.nbytes: torch.compile traces this
         data = MPI.buffer.fromaddress(t.data_ptr(), nbytes)
     else:  # no memory to point at
         data = t.view(torch.int16).numpy() if t.dtype in _HALF else t.numpy()
     if count is None:
         return [data, _MPI_TYPES[t.dtype]]
     return [data, count, _MPI_TYPES[t.dtype]]
-
-
-_eager = torch.compiler.disable
-"""The methods that call MPI run eagerly under ``torch.compile``: mpi4py is opaque to dynamo,
-and tracing the code around it fails on symbolic shapes (``t.nbytes``). Dynamo ends its graph
-at each call instead. It costs about 1 us a call in eager mode."""
 
 
 class MPICommunicator(Communicator):
@@ -137,14 +131,12 @@ class MPICommunicator(Communicator):
             src, dst = src.float(), torch.empty(dst.shape, dtype=torch.float32)
         return src, dst
 
-    @_eager
     def _all_reduce(self, t: torch.Tensor, op: Op, out: torch.Tensor) -> torch.Tensor:
         src, dst = self._reduction_buffers(t, out)
         send = MPI.IN_PLACE if src is dst else _buf(src)
         self._watched("all_reduce", self.comm.Allreduce, send, _buf(dst), _MPI_OPS[op])
         return _copy_back(out, dst)
 
-    @_eager
     def _all_reduce_async(self, t: torch.Tensor, op: Op, out: torch.Tensor) -> Work:
         src, dst = self._reduction_buffers(t, out)
         if src is dst:
@@ -153,7 +145,6 @@ class MPICommunicator(Communicator):
             request = self.comm.Iallreduce(_buf(src), _buf(dst), op=_MPI_OPS[op])
         return _MPIWork(self, request, src, dst, out)
 
-    @_eager
     def _all_gather(self, t: torch.Tensor, sizes: list[int], out: torch.Tensor) -> torch.Tensor:
         src, dst = self._host(t), self._host(out)
         if min(sizes) == max(sizes):
@@ -166,7 +157,6 @@ class MPICommunicator(Communicator):
             self._watched("all_gather", self.comm.Allgatherv, _buf(src), recv)
         return _copy_back(out, dst)
 
-    @_eager
     def _reduce_scatter(
         self, t: torch.Tensor, sizes: list[int], op: Op, out: torch.Tensor
     ) -> torch.Tensor:
@@ -180,13 +170,11 @@ class MPICommunicator(Communicator):
             self._watched("reduce_scatter", scatter, _buf(src), _buf(dst), counts, _MPI_OPS[op])
         return _copy_back(out, dst)
 
-    @_eager
     def _broadcast(self, out: torch.Tensor, src: int) -> torch.Tensor:
         buf = self._host(out)
         self._watched("broadcast", self.comm.Bcast, _buf(buf), src)
         return _copy_back(out, buf)
 
-    @_eager
     def _reduce(self, t: torch.Tensor, dst: int, op: Op, out: torch.Tensor) -> torch.Tensor:
         send, recv = self._reduction_buffers(t, out)
         root = self.rank == dst
@@ -197,7 +185,6 @@ class MPICommunicator(Communicator):
             recv.zero_()
         return _copy_back(out, recv)
 
-    @_eager
     def _exchange(
         self, send: list[tuple[int, int, torch.Tensor]], recv: list[tuple[int, int, torch.Tensor]]
     ) -> None:
@@ -209,16 +196,13 @@ class MPICommunicator(Communicator):
         for (_, _, buf), (_, _, host) in zip(recv, host_recv, strict=True):
             _copy_back(buf, host)
 
-    @_eager
     def _barrier(self) -> None:
         self._watched("barrier", self.comm.Barrier)
 
-    @_eager
     def _split(self, color: int, key: int) -> MPICommunicator:
         sub = self._watched("split", self.comm.Split, color, key)
         return MPICommunicator(sub, timeout=self.timeout, debug=self.debug, device=self.device)
 
-    @_eager
     def _host_all_gather(self, row: list[int]) -> list[list[int]]:
         # NumPy rows: a third of the time of torch tensors for a handful of ints.
         mine = np.array(row, dtype=np.int64)
