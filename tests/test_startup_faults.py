@@ -156,6 +156,22 @@ def test_srun_without_pmi_stops_on_every_task(tmp_path, check):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.skipif(not mpi_available(), reason="needs mpi4py and an mpiexec")
+def test_an_mpi_world_that_is_not_its_launchers_is_refused(tmp_path):
+    # MPI's variables of a 2-rank job, but no way to reach its process manager: MPI starts
+    # this process alone, as an MPI library other than the launcher's would. It would have
+    # trained alone as "rank 0 of 2".
+    env = {**_srun_task(0), "PMI_RANK": "0", "PMI_SIZE": "2"}
+    for k in [k for k in env if k.startswith("SLURM")]:
+        del env[k]
+    proc = subprocess.run([*CLI, f"train.run_dir={tmp_path / 'run'}", *ONE_STEP], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    want = "an MPI launcher started 2 ranks (MPI's PMI_RANK set), but MPI sees 1: mpi4py's MPI"
+    assert want in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_new_rank_process_dies_with_its_launcher_before_it_imports(tmp_path):
     # The new process's first statements: the death request, then the parent check. A parent
     # that is not the launcher named in the environment means it died already: exit at once.

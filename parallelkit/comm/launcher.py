@@ -94,9 +94,9 @@ def mpi_mismatch(job: Launcher, mpi_world: int) -> str | None:
     if job.name not in ("srun", "mpiexec") or mpi_world == job.world:
         return None
     if job.name == "mpiexec":  # an MPI library that does not speak its launcher's PMI
-        return (f"{job.why} to {job.world} ranks, but MPI sees {mpi_world}: mpi4py's MPI "
-                "library is not the one whose launcher started the ranks; start them with "
-                "that library's mpiexec, or use parallel.backend=gloo")  # fmt: skip
+        return (f"an MPI launcher started {job.world} ranks ({job.why}), but MPI sees "
+                f"{mpi_world}: mpi4py's MPI library is not the one whose launcher started "
+                "them; use that library's mpiexec, or parallel.backend=gloo")  # fmt: skip
     return (f"srun started {job.world} tasks but MPI sees {mpi_world}: run srun with "
             "--mpi=pmi2/pmix, or parallel.backend=gloo")  # fmt: skip
 
