@@ -138,6 +138,7 @@ def test_the_header_names_the_local_ranks_transport(monkeypatch, backend, mpich,
     monkeypatch.setattr(launch, "mpich_available", lambda: mpich)
     monkeypatch.setattr(launch, "cuda_available", lambda: cuda)
     monkeypatch.setattr(launch, "cores", lambda: 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setattr(
         launch, "supervise", lambda children, **_: seen.update(children[0].env) or 0
     )
@@ -147,8 +148,8 @@ def test_the_header_names_the_local_ranks_transport(monkeypatch, backend, mpich,
 
 
 def test_auto_keeps_gloo_when_the_ranks_outnumber_the_cores(monkeypatch):
-    # MPICH's waiting ranks spin: with more ranks than cores they would take the cores of the
-    # ranks that compute. parallel.backend=mpi is still MPI.
+    # MPICH's waiting ranks spin: with more ranks (or their OpenMP threads) than cores they
+    # would take the cores of the ranks that compute. parallel.backend=mpi is still MPI.
     from parallelkit.train import launch
 
     seen = {}
@@ -158,11 +159,15 @@ def test_auto_keeps_gloo_when_the_ranks_outnumber_the_cores(monkeypatch):
     monkeypatch.setattr(
         launch, "supervise", lambda children, **_: seen.update(children[0].env) or 0
     )
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert launch.launch([*launch.PACKAGE_CLI, "train"], 4, "auto") == 0
     assert seen[launch.STARTED].endswith("; gloo, which waits without spinning: 4 ranks on 2 cores")
     assert "PMI_RANK" not in seen and "MASTER_PORT" in seen
     assert launch.launch([*launch.PACKAGE_CLI, "train"], 4, "mpi") == 0
     assert "PMI_RANK" in seen
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # 2 ranks of 2 threads: 4 cores wanted
+    assert launch.launch([*launch.PACKAGE_CLI, "train"], 2, "auto") == 0
+    assert seen[launch.STARTED].endswith("2 ranks of 2 threads on 2 cores"), seen[launch.STARTED]
 
 
 def test_local_mpi_ranks_get_the_launchers_pmi_and_torchruns_numbers(monkeypatch):
@@ -174,6 +179,7 @@ def test_local_mpi_ranks_get_the_launchers_pmi_and_torchruns_numbers(monkeypatch
     seen = []
     monkeypatch.setattr(launch, "mpich_available", lambda: True)
     monkeypatch.setattr(launch, "cores", lambda: 4)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setattr(launch, "other_threads", lambda: 0)
     monkeypatch.setattr(launch, "supervise", lambda children, **_: seen.extend(children) or 0)
     assert launch.launch([*launch.PACKAGE_CLI, "train"], 3, "auto", entry=lambda a: 0) == 0

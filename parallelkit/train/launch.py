@@ -160,11 +160,22 @@ def mpich_available() -> bool:
 def local_mpi(backend: str, cuda: bool, ranks: int) -> bool:
     """Whether the local ranks the launcher starts use MPI over its own PMI: asked for with
     MPICH installed, or ``auto`` on CPUs where it is (5-10 us a small all-reduce against
-    gloo's 1 ms; every socket stays on loopback, as gloo's) and the ranks have a core each:
-    MPICH waits by spinning, which would take the cores of the ranks that compute."""
+    gloo's 1 ms; every socket stays on loopback, as gloo's) and each rank's threads have a
+    core each: MPICH waits by spinning, which would take the cores of the ranks that compute."""
     if backend == "mpi":
         return mpich_available()
-    return backend == "auto" and not cuda and ranks <= cores() and mpich_available()
+    return backend == "auto" and not cuda and not oversubscribed(ranks) and mpich_available()
+
+
+def oversubscribed(ranks: int) -> str | None:
+    """Why ``ranks`` local ranks of ``OMP_NUM_THREADS`` threads (1 unless set) would share
+    cores, or None."""
+    threads = os.environ.get("OMP_NUM_THREADS", "1")
+    threads = int(threads) if threads.isdigit() and int(threads) > 0 else 1
+    if ranks * threads <= cores():
+        return None
+    each = f" of {threads} threads" if threads > 1 else ""
+    return f"{ranks} ranks{each} on {cores()} cores"
 
 
 def cores() -> int:
@@ -191,13 +202,14 @@ def launch(
     processes = command[: len(PACKAGE_CLI)] == PACKAGE_CLI  # else mpiexec
     cuda = processes and cuda_available()
     mpi = processes and local_mpi(backend, cuda, ranks)
+    crowded = oversubscribed(ranks)
     stop_library_threads()
     fork, how = how_ranks_start(backend, cuda) if processes else (False, "mpiexec")
     env[STARTED] = f"{ranks} local ranks started by parallelkit ({how}): {launcher.detect().why}"
     if mpi:
         env[STARTED] += "; MPI, started by the launcher itself: every socket on loopback"
-    elif backend == "auto" and processes and not cuda and ranks > cores():
-        env[STARTED] += f"; gloo, which waits without spinning: {ranks} ranks on {cores()} cores"
+    elif backend == "auto" and processes and not cuda and crowded:
+        env[STARTED] += f"; gloo, which waits without spinning: {crowded}"
     elif backend == "auto" and processes and not cuda:
         env[STARTED] += "; gloo (pip install mpi4py mpich: MPI is faster on CPUs)"
     startup = Startup(ranks, timeout) if timeout is not None else None
@@ -265,7 +277,7 @@ def stop_library_threads() -> None:
     sync.cleanup_resources()
     # The loop's own executor threads were told to stop, not waited for: a moment for them to
     # exit. They are Python threads: an OpenMP pool, which stays, costs no wait.
-    deadline = time.monotonic() + 1.0
+    deadline = time.monotonic() + 5.0  # a loaded machine: seconds; else milliseconds
     while threading.active_count() > 1 and time.monotonic() < deadline:
         time.sleep(0.01)
 
