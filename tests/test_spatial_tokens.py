@@ -19,6 +19,7 @@ from tokens_cases import (
     dropout_refused,
     orders_match_blocks,
     refusal_of,
+    relayout_adjoint,
     token_parity,
 )
 from torch import nn
@@ -48,6 +49,7 @@ KINDS = [
     "token pool",  # mean, sum, amax, logsumexp, var, std over x.flatten(2): all-reduced
     "gc context",  # GCNet: a softmax over the tokens (all-reduced logsumexp), a sum over them
     "xca",  # XCiT: F.normalize over the tokens, q^T k, softmax, attn @ v
+    "scrambled reshape",  # MAnet: (N, L, C) reshaped to (N, C, H, W), added: an all-to-all
 ]
 IMAGE = (3, 5, 7)  # (C, H, W): uneven blocks on 2, 3 and 4 ranks
 
@@ -136,6 +138,15 @@ def test_negative_control_the_ring_needs_its_shifts_and_its_rescaling(ranks, fau
     assert "output" in bad
 
 
+@pytest.mark.parametrize(("size", "grid"), [(2, dict(rows=2)), (4, dict(rows=2, cols=2))])
+def test_negative_control_a_scrambled_reshape_needs_its_all_to_all(ranks, size, grid):
+    """MAnet's (N, L, C) read as (N, C, H, W): each rank's elements reshaped where they are,
+    without the all-to-all that takes them to their rank, must not match."""
+    results = ranks(size).run(token_parity, "scrambled reshape", grid, IMAGE, 2, False,
+                              "no relayout", timeout=120)  # fmt: skip
+    assert "output" in mismatches([(label, got, want, {}) for label, got, want in results[0]])
+
+
 def test_negative_control_the_head_all_to_all_needs_its_exchange(ranks):
     results = ranks(2).run(token_parity, "sdpa", dict(rows=2), IMAGE, 2, True, timeout=120)
     assert "output" in mismatches([(label, got, want, {}) for label, got, want in results[0]])
@@ -151,6 +162,15 @@ def test_token_orders_are_the_blocks_of_the_whole_index_map(ranks, grid, size):
 @pytest.mark.parametrize("heads", [4, 6])
 def test_the_head_all_to_all_and_its_adjoint(ranks, heads):
     for triples in ranks(4).run(all_to_all_adjoint, heads, timeout=60):
+        assert_triples(triples)
+
+
+@pytest.mark.parametrize(("size", "grid", "shape"), [(2, dict(rows=2), (5, 3)),
+                                                     (3, dict(rows=3), (7, 2)),
+                                                     (4, dict(rows=2, cols=2), (5, 7))])
+def test_a_relayout_moves_each_element_to_its_rank_and_is_its_own_adjoints_inverse(
+        ranks, size, grid, shape):  # fmt: skip
+    for triples in ranks(size).run(relayout_adjoint, grid, shape, timeout=60):
         assert_triples(triples)
 
 

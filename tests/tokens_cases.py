@@ -25,6 +25,7 @@ from torch import nn
 
 import parallelkit as pk
 from parallelkit.comm import Communicator
+from parallelkit.spatial import relayout
 from parallelkit.spatial import ring_attention as ring
 from parallelkit.spatial.conv import transposed_out_size
 from parallelkit.spatial.rules import tokens, windows
@@ -64,6 +65,8 @@ class TokenNet(nn.Module):
         self.window_w, self.cols_proj = nn.Parameter(torch.randn(3, 4)), nn.Linear(9 * c, c)
         self.pool_i, self.unpool = nn.MaxPool2d(2, return_indices=True), nn.MaxUnpool2d(2)
         self.fold_in = conv(c, 9 * c, 1)
+        self.pab_top, self.pab_center = conv(c, 4, 1), conv(c, 4, 1)
+        self.pab_bottom, self.pab_out = conv(c, c, 3, padding=1), conv(c, c, 3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stem(x)
@@ -116,6 +119,13 @@ class TokenNet(nn.Module):
             y = F.relu(v) * context.expand_as(v)
             y = y.reshape(n, c, r, r, hh // r, ww // r).permute(0, 1, 4, 2, 5, 3)
             return self.head(x + y.reshape(n, c, hh, ww))
+        if self.kind == "scrambled reshape":  # smp's MAnet PABBlock, as written there
+            top = self.pab_top(x).flatten(2)  # (N, 4, L)
+            center = self.pab_center(x).flatten(2).transpose(1, 2)  # (N, L, 4)
+            bottom = self.pab_bottom(x).flatten(2).transpose(1, 2)  # (N, L, C)
+            attn = torch.matmul(center, top).view(n, -1).softmax(1).view(n, L, L)
+            mixed = torch.matmul(attn, bottom).reshape(n, c, *spatial)  # (N, L, C) read as
+            return self.head(self.pab_out(x + mixed))  # (N, C, H, W): no transpose
         if self.kind == "token mlp":  # MLP-Mixer: a linear map over the token axis
             mixed = self.mix2(F.gelu(self.mix1(self.norm(t).transpose(1, 2))))
             return self.head(x + mixed.reshape(n, c, *spatial))
@@ -168,7 +178,8 @@ def token_parity(
     """The parallelized TokenNet(kind) against the dense one on a batch of 2 samples of
     ``shape`` (C, *spatial). ``ring_fault``: the ring attention with a fault (negative
     controls): "no shift" (each rank's keys and values never leave it) or "no rescale"
-    (partial results added without their log-sum-exp weights)."""
+    (partial results added without their log-sum-exp weights); or, not in the ring, "no
+    relayout" (a block read in another layout where it is, nothing exchanged)."""
     torch.manual_seed(0)
     dense = TokenNet(kind, len(shape) - 1, heads=heads, size=shape[1:]).double()
     g = pk.Grid(comm, **grid)
@@ -189,6 +200,8 @@ def token_parity(
             stack.enter_context(mock.patch.object(ring, "_shift", lambda c, ts, n: list(ts)))
         if ring_fault == "no rescale":
             stack.enter_context(mock.patch.object(ring, "_merge", _sum_unweighted))
+        if ring_fault == "no relayout":
+            stack.enter_context(mock.patch.object(relayout, "_move", _reshaped_in_place))
         y_mine = model(x_mine)
         y_mine.square().sum().backward()
     out = [("output", y_mine.detach(), y.detach())]
@@ -201,6 +214,13 @@ def token_parity(
             got = p.grad if p.grad is not None else torch.zeros_like(p)
             out.append((f"{key} grad", got, wanted[key].grad))
     return out
+
+
+def _reshaped_in_place(x, comm, send, recv, size):  # type: ignore[no-untyped-def]
+    """The negative control of a relayout: each rank's elements read in the new layout where
+    they are (a local reshape), nothing exchanged."""
+    flat = x.reshape(x.shape[0], -1)[:, :size]
+    return torch.cat([flat, flat.new_zeros(x.shape[0], size - flat.shape[1])], 1)
 
 
 def _sum_unweighted(out, lse, out_s, lse_s):  # type: ignore[no-untyped-def]
@@ -289,6 +309,31 @@ def all_to_all_adjoint(comm: Communicator, heads: int) -> list[Triple]:
     dots = comm.all_reduce(dots)
     return [("heads_to_tokens", fx, whole[:, hd]), ("tokens_to_heads", fty, y_whole[:, :, tok]),
             ("<F x, y> = <x, F* y>", dots[0], dots[1])]  # fmt: skip
+
+
+def relayout_adjoint(comm: Communicator, grid: dict, size: tuple) -> list[Triple]:
+    """A (C, H, W) sample's blocks moved to the layout of its memory read as (H * W, C)
+    (a fold of H and W, then C): against the whole tensor cut by hand, and the dot-product
+    test <F x, y> = <x, F* y> (sums over every rank), F* being autograd's backward."""
+    from parallelkit.spatial import grid_of
+    from parallelkit.spatial.token_comm import token_orders
+
+    whole_grid = pk.Grid(comm, **grid)
+    g = grid_of(whole_grid.spatial_comm, whole_grid.spatial)
+    c, (h, w) = 3, size
+    source, target = ((c, None), (h, 0), (w, 1)), ((h, 0), (w, 1), (c, None))
+    plan = relayout.plan(g, source, target, 2)
+    gen = torch.Generator().manual_seed(7)
+    whole = torch.randn(2, c * h * w, dtype=torch.float64, generator=gen)
+    y_whole = torch.randn(2, c * h * w, dtype=torch.float64, generator=gen)
+    mine = token_orders(g, source, 2)[comm.rank]
+    theirs = token_orders(g, target, 2)[comm.rank]
+    x = whole[:, mine].clone().requires_grad_()
+    fx = relayout.relayout(x, g.comm, plan)
+    (fx * y_whole[:, theirs]).sum().backward()
+    dots = torch.stack([(fx.detach() * y_whole[:, theirs]).sum(), (whole[:, mine] * x.grad).sum()])
+    dots = comm.all_reduce(dots)
+    return [("relayout", fx.detach(), whole[:, theirs]), ("<F x, y> = <x, F* y>", dots[0], dots[1])]
 
 
 def dropout_refused(comm: Communicator) -> str:

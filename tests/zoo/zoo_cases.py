@@ -1369,12 +1369,8 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('smp MAnet mobilenetv3', 'rows'): (
-        'refused',
-        "spatial parallelism: Tensor.add in 'decoder.center' (PABBlock) touches a"
-        " block of split images, and  ... ss keep_dense=['decoder.center'] to run"
-        ' that module on whole images from there on, or fallback="gather" to run '
-        'it on gathered whole images and split again after it, or use the data or'
-        ' channel ...',
+        'exact',
+        '',
     ),
     ('timm tresnet', 'rows'): (
         'exact',
@@ -1557,12 +1553,8 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('smp MAnet mobilenetv3', 'cols'): (
-        'refused',
-        "spatial parallelism: Tensor.add in 'decoder.center' (PABBlock) touches a"
-        " block of split images, and  ... ss keep_dense=['decoder.center'] to run"
-        ' that module on whole images from there on, or fallback="gather" to run '
-        'it on gathered whole images and split again after it, or use the data or'
-        ' channel ...',
+        'exact',
+        '',
     ),
     ('timm tresnet', 'cols'): (
         'exact',
@@ -2024,13 +2016,5 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
 # END EXPECTED
 # BEGIN EXPECTED GATHER
 EXPECTED_GATHER: dict[tuple[str, str], tuple[str, str]] = {
-    ('smp MAnet mobilenetv3', 'rows'): (
-        'exact',
-        '',
-    ),
-    ('smp MAnet mobilenetv3', 'cols'): (
-        'exact',
-        '',
-    ),
 }
 # END EXPECTED GATHER

@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_map
 
 from parallelkit.spatial.rules.registry import Call, Guard, channels_first, ops, rule, whole_shape
-from parallelkit.spatial.rules.shape import cut_whole
+from parallelkit.spatial.rules.shape import cut_whole, to_form
 
 _POINTWISE = """
 abs absolute acos add addcdiv addcmul asin atan atan2 ceil clamp clamp_max clamp_min clip cos
@@ -43,17 +43,26 @@ requires_grad_ cpu cuda retain_grad zero_ fill_ copy_ __deepcopy__
     folds=True,
 )
 def pointwise(g: Guard, call: Call) -> Any:
-    """Local. Blocks must share one layout; a whole tensor must have size 1 or the whole
+    """Local. Blocks of another layout than the first plain one (spatial dimensions last, none
+    folded) are moved to it first, an all-to-all (``shape.to_form``: MAnet adds a map that a
+    reshape scrambled to the map it came from); a whole tensor must have size 1 or the whole
     samples' size in each spatial dimension, and is then cut to the block."""
-    form = g.form(call.blocks[0])
-    dims = form[0]
+    first = call.blocks[0]
     if len(call.blocks) > 1:
-        sizes = {tuple(b.shape[d] for d in dims) for b in call.blocks}
-        if len(sizes) > 1 or any(g.form(b) != form for b in call.blocks):
-            raise g.refuse(call.name, f"its blocks have different layouts {sorted(sizes)}")
+        if any(g.form(b) != g.form(first) for b in call.blocks):
+            call = _one_layout(g, call)
+            first = call.blocks[0]
+            return g.marked(_run(g, call), g.places(first), g.size_of(first), g.folds(first))
+        dims = g.places(first)
+        if len(sizes := {tuple(b.shape[d] for d in dims) for b in call.blocks}) > 1:
+            raise g.refuse(call.name, f"its blocks have different sizes {sorted(sizes)}")
+    return g.marked(_run(g, call), g.places(first))
 
+
+def _run(g: Guard, call: Call) -> Any:
+    """The call on blocks of one layout, whole tensors among its arguments cut to them."""
     if _blocks_and_scalars(g, call):  # the common case (x * y, relu(x)): nothing to cut
-        return g.marked(call.run(), dims)
+        return call.run()
 
     def replicate(t: Any) -> Any:
         if not isinstance(t, Tensor) or g.is_split(t):
@@ -61,7 +70,37 @@ def pointwise(g: Guard, call: Call) -> Any:
         return cut_whole(g, t, call.blocks[0], call.name)
 
     args, kwargs = tree_map(replicate, (call.args, call.kwargs))
-    return g.marked(call.func(*args, **kwargs), dims)
+    return call.func(*args, **kwargs)
+
+
+def _one_layout(g: Guard, call: Call) -> Call:
+    """``call`` with every block in the layout of its first plain block (else its first):
+    the others moved there (``shape.to_form``); refused where their whole shapes differ."""
+    def plain(b: Tensor) -> bool:
+        return not g.folds(b) and g.places(b) == tuple(range(-len(g.places(b)), 0))
+
+    name = getattr(call.func, "__name__", "")
+    if name.endswith("_") or name.startswith("__i"):  # in place: the layout of what it writes
+        like = call.args[0]
+        if not g.is_split(like):
+            raise g.refuse(call.name, "it writes into a whole tensor from blocks")
+    else:
+        like = next((b for b in call.blocks if plain(b)), call.blocks[0])
+    moved = {}
+    for b in call.blocks:
+        if g.form(b) != g.form(like):
+            y = to_form(g, b, like)
+            if y is None:
+                raise g.refuse(call.name, "its blocks have different layouts and shapes "
+                               f"{sorted({tuple(whole_shape(g, b)) for b in call.blocks})}")
+            moved[id(b)] = y
+
+    def swap(t: Any) -> Any:
+        return moved.get(id(t), t) if isinstance(t, Tensor) else t
+
+    args, kwargs = tree_map(swap, (call.args, call.kwargs))
+    blocks = [like, *(swap(b) for b in call.blocks if b is not like)]
+    return Call(call.func, args, kwargs, blocks, call.named)
 
 
 def _blocks_and_scalars(g: Guard, call: Call) -> bool:

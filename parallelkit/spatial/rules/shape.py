@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_map
 
 from parallelkit.geometry import in_whole_groups, starts, tensor_split_sizes
+from parallelkit.spatial import relayout
 from parallelkit.spatial.rules.registry import (
     PROPERTY,
     Call,
@@ -74,7 +75,10 @@ def reshape(g: Guard, call: Call) -> Any:
     Swin's (B * nH * nW, ws * ws, C)), it is folded: rules that treat the fold as a batch take
     it, and a reshape unfolds it again. The other dimensions regroup freely. Sizes given are
     the whole samples' (read from ``x.shape``): the call is worked out on the whole shape,
-    and the block reshaped to the result with its own spatial sizes."""
+    and the block reshaped to the result with its own spatial sizes. A reshape that regroups
+    across a spatial dimension into a shape ending in the whole spatial sizes (MAnet reads
+    attention's (N, H * W, C) as (N, C, H, W)) gives a plain block, each element moved to its
+    rank by one all-to-all (``_moved``)."""
     x = call["input"]
     dims = g.places(x)
     if any(isinstance(a, torch.dtype) for a in call.args[1:]):  # a view as another dtype
@@ -93,6 +97,13 @@ def reshape(g: Guard, call: Call) -> Any:
         raise g.refuse(call.name, f"it gives a {type(whole).__name__}")
     regrouped = _regroup(g, x, tuple(whole_in.shape), tuple(whole.shape))
     if isinstance(regrouped, str):
+        size = whole_size(g, x)
+        if tuple(whole.shape[-len(size):]) == size:  # (.., H, W) again: moved to a plain block
+            target = [(n, None) for n in whole.shape[: -len(size)] if n != 1]
+            target += [(n, k) for k, n in enumerate(size)]
+            rows = tuple(b.stop - b.start for b in g.grid.block(*size))
+            places = tuple(range(-len(size), 0))
+            return _moved(g, x, target, (*whole.shape[: -len(size)], *rows), places, size)
         raise g.refuse(call.name, f"{_named(g, x, whole_in.shape)} -> {tuple(whole.shape)} "
                        f"{regrouped}")  # fmt: skip
     shape, out_dims, size, folds = regrouped
@@ -362,6 +373,35 @@ def cut_whole(g: Guard, t: Tensor, block: Tensor, op: str) -> Tensor:
         if t.dim() >= -d and t.shape[d] != 1:
             t = t.index_select(d, fold_index(g, block, fold))
     return t
+
+
+def to_form(g: Guard, t: Tensor, like: Tensor) -> Tensor | None:
+    """Block ``t`` moved to the layout of block ``like`` (the same whole shape, its spatial
+    dimensions elsewhere or folded otherwise); None where the whole shapes differ."""
+    shape = tuple(whole_shape(g, t))
+    if shape != tuple(whole_shape(g, like)):
+        return None
+    target = _factors(g, like, shape)
+    return _moved(g, t, target, like.shape, g.places(like), g.size_of(like), g.folds(like))
+
+
+def _moved(
+    g: Guard, t: Tensor, target: list[Factor], shape: tuple[int, ...], places: Places,
+    size: Any, folds: tuple[Fold, ...] = (),
+) -> Tensor:  # fmt: skip
+    """Block ``t`` moved to the layout whose factors are ``target`` (over the same whole
+    elements in the same order), this rank's block of it of ``shape``: an exact all-to-all
+    (:mod:`parallelkit.spatial.relayout`), planned once per pair of layouts."""
+    source = _factors(g, t, tuple(whole_shape(g, t)))
+    batch = source[0][0] if source[0] == target[0] and source[0][1] is None else 1
+    if batch != 1:  # a whole outermost dimension (the batch): per-sample plans, smaller
+        source, target = source[1:], target[1:]
+    ndim = len(g.places(t))
+    key = ("relayout", tuple(source), tuple(target), ndim, str(t.device))
+    if key not in g.weights:
+        g.weights[key] = relayout.plan(g.grid, tuple(source), tuple(target), ndim).to(t.device)
+    y = relayout.relayout(t.reshape(batch, -1), g.grid.comm, g.weights[key])
+    return g.marked(y.view(shape), places, size, folds)
 
 
 @rule(torch.cat, torch.concat, torch.concatenate, torch.stack,
