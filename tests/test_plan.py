@@ -10,7 +10,10 @@ made-up rates and networks are given, so every number here is arithmetic.
 - volumes: a 3-D network's records (C, D, H, W) with 3-D windows, grids with a depth
   dimension, halo bytes along every split dimension (against ``geometry.received_rows``);
 - blocks in: the input and labels per rank fall by the sample's (P-1)/P share, and the command
-  plans a small 3-D network end to end on a depth grid.
+  plans a small 3-D network end to end on a depth grid;
+- token mixing: the walk records attention and contractions over tokens, and the bytes and
+  message steps of the head all-to-all, the ring and the all-gather, counted by hand on 2 and
+  4 spatial ranks; a network with the same convolutions and no attention costs none.
 """
 
 from __future__ import annotations
@@ -18,8 +21,11 @@ from __future__ import annotations
 import json
 import sys
 import types
+from dataclasses import replace
 
 import pytest
+import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -42,15 +48,19 @@ from parallelkit.plan import (
 )
 from parallelkit.plan.cost import (
     MIB,
+    MIXING,
     SAMPLES,
     activation_bytes,
     exchange_seconds,
     halo_bytes,
     memory,
+    mixing_pattern,
+    mixing_seconds,
+    mixing_traffic,
     sample_bytes,
 )
 from parallelkit.plan.network import from_timings
-from parallelkit.plan.walk import Layer, Net, walk
+from parallelkit.plan.walk import Layer, Mixing, Net, walk
 
 CPU = Machine(cores=None, baseline_mib=100.0)
 FAST = Network(1e-6, 100e9, "fast")
@@ -734,3 +744,184 @@ def test_plan_reads_a_training_config(tmp_path, capsys):
     assert "check passed for 4 ranks" in capsys.readouterr().out
     bad = ["plan", "--config", str(run), "train.batch_sise=4", "--device", "h100-sxm"]
     assert cli.main(bad) == 2 and "batch_sise" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- token mixing
+# A 4 x 4 map is 16 tokens; heads of width 2. Counted for 2 images on one data rank, fp32.
+IMAGES = 2
+
+
+def attention_record(heads: int, masked: bool = False) -> Mixing:
+    n = heads * 16 * 2  # (h, L, d) of one sample: q, k, v and the output alike
+    return Mixing("attn", "attention", (4, 4), (n, n, n, n), heads, masked)
+
+
+@pytest.mark.parametrize(
+    ("grid", "nbytes", "messages", "held"),
+    [
+        # q, k, v, out: 128 elements each, a rank's block 1/2 of them: 2 images x 64 x 4 B =
+        # 512 B, of which 1/2 goes to the other rank; each crosses forward and backward
+        (Option(rows=2), 2 * 4 * 512 / 2, 8, 4 * 2 * 128 * 4 / 2),
+        # blocks of 1/4 (256 B), 3/4 of each sent, 3 message steps per all-to-all, 8 of them
+        (Option(rows=2, cols=2), 2 * 4 * 256 * 3 / 4, 24, 4 * 2 * 128 * 4 / 4),
+    ],
+)
+def test_head_all_to_all_moves_each_block_s_share_four_times_a_pass(grid, nbytes, messages,
+                                                                    held):  # fmt: skip
+    rec = attention_record(heads=4)
+    assert mixing_pattern(rec, grid.spatial) == "heads"
+    t = mixing_traffic(rec, grid, IMAGES)
+    assert (t.nbytes, t.messages, t.held, t.saved) == (nbytes, messages, held, True)
+
+
+@pytest.mark.parametrize(
+    ("grid", "nbytes", "messages", "held"),
+    [
+        # k + v block: 2 images x (96 + 96) / 2 x 4 B = 768 B; forward 1 shift of it, backward
+        # 1 shift of it with its gradients (2 x 768) and 1 of the gradients home (768)
+        (Option(rows=2), 768 + 2 * 768 + 768, 1 + 2, 2 * 768),
+        # 384 B blocks: forward 3 shifts, backward 3 x 2 blocks and 1
+        (Option(rows=4), 3 * 384 + 3 * 2 * 384 + 384, 3 + 4, 2 * 384),
+    ],
+)
+def test_ring_where_the_heads_do_not_divide(grid, nbytes, messages, held):
+    rec = attention_record(heads=3)
+    assert mixing_pattern(rec, grid.spatial) == "ring"
+    t = mixing_traffic(rec, grid, IMAGES)
+    assert (t.nbytes, t.messages, t.held, t.saved) == (nbytes, messages, held, False)
+
+
+def test_a_mask_or_too_few_heads_take_the_ring():
+    assert mixing_pattern(attention_record(4, masked=True), 2) == "ring"
+    assert mixing_pattern(attention_record(2), 4) == "ring"  # fewer heads than ranks
+    assert mixing_pattern(attention_record(4), 4) == "heads"
+
+
+@pytest.mark.parametrize(
+    ("grid", "nbytes", "messages"),
+    [
+        # keys and values of a pooled 2 x 2 map, 8 channels: 2 images x 32 x 4 B = 256 B each
+        # whole; all-gather forward and reduce-scatter backward, (s-1)/s of the whole each
+        (Option(rows=2), 2 * 512 / 2, 2 * 2 * 1),
+        (Option(rows=2, cols=2), 2 * 512 * 3 / 4, 2 * 2 * 3),
+    ],
+)
+def test_keys_of_another_map_are_gathered_whole(grid, nbytes, messages):
+    rec = Mixing("attn", "gather", (2, 2), (32, 32))
+    t = mixing_traffic(rec, grid, IMAGES)
+    assert (t.nbytes, t.messages, t.held, t.saved) == (nbytes, messages, 512, True)
+
+
+def test_token_collectives_cost_latency_per_step_and_bytes_over_bandwidth():
+    act = Layer("r", "act", (8, 4, 4), (8, 4, 4), 0.0, 0)
+    net = Net("n", (act,), 0, mixing=(attention_record(4), Mixing("s", "reduce", (4, 4), (64,))))
+    link = Network(1e-6, 1e9)
+    # heads on 2 ranks: 8 steps, 2048 B; the all-reduce of 64 elements x 2 images: 2 steps, 512 B
+    expected = 10 * 1e-6 + (2048 + 512) / 1e9
+    assert mixing_seconds(net, Option(rows=2), IMAGES, link) == pytest.approx(expected)
+    assert mixing_seconds(net, Option(data=2), IMAGES, link) == 0.0
+    mem = memory([net], Option(rows=2), IMAGES, CPU)[MIXING]
+    assert mem == pytest.approx((2048 + 512) / MIB)  # the heads' tensors and the whole result
+
+
+class ConvAttention(nn.Module):
+    """A CNN's self-attention block: 1x1 convolutions project, the map's pixels attend."""
+
+    def __init__(self, c: int, heads: int, mask: bool = False, explicit: bool = False,
+                 pooled: bool = False) -> None:  # fmt: skip
+        super().__init__()
+        self.qkv, self.out = nn.Conv2d(c, 3 * c, 1), nn.Conv2d(c, c, 1)
+        self.heads, self.mask, self.explicit = heads, mask, explicit
+        self.kv = nn.Conv2d(c, 2 * c, 2, stride=2) if pooled else None  # Segformer's keys
+
+    def forward(self, x):
+        n, c, h, w = x.shape
+        q, k, v = self.qkv(x).flatten(2).transpose(1, 2).chunk(3, -1)  # (N, L, C) each
+        if self.kv is not None:
+            k, v = self.kv(x).flatten(2).transpose(1, 2).chunk(2, -1)
+        q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in (q, k, v))
+        if self.explicit:
+            y = (q @ k.transpose(-2, -1)).softmax(-1) @ v
+        else:
+            m = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=x.device)
+            y = F.scaled_dot_product_attention(q, k, v, m if self.mask else None)
+        return x + self.out(y.transpose(1, 2).reshape(n, h * w, c).transpose(1, 2).view(x.shape))
+
+
+def hybrid(attention: bool = True, **kw) -> nn.Module:
+    c = 16
+    return nn.Sequential(
+        nn.Conv2d(3, c, 3, padding=1),
+        nn.ReLU(),
+        *([ConvAttention(c, 4, **kw)] if attention else []),
+        nn.Conv2d(c, c, 3, padding=1),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(c, 10),
+    )
+
+
+def test_the_walk_records_attention_by_its_pattern():
+    (rec,) = walk(hybrid(), (3, 8, 8)).mixing
+    assert rec == Mixing("2", "attention", (8, 8), (1024,) * 4, heads=4, masked=False)
+    (rec,) = walk(hybrid(mask=True), (3, 8, 8)).mixing
+    assert rec.masked and mixing_pattern(rec, 2) == "ring"
+    scores, values = walk(hybrid(explicit=True), (3, 8, 8)).mixing  # q @ k^T, then @ v
+    assert (scores.kind, scores.numel, values.kind, values.numel) == ("gather", (1024,)) * 2
+    (rec,) = walk(hybrid(pooled=True), (3, 8, 8)).mixing  # keys of the 4 x 4 pooled map
+    assert rec == Mixing("2", "gather", (4, 4), (256, 256))
+
+
+def test_the_walk_records_multihead_attention_linear_attention_and_token_mixing():
+    class Tokens(nn.Module):
+        def __init__(self, need_weights: bool) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 8, 3, padding=1)
+            self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+            self.mix = nn.Linear(64, 64)  # MLP-Mixer's token mixing, over the 8 x 8 tokens
+            self.mlp = nn.Linear(8, 8)  # per token: the block stays split
+            self.head = nn.Linear(8, 10)
+            self.need_weights = need_weights
+
+        def forward(self, x):
+            t = self.conv(x).flatten(2).transpose(1, 2)  # (N, 64, 8)
+            t = t + self.mha(t, t, t, need_weights=self.need_weights)[0]
+            kv = t.transpose(-2, -1) @ t  # linear attention's k^T v: (N, 8, 8), summed
+            t = self.mlp(self.mix(t.transpose(1, 2)).transpose(1, 2) @ kv)
+            return self.head(t.mean(1))
+
+    net = walk(Tokens(need_weights=False), (3, 8, 8))
+    mha, kv, mix = net.mixing
+    assert (mha.name, mha.kind, mha.heads, mha.numel) == ("mha", "attention", 2, (512,) * 4)
+    assert (kv.kind, kv.numel, mix.name, mix.kind, mix.numel) == ("reduce", (64,), "mix",
+                                                                 "reduce", (512,))  # fmt: skip
+    assert walk(Tokens(need_weights=True), (3, 8, 8)).mixing[0].kind == "gather"
+    mlp = next(layer for layer in net.layers if layer.name == "mlp")
+    assert mlp.spatial and mlp.tokens == (8, 8) and mlp.flops == 2 * 8 * 8 * 64  # every token
+    assert not net.layers[-1].spatial  # the head on (N, F) ends the region
+
+
+def test_no_attention_no_token_cost():
+    """The negative control: the same convolutions without the attention block."""
+    net = walk(hybrid(attention=False), (3, 32, 32))
+    assert net.mixing == ()
+    p = plan([net], [from_flops(net, 1e9)], 2, 4, FAST, CPU, "cnn", 32)
+    assert all(e.tokens_s == 0 and e.memory_mib[MIXING] == 0 for e in p.estimates)
+    assert "tokens" not in table(p).splitlines()[4]  # the header row
+
+
+def test_attention_appears_in_the_plan_and_changes_its_ranking():
+    net = walk(hybrid(), (3, 32, 32))
+    without = replace(net, mixing=())
+    link = Network(2e-5, 1e9, "link")
+    plans = [plan([n], [from_flops(n, 1e9)], 1, 2, link, CPU, "hybrid", 32) for n in (net, without)]
+    by = {e.option: e for e in plans[0].estimates}
+    assert by[Option(rows=2)].tokens_s > 0 and by[Option(channel=2)].tokens_s == 0
+    assert by[Option(rows=2)].memory_mib[MIXING] > 0
+    assert "tokens" in table(plans[0]).splitlines()[4]
+    assert plans[0].to_dict()["recommended"]["tokens_s"] == 0  # channel: no token collective
+    saved = plans[0].to_dict()
+    assert Plan.from_dict(json.loads(json.dumps(saved))).to_dict() == saved
+    # one image, a slow link: splitting it pays for the attention's all-to-alls
+    assert plans[1].recommended.option.spatial == 2
+    assert plans[0].recommended.option == Option(channel=2)

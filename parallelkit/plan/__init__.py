@@ -1,8 +1,8 @@
 """``parallelkit plan``: a cost model that predicts, for a model, a sample size (an image's
 H x W, a volume's D x H x W), a global batch and N ranks, each grid's step time (compute,
-exchange, reductions) and peak memory per rank, and recommends the fastest. Volumes get grids
-that split D too (``depth``); with blocks in (``spatial_input="blocks"``) a rank's memory
-holds only its block of every input and label.
+exchange, reductions, token mixing) and peak memory per rank, and recommends the fastest.
+Volumes get grids that split D too (``depth``); with blocks in (``spatial_input="blocks"``) a
+rank's memory holds only its block of every input and label.
 
 (The modules ``walk`` and ``measure`` keep their functions of the same names; import them
 from there: ``parallelkit.plan.measure.measure``.)
@@ -11,7 +11,8 @@ It lives beside the layers it models and imports only what it reads (the geometr
 constructors, and the GAN task's training step, whose passes it counts); nothing in training
 depends on it. One idea per module:
 
-    walk      the model's leaf layers, shapes, FLOPs and parameters (a meta-device forward)
+    walk      the model's leaf layers, shapes, FLOPs and parameters (a meta-device forward),
+              and the calls that mix a split sample's tokens (attention, contractions)
     measure   per-layer compute: timed on one rank (at a reduced size, scaled by operation
               counts), or FLOPs over a rate
     devices   accelerators from their datasheets: bf16 FLOP/s, memory bandwidth and size
@@ -28,7 +29,7 @@ from parallelkit.plan.devices import DEVICES, Device
 from parallelkit.plan.measure import Profile, from_flops
 from parallelkit.plan.network import PRESETS, Network, probe
 from parallelkit.plan.planner import Plan, plan, table
-from parallelkit.plan.walk import Layer, Net, build
+from parallelkit.plan.walk import Layer, Mixing, Net, build
 
 __all__ = [
     "DEVICES",
@@ -37,6 +38,7 @@ __all__ = [
     "Estimate",
     "Layer",
     "Machine",
+    "Mixing",
     "Net",
     "Network",
     "Option",

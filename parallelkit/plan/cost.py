@@ -24,6 +24,20 @@ strategy does per step follows ``pk.parallelize`` (``parallelkit/parallel/parall
     every grid      BatchNorm over data x spatial: one all-gather of (n, mean, M2) forward, one
                     all-reduce of two sums backward (SyncBatchNorm)
 
+Token mixing (the walk's :class:`~parallelkit.plan.walk.Mixing` records; a column of its own,
+``tokens``), under s > 1 spatial ranks, as ``parallelkit/spatial/rules/tokens.py`` runs it:
+
+    self-attention, heads    the head all-to-all (DeepSpeed-Ulysses): q, k, v and the output
+    divide by s, no mask     each cross once forward and once backward, (s-1)/s of the rank's
+                             block of each; the rank holds its h/s heads of all L tokens
+    self-attention, else     the ring: s-1 shifts of the key/value block forward; backward s-1
+                             shifts of it with its gradients and one of the gradients home;
+                             two key/value blocks in flight
+    keys of another map,     an all-gather of each (reduce-scatter of its gradient); the whole
+    the explicit q @ k^T     keys and values held
+    contractions, maps over  an all-reduce of the (small) result, forward
+    the token axis
+
 A sample has 1, 2 or 3 spatial dimensions; a spatial grid splits a volume's D by ``depth``, H
 by ``rows`` and W by ``cols`` (an image's H and W by rows and cols, a signal's L by rows), as
 :class:`parallelkit.spatial.grid.SpatialGrid` does.
@@ -58,13 +72,14 @@ from parallelkit.geometry import (
 )
 from parallelkit.plan.measure import Profile
 from parallelkit.plan.network import Network
-from parallelkit.plan.walk import Layer, Net
+from parallelkit.plan.walk import Layer, Mixing, Net
 
 F32 = 4
 I64 = 8  # a label: one per sample, or one per pixel (voxel) of a per-pixel network
 MIB = 1 << 20
 BUCKET_BYTES = 25 * MIB  # DataParallel's default bucket_cap_mb
 SAMPLES = "input and labels"  # the memory part that blocks in divides
+MIXING = "token mixing"  # the memory part of the token collectives' buffers
 
 
 @dataclass(frozen=True)
@@ -147,10 +162,11 @@ class Estimate:
     problems: list[str] = field(default_factory=list)
     # With blocks in: the peak memory per rank the same grid needs with whole samples in.
     whole_in_mib: float | None = None
+    tokens_s: float = 0.0  # the token-mixing collectives (attention, contractions over tokens)
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.exchange_s + self.reductions_s
+        return self.compute_s + self.exchange_s + self.reductions_s + self.tokens_s
 
     @property
     def peak_mib(self) -> float:
@@ -172,9 +188,12 @@ def block_share(size: Sequence[int], parts: Sequence[int]) -> float:
 
 
 def spatial_share(layer: Layer, opt: Option) -> float:
-    """The largest share of the layer's output that one rank computes (1 outside the region)."""
+    """The largest share of the layer's output that one rank computes (1 outside the region):
+    its block of the map, or of the map flattened into its tokens."""
     if not layer.spatial or opt.spatial == 1 or layer.dims < 1:
         return 1.0
+    if layer.tokens:
+        return block_share(layer.tokens, opt.parts(len(layer.tokens)))
     return block_share(layer.out_shape[1:], opt.parts(layer.dims))
 
 
@@ -338,6 +357,67 @@ def data_parallel_exposed(
     return max(0.0, free - backward_s)
 
 
+# ---------------------------------------------------------------------------- token mixing
+@dataclass(frozen=True)
+class Traffic:
+    """One token-mixing call on the busiest rank, one forward + backward pass: the bytes it
+    sends, its message steps (each costs the link's latency once), the bytes it holds beyond
+    its block, and whether those stay until backward (else only while the call runs)."""
+
+    nbytes: float
+    messages: int
+    held: float
+    saved: bool
+
+
+def mixing_pattern(m: Mixing, s: int) -> str:
+    """The collective ``m`` uses on ``s`` spatial ranks, as the library's rule picks it:
+    "heads" (the head all-to-all) where the heads divide among the ranks and nothing masks,
+    "ring" for other self-attention, else the record's kind ("gather", "reduce")."""
+    if m.kind != "attention":
+        return m.kind
+    return "heads" if not m.masked and m.heads >= s and m.heads % s == 0 else "ring"
+
+
+def mixing_traffic(m: Mixing, opt: Option, images: float) -> Traffic:
+    """What token-mixing call ``m`` moves and holds on one rank of ``opt`` for ``images``
+    samples (see the module docstring; nothing without a spatial split)."""
+    s = opt.spatial
+    if s == 1:
+        return Traffic(0.0, 0, 0.0, True)
+    share = block_share(m.tokens, opt.parts(len(m.tokens)))  # of the queries' tokens
+    whole = [images * n * F32 for n in m.numel]
+    pattern = mixing_pattern(m, s)
+    if pattern == "heads":  # q, k, v, out: each all-to-all'ed forward, its gradient backward
+        sent = 2 * (s - 1) / s * sum(b * share for b in whole)
+        return Traffic(sent, 8 * (s - 1), sum(whole) / s, True)
+    if pattern == "ring":
+        kv = (whole[1] + whole[2]) * share
+        return Traffic(kv * (3 * s - 2), 2 * s - 1, 2 * kv, False)
+    if pattern == "gather":  # each tensor: all-gather forward, reduce-scatter backward
+        return Traffic(2 * (s - 1) / s * sum(whole), 2 * (s - 1) * len(whole), sum(whole), True)
+    return Traffic(2 * (s - 1) / s * whole[0], 2 * (s - 1), whole[0], True)  # all-reduce
+
+
+def mixing_seconds(net: Net, opt: Option, batch: int, link: Network) -> float:
+    """The token-mixing collectives of one step: ``latency`` per message step and
+    ``bytes / bandwidth``, as every other message of this model."""
+    b = batch / opt.data
+    per_pass = 0.0
+    for m in net.mixing:
+        t = mixing_traffic(m, opt, b)
+        per_pass += t.messages * link.latency_s + t.nbytes / link.bandwidth_Bps
+    return net.passes * per_pass
+
+
+def mixing_bytes(net: Net, opt: Option, batch: int) -> float:
+    """What the token collectives hold on one rank at the peak: the gathered keys and values
+    and the heads' tensors, kept for backward, and the largest ring's blocks in flight."""
+    held = [mixing_traffic(m, opt, batch / opt.data) for m in net.mixing]
+    saved = sum(t.held for t in held if t.saved)
+    return min(net.passes, 2) * saved + max((t.held for t in held if not t.saved), default=0.0)
+
+
 # ---------------------------------------------------------------------------- memory
 def sample_bytes(net: Net, opt: Option, batch: int, blocks_in: bool = False) -> float:
     """The samples one rank holds: its images' input (fp32) and labels (int64: one per pixel
@@ -410,6 +490,7 @@ def memory(
         SAMPLES: samples / MIB,
         "activations": live / MIB,
         "backward working set": working / MIB,
+        MIXING: sum(mixing_bytes(net, opt, batch) for net in nets) / MIB,
         "allocator and workspaces": machine.overhead_mib,
     }
 
@@ -443,6 +524,7 @@ def estimate(
         est.compute_s += compute * slow
         est.exchange_s += exchange_seconds(net, opt, batch, link, blocks_in) * link_slow
         est.reductions_s += reduction_seconds(net, prof, opt, batch, link, backward) * link_slow
+        est.tokens_s += mixing_seconds(net, opt, batch, link) * link_slow
     est.memory_mib = memory(nets, opt, batch, machine, blocks_in)
     if blocks_in:
         est.whole_in_mib = sum(memory(nets, opt, batch, machine).values())

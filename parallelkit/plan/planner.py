@@ -87,6 +87,7 @@ class Plan:
                 dict(e["memory_mib"]),
                 list(e["problems"]),
                 e.get("whole_in_mib"),
+                e.get("tokens_s", 0.0),
             )
             for e in d["ranking"]
         ]
@@ -113,6 +114,7 @@ def _estimate_dict(e: Estimate, batch: int) -> dict[str, Any]:
         "compute_s": e.compute_s,
         "exchange_s": e.exchange_s,
         "reductions_s": e.reductions_s,
+        "tokens_s": e.tokens_s,
         "images_per_s": batch / e.step_s if e.step_s > 0 else None,
         "memory_mib": e.memory_mib,
         "peak_mib": e.peak_mib,
@@ -162,6 +164,8 @@ def table(p: Plan) -> str:
         else "samples in: whole on every rank of a spatial group (--blocks-in: only its block)",
         "",
     ]
+    # token mixing: a column where the networks have any (attention, contractions over tokens)
+    tokens = any(e.tokens_s for e in p.estimates)
     cols = [
         "#",
         "strategy",
@@ -170,6 +174,7 @@ def table(p: Plan) -> str:
         "compute",
         "exchange",
         "reductions",
+        *(["tokens"] if tokens else []),
         "images/s",
         "MiB/rank",
         *(["whole in"] if p.blocks_in else []),
@@ -187,6 +192,7 @@ def table(p: Plan) -> str:
                 f"{e.compute_s:.3f}",
                 f"{e.exchange_s:.3f}",
                 f"{e.reductions_s:.3f}",
+                *([f"{e.tokens_s:.3f}"] if tokens else []),
                 f"{p.batch / e.step_s:.2f}" if e.step_s else "-",
                 f"{e.peak_mib:.0f}",
                 *([f"{e.whole_in_mib or 0:.0f}"] if p.blocks_in else []),

@@ -6,8 +6,21 @@ so it is pure and its tests need no torch model at all. A record holds what the 
 layers' costs depend on: per-sample input and output shapes, the sliding window of a
 convolution or pooling layer along each spatial dimension (for the halo geometry), the channel
 counts (for the channel-parallel collectives) and whether the layer lies inside the spatial
-region (before the first global pooling or fully connected layer: where
+region (before the first global pooling or fully connected layer on whole features: where
 ``pk.parallelize(..., "spatial")`` keeps activations split).
+
+Token mixing (:class:`Mixing`): the calls that mix the tokens of a split sample, which the
+spatial strategy makes exact with collectives (``parallelkit/spatial/rules/tokens.py``), are
+recorded beside the layers, seen as functions while the forward runs (a torch function mode):
+``F.scaled_dot_product_attention``, ``nn.MultiheadAttention`` (its
+``F.multi_head_attention_forward``), ``@``/``matmul``/``bmm`` and ``F.linear`` (a ``Linear``'s
+too) over tokens. A *token dimension* is one whose size is a flattened feature map of the
+region (H x W, D x H x W, a signal's L) in a tensor that is not that map itself. The walk sees
+shapes only, not the spatial guard's layouts: a token count that happens to equal another
+dimension's size is read as tokens; a square (L x L) product is read with its rows as the
+queries; ``einsum``, window attention (tokens in the batch) and keys of a count no map of the
+region has (a text context: whole, no collective) are not recorded. Their compute is not a
+leaf's: a profile has it in the rest of a pass (``Profile.other_s``; counted, it is left out).
 
 Samples have 1, 2 or 3 spatial dimensions, as in the rest of parallelkit: a signal (C, L), an
 image (C, H, W), a volume (C, D, H, W). Convolutions, transposed convolutions, pooling,
@@ -36,11 +49,13 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from parallelkit import models
 from parallelkit.geometry import conv_padding, per_dim
@@ -85,6 +100,9 @@ class Layer:
     groups: int = 1
     inplace: bool = False
     spatial: bool = True  # inside the spatial region (activations split by depth/rows/cols)
+    # The map (D, H, W) flattened into one dimension of its output, where that is tokens
+    # (``(L, C)``, ``(h, L, d)``): a rank holds its block of that map, not of ``out_shape``.
+    tokens: Shape = ()
     module: nn.Module | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -99,6 +117,33 @@ class Layer:
     def dims(self) -> int:
         """Spatial dimensions of its output: 1 (L), 2 (H, W) or 3 (D, H, W); 0 for (F,)."""
         return len(self.out_shape) - 1
+
+
+@dataclass(frozen=True)
+class Mixing:
+    """One token-mixing call in the spatial region and what its collectives move, per sample.
+
+    ``kind`` and ``numel`` (whole tensors, one sample):
+
+        attention  self-attention by ``scaled_dot_product_attention`` (queries, keys and values
+                   of the same tokens): the head all-to-all or the ring, as the number of
+                   ranks decides; numel (q, k, v, output)
+        gather     keys or values (of another map, or of the explicit ``q @ k^T``, ``@ v``)
+                   all-gathered whole; numel of each gathered tensor
+        reduce     a contraction over tokens or a linear map over the token axis: its small
+                   result all-reduced; numel (result,)
+
+    ``tokens``: the map flattened into the queries' (attention) or the gathered tensors' token
+    dimension, whose block a rank holds. ``heads``: the attention's heads; ``masked``: a mask,
+    causal masking or grouped keys/values, which the head all-to-all does not take.
+    """
+
+    name: str  # the module it ran in
+    kind: str  # attention | gather | reduce
+    tokens: Shape
+    numel: tuple[int, ...]
+    heads: int = 0
+    masked: bool = False
 
 
 @dataclass(frozen=True)
@@ -121,6 +166,7 @@ class Net:
     model: nn.Module | None = field(default=None, compare=False, repr=False)
     input_shape: Shape = ()
     output_shape: Shape = ()  # of the model's output (its "out" where it returns a dict)
+    mixing: tuple[Mixing, ...] = ()  # token-mixing calls in the spatial region, in call order
 
     @property
     def per_pixel(self) -> bool:
@@ -162,12 +208,13 @@ def _record(name: str, m: nn.Module, x: torch.Tensor, y: torch.Tensor, spatial: 
     elif isinstance(m, GLOBAL_POOLS):
         kind, flops = "global_pool", float(math.prod(ins))
     elif isinstance(m, nn.Linear):
-        kind, flops = "linear", 2.0 * m.in_features * m.out_features
+        # per row: every token's (or the one feature vector's) in x out multiply-adds
+        kind, flops = "linear", 2.0 * m.in_features * out_n
     elif isinstance(m, ELEMENTWISE):
         kind = "act"
     inplace = bool(getattr(m, "inplace", False))
     return Layer(
-        name, kind, ins, outs, flops, params, len(own), window, groups, inplace, spatial, m
+        name, kind, ins, outs, flops, params, len(own), window, groups, inplace, spatial, (), m
     )
 
 
@@ -177,13 +224,15 @@ def walk(model: nn.Module, input_shape: Shape, name: str = "model", **net: Any) 
     A copy of the model goes to the meta device, so nothing is allocated or computed; the
     records keep references to the real leaf modules (for timing them, see
     :mod:`parallelkit.plan.measure`). The spatial region ends at the first global pooling or
-    fully connected layer, or at a module named in ``keep_dense``.
+    fully connected layer on whole features ``(N, F)``, or at a module named in ``keep_dense``;
+    the token-mixing calls inside it are the net's ``mixing``.
     """
     keep_dense = tuple(net.get("keep_dense", ()))
     real = dict(model.named_modules())
     meta = _to_meta(model)
     layers: list[Layer] = []
-    state = {"spatial": True}
+    seen = _Mixings([name])
+    seen.add_map(tuple(input_shape[1:]))
 
     def hook(mod_name: str):
         def record(m: nn.Module, args: tuple, out: Any) -> None:
@@ -193,12 +242,18 @@ def walk(model: nn.Module, input_shape: Shape, name: str = "model", **net: Any) 
                 or not isinstance(out, torch.Tensor)
             ):
                 return
-            if isinstance(m, (*GLOBAL_POOLS, nn.Linear)) or any(
-                mod_name == k or mod_name.startswith(f"{k}.") for k in keep_dense
-            ):
-                state["spatial"] = False
-            split = state["spatial"] and 3 <= out.dim() <= 5  # (N, C, L) to (N, C, D, H, W)
+            # a Linear on (N, F) is on whole features; on (N, ..., F) it maps each token's
+            # features and the block stays split (a transformer's or ConvNeXt's MLP)
+            dense = isinstance(m, GLOBAL_POOLS) or (isinstance(m, nn.Linear) and out.dim() == 2)
+            if dense or any(mod_name == k or mod_name.startswith(f"{k}.") for k in keep_dense):
+                seen.spatial = False  # the region ends
+            split = seen.spatial and 3 <= out.dim() <= 5  # (N, C, L) to (N, C, D, H, W)
             layer = _record(mod_name, m, args[0], out, split)
+            if split and layer.kind in MAP_KINDS:
+                seen.add_map(layer.in_shape[1:])
+                seen.add_map(layer.out_shape[1:])
+            elif split and (layer.kind == "linear" or out.dim() != len(input_shape) + 1):
+                layer = replace(layer, tokens=seen.token_map(out.shape[1:]))  # not (N, C, *map)
             layers.append(_with_module(layer, real[mod_name]))
 
         return record
@@ -208,8 +263,11 @@ def walk(model: nn.Module, input_shape: Shape, name: str = "model", **net: Any) 
         for n, m in meta.named_modules()
         if not list(m.children()) and n
     ]
+    for n, m in meta.named_modules():  # the module a token-mixing call runs in
+        handles.append(m.register_forward_pre_hook(lambda *_, n=n: seen.enter(n or name)))
+        handles.append(m.register_forward_hook(lambda *_: seen.leave()))
     try:
-        with torch.no_grad():
+        with torch.no_grad(), seen:
             out = meta(torch.empty((1, *input_shape), device="meta"))
     except RuntimeError as e:  # a shape the network does not take (a 2-D network, a volume)
         why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -223,8 +281,129 @@ def walk(model: nn.Module, input_shape: Shape, name: str = "model", **net: Any) 
     params = sum(p.numel() for p in model.parameters())
     return Net(
         name, tuple(layers), params, model=model, input_shape=tuple(input_shape),
-        output_shape=_output_shape(out), **net,
+        output_shape=_output_shape(out), mixing=tuple(seen.records), **net,
     )  # fmt: skip
+
+
+MAP_KINDS = ("conv", "convT", "norm", "sample_norm", "pool")  # (C, *spatial) in and out
+MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm)
+
+
+def _arg(args: tuple, kwargs: Mapping[str, Any], i: int, name: str, default: Any = None) -> Any:
+    return args[i] if len(args) > i else kwargs.get(name, default)
+
+
+class _Mixings(TorchFunctionMode):
+    """Records the token-mixing calls of the spatial region while the walk's forward runs
+    (see the module docstring): what each moves under ``parallelkit/spatial/rules/tokens.py``'s
+    rules. A call is handled as a whole (its inner calls are not seen): nn.MultiheadAttention
+    is one record, as its rule writes it out."""
+
+    def __init__(self, names: list[str]) -> None:
+        super().__init__()
+        self.names = names  # the modules running, innermost last
+        self.maps: dict[int, Shape] = {}  # the region's feature maps by their token count
+        self.records: list[Mixing] = []
+        self.spatial = True
+
+    def enter(self, name: str) -> None:
+        self.names.append(name)
+
+    def leave(self) -> None:
+        self.names.pop()
+
+    def add_map(self, size: Sequence[int]) -> None:
+        if size and math.prod(size) > 1:
+            self.maps.setdefault(math.prod(size), tuple(size))
+
+    def _is_map(self, shape: Sequence[int]) -> bool:
+        """Whether ``shape`` ends with one of the region's maps of 2 or 3 dimensions (a signal's
+        L is its token dimension as it is)."""
+        return any(len(m) > 1 and tuple(shape[-len(m) :]) == m for m in self.maps.values())
+
+    def token_map(self, shape: Sequence[int]) -> Shape:
+        """The map flattened into a dimension of per-sample ``shape``; () for none or a map."""
+        if not self.spatial or self._is_map(shape) or tuple(shape[1:]) in self.maps.values():
+            return ()
+        return next((self.maps[n] for n in shape if n in self.maps), ())
+
+    def tokens_at(self, t: Any, dim: int) -> Shape | None:
+        """The map whose tokens tensor ``t`` holds in dimension ``dim``, if it does."""
+        if not isinstance(t, torch.Tensor) or t.dim() < 2 or self._is_map(t.shape):
+            return None
+        return self.maps.get(t.shape[dim])
+
+    def add(self, kind: str, tokens: Shape, *tensors: torch.Tensor, **more: Any) -> None:
+        numel = tuple(t.numel() for t in tensors)  # batch 1: one sample
+        self.records.append(Mixing(self.names[-1], kind, tokens, numel, **more))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.spatial and self.maps:
+            if func is F.scaled_dot_product_attention:
+                self._attention(args, kwargs, out)
+            elif func is F.multi_head_attention_forward:
+                self._multihead(args, kwargs, out)
+            elif func in MATMULS and len(args) == 2:
+                self._product(*args, out)
+            elif func is F.linear:
+                self._linear(_arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight"), out)
+        return out
+
+    def _attention(self, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
+        """The rule's choice: self-attention (queries, keys and values of one map, alike)
+        goes by heads or around the ring; split keys of another map are gathered."""
+        q, k, v = (_arg(args, kwargs, i, n) for i, n in enumerate(("query", "key", "value")))
+        mask, causal = _arg(args, kwargs, 3, "attn_mask"), _arg(args, kwargs, 5, "is_causal")
+        gqa = kwargs.get("enable_gqa", False)
+        tq, tk = self.tokens_at(q, -2), self.tokens_at(k, -2)
+        if tk is None:  # whole keys and values: the queries' rows stay local
+            return
+        if tq == tk and q.shape[:-2] == k.shape[:-2] == v.shape[:-2] and not gqa:
+            heads = q.shape[-3] if q.dim() >= 3 else 0
+            masked = mask is not None or bool(causal)
+            self.add("attention", tq, q, k, v, out, heads=heads, masked=masked)
+        else:
+            self.add("gather", tk, k, v)
+
+    def _multihead(self, args: tuple, kwargs: dict, out: Any) -> None:
+        """nn.MultiheadAttention on (L, N, E): by ``scaled_dot_product_attention`` where no
+        weights are asked for, else by the explicit pattern (keys and values gathered)."""
+        q, k, v = args[:3]
+        tq, tk = self.tokens_at(q.transpose(0, 1), -2), self.tokens_at(k.transpose(0, 1), -2)
+        if tk is None:
+            return
+        if kwargs.get("need_weights", True) or tq != tk:
+            self.add("gather", tk, k, v)  # their projections: as many elements
+            return
+        masked = kwargs.get("attn_mask") is not None or kwargs.get("is_causal", False)
+        y = out[0] if isinstance(out, tuple) else out
+        self.add("attention", tq, q, k, v, y, heads=args[4], masked=masked)
+
+    def _product(self, x: Any, w: Any, out: Any) -> None:
+        """``x @ w`` as ``tokens.matmul`` reads it: scores and ``attn @ v`` gather ``w``;
+        a contraction over tokens, or a map over them, all-reduces its result."""
+        if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
+            return
+        if min(x.dim(), w.dim()) < 2:
+            return
+        rows, cols = self.tokens_at(x, -2), self.tokens_at(x, -1)
+        w_tokens = self.tokens_at(w, -2) or self.tokens_at(w, -1)
+        if rows and w_tokens:  # q @ k^T, attn @ v
+            self.add("gather", w_tokens, w)
+        elif cols:
+            self.add("reduce", cols, out)  # k^T @ v, a whole (L, M) map over the tokens
+        elif rows is None and cols is None and (t := self.tokens_at(w, -2)):
+            self.add("reduce", t, out)  # a whole (M, L) matrix times a block
+
+    def _linear(self, x: Any, weight: Any, out: Any) -> None:
+        """``F.linear`` over the token axis (MLP-Mixer's token mixing): its output all-reduced.
+        Over (N, F) it is the fully connected layer that ends the region (gathered there)."""
+        if not isinstance(x, torch.Tensor) or x.dim() < 3 or weight.dim() != 2:
+            return
+        if (t := self.tokens_at(x, -1)) and weight.shape[1] == x.shape[-1]:
+            self.add("reduce", t, out)
 
 
 def _output_shape(out: Any) -> Shape:
