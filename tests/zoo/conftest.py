@@ -20,11 +20,11 @@ from zoo_run import Pools
 def pools(request: pytest.FixtureRequest) -> Iterator[Pools]:
     """``pools(n)``: one pool of gloo ranks, as many as the largest selected case needs,
     started once and shared by every case, whatever the order (zoo_run.Pools)."""
-    sizes = [
-        STRATEGIES[item.callspec.params["strategy"]][0]
-        for item in request.session.items
-        if "strategy" in getattr(getattr(item, "callspec", None), "params", {})
-    ]
+    chosen = [getattr(getattr(item, "callspec", None), "params", {}).get("strategy")
+              for item in request.session.items]  # fmt: skip
+    # An empty parameter set (no case refused under a spatial strategy, so none to gather)
+    # is one skipped item whose parameters are pytest's NOTSET, not a strategy.
+    sizes = [STRATEGIES[s][0] for s in chosen if s in STRATEGIES]
     p = Pools(least=max(sizes, default=2))
     yield p
     p.close()
