@@ -18,7 +18,7 @@ from tokens_cases import (
     all_to_all_adjoint,
     dropout_refused,
     orders_match_blocks,
-    refusal_of,
+    pool_indices_parity,
     relayout_adjoint,
     token_parity,
 )
@@ -27,7 +27,7 @@ from torch import nn
 from parallelkit.comm.local import LocalCommunicator
 from parallelkit.parallel.spatial_guard import SpatialGuard
 
-from cases import assert_triples, mismatches
+from cases import assert_results, assert_triples, mismatches
 
 KINDS = [
     "sdpa",  # the head all-to-all where the heads divide among the ranks, else the ring
@@ -100,9 +100,48 @@ def test_negative_control_indices_numbered_in_the_block_do_not_match(ranks):
     assert "output" in mismatches([(label, got, want, {}) for label, got, want in results[1]])
 
 
-def test_max_unpool_of_windows_across_blocks_is_refused_on_every_rank(ranks):
-    for result in ranks(2).run(refusal_of, "unpool", dict(rows=2), (3, 10, 6), timeout=120):
-        assert "return_indices, with windows that are not whole in every block" in result
+@pytest.mark.parametrize(
+    ("size", "grid", "shape", "kind"),
+    [(2, dict(rows=2), (3, 10, 6), "unpool"),  # blocks 5 + 5: a window across them
+     (3, dict(rows=3), (3, 11, 4), "unpool"),
+     (4, dict(rows=2, cols=2), (3, 11, 7), "unpool"),
+     (2, dict(rows=2), (3, 10, 6), "unpool overlapping"),  # kernel 3, stride 2, padding 1
+     (2, dict(cols=2), (3, 5, 9), "unpool overlapping"),
+     (3, dict(rows=3), (3, 12, 4), "unpool overlapping"),
+     (4, dict(rows=2, cols=2), (3, 11, 7), "unpool overlapping"),
+     (2, dict(rows=2), (3, 11), "unpool overlapping"),  # a signal
+     (2, dict(depth=2), (3, 5, 6, 4), "unpool overlapping")],  # a volume
+)  # fmt: skip
+def test_max_unpool_of_windows_across_blocks_matches_dense(ranks, size, grid, shape, kind):
+    """max_pool's indices and MaxUnpool where windows cross blocks or overlap: each output
+    block fetches the rows (the pooled rows) its windows read (are reached from)."""
+    for triples in ranks(size).run(token_parity, kind, grid, shape, timeout=120):
+        assert_triples(triples)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_pooling_indices_and_unpooling_on_blocks_are_torchs_exactly(ranks, size):
+    """On inputs full of ties, NaNs and windows of -inf, with dilation and ceil_mode: the
+    values, the indices and the gradients of each rank's block are torch's on the whole."""
+    for results in ranks(size).run(pool_indices_parity, size, timeout=120):
+        assert_results(results)
+
+
+@pytest.mark.parametrize(
+    ("fault", "label"), [("padding named", "indices"), ("own pooled rows", "unpooled")]
+)
+def test_negative_control_pooling_indices_and_unpooling_can_fail(ranks, fault, label):
+    """Windows of -inf that keep the padding row the fetched block's pooling names, and
+    unpooling without the neighbours' pooled rows, must not match."""
+    results = ranks(2).run(pool_indices_parity, 2, fault, timeout=120)
+    bad = mismatches([r for rank in results for r in rank])
+    assert any(b.endswith(f": {label}") for b in bad), bad
+
+
+def test_negative_control_unpooling_without_the_neighbours_rows_does_not_match(ranks):
+    results = ranks(2).run(token_parity, "unpool overlapping", dict(rows=2), (3, 10, 6), 2,
+                           False, "own pooled rows", timeout=120)  # fmt: skip
+    assert "output" in mismatches([(label, got, want, {}) for label, got, want in results[0]])
 
 
 @pytest.mark.parametrize(

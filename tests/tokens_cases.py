@@ -24,13 +24,18 @@ import torch.nn.functional as F
 from torch import nn
 
 import parallelkit as pk
+from parallelkit import geometry
 from parallelkit.comm import Communicator
-from parallelkit.spatial import relayout
+from parallelkit.spatial import pool, relayout
 from parallelkit.spatial import ring_attention as ring
 from parallelkit.spatial.conv import transposed_out_size
 from parallelkit.spatial.rules import tokens, windows
 
 Triple = tuple[str, torch.Tensor, torch.Tensor]
+
+
+UNPOOL_WINDOWS = {"unpool": (2, 2, 0), "unpool overlapping": (3, 2, 1)}
+"""TokenNet's kinds that pool with indices and unpool: (kernel, stride, padding)."""
 
 
 class TokenNet(nn.Module):
@@ -63,7 +68,9 @@ class TokenNet(nn.Module):
         self.talk1, self.talk2 = nn.Conv2d(heads, heads, 1), nn.Conv2d(heads, heads, 1)
         self.patch_norm, self.patch_qkv = nn.GroupNorm(1, c), nn.Conv2d(c, 1 + 2 * c, 1)
         self.window_w, self.cols_proj = nn.Parameter(torch.randn(3, 4)), nn.Linear(9 * c, c)
-        self.pool_i, self.unpool = nn.MaxPool2d(2, return_indices=True), nn.MaxUnpool2d(2)
+        windows = UNPOOL_WINDOWS.get(kind, (2, 2, 0))  # kernel, stride, padding
+        self.pool_i = getattr(nn, f"MaxPool{dims}d")(*windows, return_indices=True)
+        self.unpool = getattr(nn, f"MaxUnpool{dims}d")(*windows)
         self.fold_in = conv(c, 9 * c, 1)
         self.pab_top, self.pab_center = conv(c, 4, 1), conv(c, 4, 1)
         self.pab_bottom, self.pab_out = conv(c, c, 3, padding=1), conv(c, c, 3, padding=1)
@@ -89,13 +96,16 @@ class TokenNet(nn.Module):
             logp = F.log_softmax(x.flatten(2), 2).reshape(n, c, *spatial)
             gate = self.gc_t(context).reshape(n, c, *(1 for _ in spatial))
             return self.head(x + gate + 0.1 * logp)
-        if self.kind == "unpool":  # SegNet: max pooling's indices, then MaxUnpool to them
+        if self.kind in UNPOOL_WINDOWS:  # SegNet: max pooling's indices, MaxUnpool to them
+            k, s, p = UNPOOL_WINDOWS[self.kind]
+            d, whole = len(spatial), x.shape[2:]
             y, index = self.pool_i(x)
-            up = self.unpool(self.gc_mask(y).sigmoid() * y, index, output_size=x.shape[-2:])
-            _, index_f = F.max_pool2d(up.relu() + x, 2, return_indices=True)  # functional
-            numbers = 1e-3 * index_f.double().mean((2, 3), keepdim=True)  # the whole plane's
-            return self.head(x + up + F.max_unpool2d(y, index_f, 2, output_size=x.shape[-2:])
-                             + numbers)  # fmt: skip
+            up = self.unpool(self.gc_mask(y).sigmoid() * y, index, output_size=whole)
+            pool_f, unpool_f = getattr(F, f"max_pool{d}d"), getattr(F, f"max_unpool{d}d")
+            _, index_f = pool_f(up.relu() + x, k, s, p, return_indices=True)  # functional
+            numbers = index_f.double().mean(tuple(range(2, 2 + d)), keepdim=True)  # the plane's
+            return self.head(x + up + unpool_f(y, index_f, k, s, p, output_size=whole)
+                             + 1e-3 * numbers)  # fmt: skip
         if self.kind == "tensor unfold":  # HaloNet-style sliding windows with a halo, by hand
             win = F.pad(x, (1, 1, 1, 1)).unfold(2, 3, 1).unfold(3, 4, 2)  # (N, C, H, W', 3, 4)
             return self.head((win * self.window_w).sum((-2, -1)))
@@ -179,7 +189,8 @@ def token_parity(
     ``shape`` (C, *spatial). ``ring_fault``: the ring attention with a fault (negative
     controls): "no shift" (each rank's keys and values never leave it) or "no rescale"
     (partial results added without their log-sum-exp weights); or, not in the ring, "no
-    relayout" (a block read in another layout where it is, nothing exchanged)."""
+    relayout" (a block read in another layout where it is, nothing exchanged), or "own pooled
+    rows" (each output block unpools only the pooled rows its rank holds)."""
     torch.manual_seed(0)
     dense = TokenNet(kind, len(shape) - 1, heads=heads, size=shape[1:]).double()
     g = pk.Grid(comm, **grid)
@@ -202,6 +213,8 @@ def token_parity(
             stack.enter_context(mock.patch.object(ring, "_merge", _sum_unweighted))
         if ring_fault == "no relayout":
             stack.enter_context(mock.patch.object(relayout, "_move", _reshaped_in_place))
+        if ring_fault == "own pooled rows":
+            stack.enter_context(mock.patch.object(pool, "fetch_ranges", _own_pooled_rows))
         y_mine = model(x_mine)
         y_mine.square().sum().backward()
     out = [("output", y_mine.detach(), y.detach())]
@@ -263,6 +276,23 @@ def _alone(x, weight, bias, stride, padding, extra, dilation, groups, grid, size
 
 
 _CONV_T = windows.conv_transpose_blocks
+
+
+def _own_pooled_rows(x_blk, grid, size, out_size, needs):  # type: ignore[no-untyped-def]
+    """The negative control of unpooling across blocks: each output block takes only the
+    pooled rows its own rank holds, the neighbours' values that land in it never sent."""
+
+    def own(dim, o0, o1, n):  # type: ignore[no-untyped-def]
+        parts = grid.axes(len(size))[dim][1]
+        rank = geometry.starts(geometry.tensor_split_sizes(out_size(dim, n), parts)).index(o0)
+        a, b = geometry.blocks(n, parts)[rank]
+        lo, hi = needs(dim, o0, o1, n)
+        return (max(lo, a), min(hi, b)) if min(hi, b) > max(lo, a) else (a, a)
+
+    return _FETCH_RANGES(x_blk, grid, size, out_size, own)
+
+
+_FETCH_RANGES = pool.fetch_ranges
 
 
 def _block_numbers(index, local, starts, whole):  # type: ignore[no-untyped-def]
@@ -367,3 +397,91 @@ def refusal_of(comm: Communicator, kind: str, grid: dict, shape: tuple) -> str:
         comm.barrier()
         return str(e)
     return "no error"
+
+
+# ------------------------------------------------------------- pooling indices on the blocks
+# (C, *spatial), the grid, (kernel, stride, padding, dilation, ceil_mode), the input's kind:
+# "ties" integers in [-1, 2] (many equal maxima per window); "inf" ties, NaNs and half -inf
+# (windows of -inf only at the padding, windows with two NaNs).
+POOL_CASES = {
+    2: [((2, 10, 6), dict(rows=2), (2, 2, 0, 1, False), "ties"),
+        ((2, 9, 7), dict(cols=2), (3, 2, 1, 1, False), "inf"),
+        ((2, 10, 5), dict(rows=2), (3, 1, 1, 1, False), "ties"),
+        ((2, 11, 5), dict(rows=2), (3, 2, 1, 2, True), "inf"),  # dilation, ceil_mode
+        ((2, 7, 6), dict(rows=2), (2, 2, 0, 1, True), "ties"),  # a last window half out
+        ((2, 11), dict(rows=2), (3, 2, 1, 1, False), "inf"),  # a signal
+        ((2, 5, 6, 4), dict(depth=2), (3, 2, 1, 1, False), "inf")],  # a volume
+    3: [((2, 10, 5), dict(rows=3), (3, 2, 1, 1, False), "inf"),
+        ((2, 4, 5), dict(rows=3), (2, 2, 0, 1, False), "ties"),  # an empty pooled block
+        ((2, 9, 4), dict(rows=3), (5, 3, 2, 1, True), "inf")],
+    4: [((2, 11, 7), dict(rows=2, cols=2), (3, 2, 1, 1, False), "inf"),
+        ((2, 11, 7), dict(rows=2, cols=2), (2, 2, 0, 1, False), "ties"),
+        ((2, 3, 7, 5), dict(rows=2, cols=2), (3, 2, 1, 1, False), "inf"),
+        ((2, 13), dict(rows=4), (3, 3, 1, 1, False), "ties")],
+}  # fmt: skip
+POOL_AXES = ("depth", "rows", "cols")
+
+
+def _sample(shape: tuple, kind: str) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(-1, 3, (2, *shape), generator=gen).double()
+    if kind == "inf":
+        where = torch.rand(x.shape, generator=gen)
+        x[where < 0.1] = float("nan")
+        x[where > 0.5] = -float("inf")
+    return x
+
+
+def pool_indices_parity(comm: Communicator, size: int, fault: str | None = None) -> list:
+    """Every case of ``size`` ranks: max pooling with indices and max unpooling to them on
+    this rank's blocks (:mod:`parallelkit.spatial.pool`) against torch on the whole input:
+    values, indices, the input's gradient; the unpooled output of other values (which
+    differ where overlapping windows name one place), their gradient. ``fault``: "padding
+    named" (windows of -inf keep the padding row the fetched block's pooling names) or "own
+    pooled rows" (unpooling only the pooled rows this rank holds), negative controls."""
+    with ExitStack() as stack:
+        if fault == "padding named":
+            stack.enter_context(mock.patch.object(pool, "_first_real_row", lambda s, d: s))
+        if fault == "own pooled rows":
+            stack.enter_context(mock.patch.object(pool, "fetch_ranges", _own_pooled_rows))
+        out = []
+        for case in POOL_CASES[size]:
+            out += [(f"{case}: {label}", *rest) for label, *rest in _pool_case(comm, *case)]
+        return out
+
+
+def _pool_case(comm: Communicator, shape: tuple, grid: dict, args: tuple, kind: str) -> list:
+    from parallelkit.spatial import grid_of
+
+    (k, s, p, d, ceil), ndim, size = args, len(shape) - 1, shape[1:]
+    spatial = grid_of(comm, tuple(grid.get(a, 1) for a in POOL_AXES))
+    gen = torch.Generator().manual_seed(2)
+    x = _sample(shape, kind).requires_grad_()
+    y, idx = getattr(F, f"max_pool{ndim}d")(x, k, s, p, d, ceil, return_indices=True)
+    w = torch.randn(y.shape, dtype=y.dtype, generator=gen)
+    (y * w).sum().backward()
+    cut = (slice(None), slice(None), *spatial.block(*size))
+    out_cut = (slice(None), slice(None), *spatial.block(*y.shape[2:]))
+    x_blk = x.detach()[cut].clone().requires_grad_()
+    windows = pool.pool_windows(k, s, p, d, ceil, ndim, "max_pool")
+    y_blk, idx_blk = pool.max_pool_indices_blocks(x_blk, windows, spatial, size)
+    (y_blk * w[out_cut]).sum().backward()
+    exact = dict(equal_nan=True, rtol=0, atol=0)  # the gradients' sums: in another order
+    out = [("values", y_blk.detach(), y.detach()[out_cut], exact),
+           ("indices", idx_blk, idx[out_cut], {}),
+           ("input grad", x_blk.grad, x.grad[cut], {})]  # fmt: skip
+    if d != 1:  # MaxUnpool has no dilation: its windows would not hold the indices
+        return out
+    v = torch.randn(y.shape, dtype=y.dtype, generator=gen).requires_grad_()
+    u = getattr(F, f"max_unpool{ndim}d")(v, idx, k, s, p, output_size=size)
+    w_u = torch.randn(u.shape, dtype=u.dtype, generator=gen)
+    (u * w_u).sum().backward()
+    v_blk = v.detach()[out_cut].clone().requires_grad_()
+    unpool_windows = pool.pool_windows(k, s, p, 1, False, ndim, "max_unpool")
+    u_blk = pool.max_unpool_blocks(
+        v_blk, idx[out_cut], unpool_windows, spatial, y.shape[2:], size
+    )  # torch's indices: the pooling's are checked above
+    (u_blk * w_u[cut]).sum().backward()
+    out.append(("unpooled", u_blk.detach(), u.detach()[cut], exact))
+    out.append(("unpooled input grad", v_blk.grad, v.grad[out_cut], exact))
+    return out

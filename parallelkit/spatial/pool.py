@@ -5,6 +5,11 @@ As :mod:`parallelkit.spatial.conv`: each function takes this rank's block (N, C,
 whole samples of ``size`` split over a grid in tensor_split layout, fetches the input rows its
 output block reads (:mod:`parallelkit.spatial.fetch`: max pooling pads with -inf, average
 pooling with zeros) and runs the plain torch operation on them.
+
+Max pooling with indices numbers them in the whole sample's plane, as the dense pooling does,
+and max unpooling takes such indices back to this rank's block of the output: each output
+block fetches the pooled rows whose windows reach it (the rows a transposed convolution's
+output block receives from) with their indices, and unpools them locally.
 """
 
 from __future__ import annotations
@@ -14,11 +19,13 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from parallelkit.geometry import Window, per_dim
+from parallelkit.geometry import Window, per_dim, starts, transposed_needs
 from parallelkit.spatial.fetch import crop, empty_output, fetch, fetch_ranges
 from parallelkit.spatial.grid import SpatialGrid
 
 MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+MAX_POOL_INDICES = {1: F.max_pool1d_with_indices, 2: F.max_pool2d_with_indices,
+                    3: F.max_pool3d_with_indices}  # fmt: skip
 INTERPOLATING = {"linear": 1, "bilinear": 2, "trilinear": 3}  # mode: its spatial dimensions
 
 
@@ -59,6 +66,135 @@ def max_pool_blocks(
     kernel, stride, dilation = zip(*((w.kernel, w.stride, w.dilation) for w in windows),
                                    strict=True)  # fmt: skip
     return MAX_POOL[len(windows)](x, kernel, stride, pad, dilation)
+
+
+def max_pool_indices_blocks(
+    x_blk: torch.Tensor, windows: Sequence[Window], grid: SpatialGrid, size: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's block of ``F.max_pool1d/2d/3d(return_indices=True)``: the values, and
+    their indices numbered in the whole sample's (unpadded) plane.
+
+    The fetched rows are pooled for the indices only; the values are then read at them, so
+    that autograd sends each gradient to the one place torch's backward sends it, and the
+    fetch's backward returns it to its owner. The fetch pads with -inf rows, which torch's
+    pooling does not count: a window whose real values are all -inf keeps, as in torch, its
+    first real position (along each dimension its first row at or past row 0), where the
+    pooling of the fetched block names its first padding row."""
+    x, out_size, pad = _fetch(x_blk, grid, windows, size, float("-inf"), native=True)
+    if min(out_size) == 0:
+        y = empty_output(x, x.shape[1], out_size, x)
+        return y, torch.zeros(y.shape, dtype=torch.long, device=y.device)
+    kernel, stride, dilation = zip(*((w.kernel, w.stride, w.dilation) for w in windows),
+                                   strict=True)  # fmt: skip
+    with torch.no_grad():
+        _, local = MAX_POOL_INDICES[len(windows)](x, kernel, stride, pad, dilation, False, True)
+    rows, firsts = _whole_rows(_unflatten(local, x.shape[2:]), windows, grid, size, pad)
+    at = _flatten([r - a for r, a in zip(rows, firsts, strict=True)], x.shape[2:])
+    return x.flatten(2).gather(2, at.flatten(2)).view(local.shape), _flatten(rows, size)
+
+
+def _whole_rows(rows: list[torch.Tensor], windows: Sequence[Window], grid: SpatialGrid,
+                size: Sequence[int], pad: Sequence[int]) -> tuple[list, list[int]]:  # fmt: skip
+    """Per dimension, the rows of the fetched block that its pooling names (one per output
+    position) as rows of the whole sample, a padding row taken to its window's first real
+    row; and the whole row of the fetched block's row 0 (0 where torch pads, nothing
+    fetched)."""
+    whole, firsts = [], []
+    for dim, (win, n, (_, parts, idx)) in enumerate(
+        zip(windows, size, grid.axes(len(windows)), strict=True)
+    ):
+        _, out_sizes, want = win.plan(n, parts)
+        first = 0 if pad[dim] else want[idx][0]
+        o = starts(out_sizes)[idx] + torch.arange(out_sizes[idx], device=rows[dim].device)
+        real = _first_real_row(o * win.stride - win.pad_lo, win.dilation)
+        view = [1] * len(windows)
+        view[dim] = -1
+        row = rows[dim] + first
+        whole.append(torch.where(row < 0, real.view(view), row))
+        firsts.append(first)
+    return whole, firsts
+
+
+def _first_real_row(start: torch.Tensor, dilation: int) -> torch.Tensor:
+    """The first row at or past row 0 that a window starting at ``start`` reads."""
+    return start + dilation * ((-start).clamp(min=0) + dilation - 1).div(
+        dilation, rounding_mode="floor"
+    )
+
+
+def _unflatten(index: torch.Tensor, shape: Sequence[int]) -> list[torch.Tensor]:
+    """Flat indices into a plane of ``shape`` as one row index per dimension."""
+    rows, rest = [], index
+    for n in reversed(shape):
+        rows.append(rest % n)
+        rest = rest.div(n, rounding_mode="floor")
+    return rows[::-1]
+
+
+def _flatten(rows: Sequence[torch.Tensor], shape: Sequence[int]) -> torch.Tensor:
+    """One row index per dimension as flat indices into a plane of ``shape``."""
+    flat = torch.zeros_like(rows[0])
+    for r, n in zip(rows, shape, strict=True):
+        flat = flat * n + r
+    return flat
+
+
+def max_unpool_blocks(
+    x_blk: torch.Tensor,
+    index_blk: torch.Tensor,
+    windows: Sequence[Window],
+    grid: SpatialGrid,
+    size: Sequence[int],
+    out_size: Sequence[int],
+) -> torch.Tensor:
+    """This rank's block of ``F.max_unpool1d/2d/3d`` of blocks of the pooled map (``size``)
+    whose indices are numbered in the whole output plane (``out_size``), each inside its
+    value's window, as max pooling with these windows gives them.
+
+    The output block fetches the pooled rows whose windows reach it, values and indices (a
+    transposed convolution's halo), and unpools them into the rows those windows cover; what
+    falls outside the block is cut off. Unpooling writes, it does not add: where windows
+    overlap, two values may name one place, and the one torch's kernel writes last (on the
+    CPU the later in the pooled map's order, which the fetched rows keep) must win; a sum of
+    the ranks' scatters would add them. The backward reads the output's gradient at every
+    index, as torch's does: the rank whose block holds the place gives it, the others'
+    copies zero, and the fetch's backward adds them up on the value's owner."""
+
+    def needs(dim: int, o0: int, o1: int, n: int) -> tuple[int, int]:
+        w = windows[dim]
+        return transposed_needs(o0, o1, n, w.kernel, w.stride, w.pad_lo, w.dilation)
+
+    def whole(dim: int, _: int) -> int:
+        return out_size[dim]
+
+    x, blocks, firsts = fetch_ranges(x_blk, grid, size, whole, needs)
+    index, _, _ = fetch_ranges(index_blk, grid, size, whole, needs)
+    rows = [o for _, o in blocks]
+    if min(rows) == 0 or min(x.shape[2:]) == 0:
+        return empty_output(x, x.shape[1], rows, x)
+    reach = []  # the output rows the fetched rows' windows cover, (first, rows)
+    for w, first, m, n in zip(windows, firsts, x.shape[2:], out_size, strict=True):
+        lo, hi = w.needs(first, first + m)
+        reach.append((max(lo, 0), min(hi, n) - max(lo, 0)))
+    local = _unflatten(index, out_size)
+    inside = torch.ones_like(index, dtype=torch.bool)
+    for dim, (a, m) in enumerate(reach):
+        local[dim] = local[dim] - a
+        inside &= (local[dim] >= 0) & (local[dim] < m)
+    flat = torch.where(inside, _flatten(local, [m for _, m in reach]), -1)  # -1: torch says
+    y = _unpool(x, flat, [m for _, m in reach])  # "invalid max index", as dense would
+    return crop(y, [a for a, _ in reach], blocks)
+
+
+def _unpool(x: torch.Tensor, index: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    """torch's max unpooling of ``x`` to flat ``index`` into a plane of ``shape`` (no
+    window arguments: the places are given)."""
+    if len(shape) == 1:
+        y = torch.ops.aten.max_unpool2d(x.unsqueeze(-1), index.unsqueeze(-1), [shape[0], 1])
+        return y.squeeze(-1)
+    if len(shape) == 2:
+        return torch.ops.aten.max_unpool2d(x, index, shape)
+    return torch.ops.aten.max_unpool3d(x, index, shape, [1, 1, 1], [0, 0, 0])
 
 
 def _avg_pool(x: torch.Tensor, kernel, stride, padding, divisor_override=None) -> torch.Tensor:

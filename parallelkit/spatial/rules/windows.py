@@ -27,7 +27,13 @@ from parallelkit.spatial import adaptive_max, resample
 from parallelkit.spatial.conv import conv_blocks, conv_transpose_blocks, conv_windows
 from parallelkit.spatial.fetch import empty_output, fetch
 from parallelkit.spatial.grid import gather
-from parallelkit.spatial.pool import avg_pool_blocks, max_pool_blocks, pool_windows
+from parallelkit.spatial.pool import (
+    avg_pool_blocks,
+    max_pool_blocks,
+    max_pool_indices_blocks,
+    max_unpool_blocks,
+    pool_windows,
+)
 from parallelkit.spatial.rules.reductions import mean_spatial
 from parallelkit.spatial.rules.registry import (
     Call,
@@ -231,29 +237,39 @@ def _whole_windows(g: Guard, windows: tuple, size: tuple) -> bool:
       params="input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, "
       "return_indices=False")  # fmt: skip
 def max_pool_indices(g: Guard, call: Call) -> tuple[Tensor, Tensor]:
-    """``max_pool(return_indices=True)`` (SegNet's encoder, before ``MaxUnpool``) where every
-    block is whole windows: local, the indices numbered in the whole sample's plane, as the
-    dense pooling numbers them. Windows across blocks: refused."""
+    """``max_pool(return_indices=True)`` (SegNet's encoder, before ``MaxUnpool``), the
+    indices numbered in the whole sample's plane, as the dense pooling numbers them. Where
+    every block is whole windows: local. Otherwise the spatial pooling's halo fetch (-inf
+    rows), any window: the fetched rows pooled for the indices, the values read at them (the
+    gradient goes where torch's goes, and back to its owner); a window of -inf only keeps
+    torch's first real position, ties and NaNs torch's own."""
     x, dims = call["input"], MAX_POOLS_INDICES[call.func]
     if channels_first(g, call, x) != dims:
         raise g.refuse(call.name, f"a block with {x.dim() - 2} spatial dimensions")
-    windows = pool_windows(call["kernel_size"], call["stride"], call["padding"],
+    windows = pool_windows(call["kernel_size"], call["stride"] or None, call["padding"],
                            call["dilation"], call["ceil_mode"], dims, call.name)  # fmt: skip
     size = whole_size(g, x)
-    if call["ceil_mode"] or not _whole_windows(g, windows, size):
-        raise g.refuse(call.name, "return_indices, with windows that are not whole in every "
-                       "block (kernel = stride, no padding, blocks of whole windows)")  # fmt: skip
+    if not call["ceil_mode"] and _whole_windows(g, windows, size):
+        y, whole = _whole_window_indices(g, x, call.func, windows, size)
+    else:
+        y, whole = max_pool_indices_blocks(x, windows, g.grid, size)
+    out = tuple(w.out_size(n) for w, n in zip(windows, size, strict=True))
+    return g.marked(y, size=out), g.marked(whole, size=out)
+
+
+def _whole_window_indices(g: Guard, x: Tensor, func: Any, windows: tuple,
+                          size: tuple) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """The pooling of a block of whole windows, where it is, and its indices from the
+    block's plane to the whole plane."""
     kernel = tuple(w.kernel for w in windows)
     out_local = tuple(n // k for n, k in zip(x.shape[2:], kernel, strict=True))
     if 0 in out_local:  # no window here: empty, x kept in the graph
         y = x.new_zeros(*x.shape[:2], *out_local) + 0 * x.sum()
         index = torch.zeros(y.shape, dtype=torch.long, device=x.device)
     else:
-        y, index = call.func(x, kernel, kernel, 0, 1, False, True)
-    starts = tuple(b.start for b in g.grid.block(*size))
-    whole = _plane(index, tuple(x.shape[2:]), starts, size)
-    out = tuple(w.out_size(n) for w, n in zip(windows, size, strict=True))
-    return g.marked(y, size=out), g.marked(whole, size=out)
+        y, index = func(x, kernel, kernel, 0, 1, False, True)
+    first = tuple(b.start for b in g.grid.block(*size))
+    return y, _plane(index, tuple(x.shape[2:]), first, size)
 
 
 def _plane(index: Tensor, local: tuple, starts: tuple, whole: tuple) -> Tensor:
@@ -268,23 +284,23 @@ def _plane(index: Tensor, local: tuple, starts: tuple, whole: tuple) -> Tensor:
 
 @rule(*MAX_UNPOOLS, params="input, indices, kernel_size, stride=None, padding=0, output_size=None")
 def max_unpool(g: Guard, call: Call) -> Tensor:
-    """``MaxUnpool`` of blocks pooled with their indices (the rule above): where every block
-    is whole windows, each value goes to its place in this rank's block of the output, the
-    indices taken back from the whole plane to the block's. Otherwise refused."""
+    """``MaxUnpool`` of blocks pooled with their indices (the rule above), each index inside
+    its value's window. Where every block is whole windows, each value goes to its place in
+    this rank's block of the output, the indices taken back from the whole plane to the
+    block's. Otherwise each output block fetches the pooled rows whose windows reach it, with
+    their indices (a transposed convolution's halo), and unpools them where they land: the
+    value torch writes last wins where windows overlap; the backward reads the gradient at
+    each index, on the rank that holds it, and the fetch's backward brings it to the value."""
     x, index, dims = call["input"], call["indices"], MAX_UNPOOLS[call.func]
     if channels_first(g, call, x) != dims or not g.is_split(index) or g.form(index) != g.form(x):
         raise g.refuse(call.name, "its input and indices are not blocks of one layout")
-    windows = pool_windows(call["kernel_size"], call["stride"], call["padding"], 1, False,
-                           dims, call.name)  # fmt: skip
+    windows = pool_windows(call["kernel_size"], call["stride"] or None, call["padding"], 1,
+                           False, dims, call.name)  # fmt: skip
     size = whole_size(g, x)
-    out = tuple(int(n) for n in call["output_size"][-dims:]) if call["output_size"] else tuple(
-        (n - 1) * w.stride - w.pad_lo - w.pad_hi + w.kernel
-        for w, n in zip(windows, size, strict=True)
-    )  # fmt: skip
+    out = _unpool_size(call, windows, size)
     pooled = tuple(w.out_size(n) for w, n in zip(windows, out, strict=True))
     if pooled != tuple(size) or not _whole_windows(g, windows, out):
-        raise g.refuse(call.name, "its windows are not whole in every block (kernel = stride, "
-                       "no padding, blocks of whole windows)")  # fmt: skip
+        return g.marked(max_unpool_blocks(x, index, windows, g.grid, size, out), size=out)
     block = g.grid.block(*out)
     local = tuple(b.stop - b.start for b in block)
     if 0 in x.shape[2:] or 0 in local:
@@ -294,6 +310,24 @@ def max_unpool(g: Guard, call: Call) -> Tensor:
         kernel = tuple(w.kernel for w in windows)
         y = call.func(x, mine, kernel, kernel, 0, local)
     return g.marked(y, size=out)
+
+
+def _unpool_size(call: Call, windows: tuple, size: tuple) -> tuple[int, ...]:
+    """The whole output's spatial size: ``output_size`` (its last dimensions), else the
+    default; as torch checks it, within a stride of the default."""
+    default = tuple((n - 1) * w.stride - w.pad_lo - w.pad_hi + w.kernel
+                    for w, n in zip(windows, size, strict=True))  # fmt: skip
+    if call["output_size"] is None:
+        return default
+    asked = tuple(int(n) for n in call["output_size"])
+    if len(asked) == len(size) + 2:
+        asked = asked[2:]
+    if len(asked) != len(size) or any(
+        not d - w.stride < n < d + w.stride for n, d, w in zip(asked, default, windows, strict=True)
+    ):
+        raise ValueError(f"{call.name}: invalid output_size {asked} for a pooled map of "
+                         f"{size} (each within a stride of {default})")  # fmt: skip
+    return asked
 
 
 @rule(*AVG_POOLS,
