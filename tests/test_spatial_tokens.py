@@ -49,7 +49,6 @@ KINDS = [
     "token pool",  # mean, sum, amax, logsumexp, var, std over x.flatten(2): all-reduced
     "gc context",  # GCNet: a softmax over the tokens (all-reduced logsumexp), a sum over them
     "xca",  # XCiT: F.normalize over the tokens, q^T k, softmax, attn @ v
-    "scrambled reshape",  # MAnet: (N, L, C) reshaped to (N, C, H, W), added: an all-to-all
 ]
 IMAGE = (3, 5, 7)  # (C, H, W): uneven blocks on 2, 3 and 4 ranks
 
@@ -177,11 +176,28 @@ def test_negative_control_the_ring_needs_its_shifts_and_its_rescaling(ranks, fau
     assert "output" in bad
 
 
+SCRAMBLED = [
+    (3, 5, 7),  # (N, 35, 8) -> (N, 8, 5, 7) regroups across H and W: the reshape moves it
+    (3, 8, 8),  # (N, 64, 8) -> (N, 8, 8, 8) regroups into H and W elsewhere: the add moves it
+]
+
+
+@pytest.mark.parametrize("shape", SCRAMBLED)
 @pytest.mark.parametrize(("size", "grid"), [(2, dict(rows=2)), (4, dict(rows=2, cols=2))])
-def test_negative_control_a_scrambled_reshape_needs_its_all_to_all(ranks, size, grid):
-    """MAnet's (N, L, C) read as (N, C, H, W): each rank's elements reshaped where they are,
-    without the all-to-all that takes them to their rank, must not match."""
-    results = ranks(size).run(token_parity, "scrambled reshape", grid, IMAGE, 2, False,
+@pytest.mark.parametrize("kind", ["scrambled reshape", "scrambled reshape in place"])
+def test_blocks_of_two_layouts_meet_by_an_all_to_all(ranks, kind, size, grid, shape):
+    """MAnet's position attention: (N, L, C) reshaped to (N, C, H, W) without a transpose,
+    then added to the map (in place too: the block written into keeps its layout)."""
+    for triples in ranks(size).run(token_parity, kind, grid, shape, timeout=120):
+        assert_triples(triples)
+
+
+@pytest.mark.parametrize("shape", SCRAMBLED)
+@pytest.mark.parametrize(("size", "grid"), [(2, dict(rows=2)), (4, dict(rows=2, cols=2))])
+def test_negative_control_a_scrambled_reshape_needs_its_all_to_all(ranks, size, grid, shape):
+    """Each rank's elements read in the other layout where they are, without the all-to-all
+    that takes them to their rank, must not match."""
+    results = ranks(size).run(token_parity, "scrambled reshape", grid, shape, 2, False,
                               "no relayout", timeout=120)  # fmt: skip
     assert "output" in mismatches([(label, got, want, {}) for label, got, want in results[0]])
 

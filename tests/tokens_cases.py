@@ -129,13 +129,16 @@ class TokenNet(nn.Module):
             y = F.relu(v) * context.expand_as(v)
             y = y.reshape(n, c, r, r, hh // r, ww // r).permute(0, 1, 4, 2, 5, 3)
             return self.head(x + y.reshape(n, c, hh, ww))
-        if self.kind == "scrambled reshape":  # smp's MAnet PABBlock, as written there
+        if self.kind.startswith("scrambled reshape"):  # smp's MAnet PABBlock, as written
             top = self.pab_top(x).flatten(2)  # (N, 4, L)
             center = self.pab_center(x).flatten(2).transpose(1, 2)  # (N, L, 4)
             bottom = self.pab_bottom(x).flatten(2).transpose(1, 2)  # (N, L, C)
             attn = torch.matmul(center, top).view(n, -1).softmax(1).view(n, L, L)
             mixed = torch.matmul(attn, bottom).reshape(n, c, *spatial)  # (N, L, C) read as
-            return self.head(self.pab_out(x + mixed))  # (N, C, H, W): no transpose
+            if self.kind.endswith("in place"):  # (N, C, H, W): no transpose. Written into:
+                mixed = mixed.clone()  # x moves to its layout, not it to x's
+                mixed += x
+            return self.head(self.pab_out(x + mixed))
         if self.kind == "token mlp":  # MLP-Mixer: a linear map over the token axis
             mixed = self.mix2(F.gelu(self.mix1(self.norm(t).transpose(1, 2))))
             return self.head(x + mixed.reshape(n, c, *spatial))

@@ -80,7 +80,8 @@ def _one_layout(g: Guard, call: Call) -> Call:
         return not g.folds(b) and g.places(b) == tuple(range(-len(g.places(b)), 0))
 
     name = getattr(call.func, "__name__", "")
-    if name.endswith("_") or name.startswith("__i"):  # in place: the layout of what it writes
+    in_place = name.endswith("_") or (name.startswith("__i") and name != "__invert__")
+    if in_place:  # the layout of the block it writes
         like = call.args[0]
         if not g.is_split(like):
             raise g.refuse(call.name, "it writes into a whole tensor from blocks")
