@@ -2,6 +2,7 @@
 ring and gathering whole samples, against the dense model.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/token_mixing.py            # ~5 min
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/token_mixing.py --ranks 4  # ~10 min
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/token_mixing.py --quick    # smoke, ~1 min
 
 Two networks written here, so that they run in the main environment with nothing downloaded:
@@ -13,13 +14,13 @@ Two networks written here, so that they run in the main environment with nothing
     image   a Segformer-style 2-D stage: the same, with patch 4 and efficient self-attention,
             whose keys and values come from the map reduced by a strided convolution (ratio 4)
 
-Every variant is one training step (forward, loss, backward) of batch 1, float32, on 2 MPI
-ranks that each hold half the sample (depth or rows), as ``pk.parallelize(model, comm,
-grid)`` runs it by default; the rank's step is the slowest rank's, median of alternating
-rounds:
+Every variant is one training step (forward, loss, backward) of batch 1, float32, on P MPI
+ranks (``--ranks``, 2 by default) that each hold 1/P of the sample (depth or rows), as
+``pk.parallelize(model, comm, grid)`` runs it by default; the rank's step is the slowest
+rank's, median of alternating rounds:
 
-    dense   the plain model on the whole sample, on rank 0 alone (rank 1 idles)
-    heads   the volume network: 4 heads on 2 ranks and no mask, so the head all-to-all
+    dense   the plain model on the whole sample, on rank 0 alone (the others idle)
+    heads   the volume network: 4 heads on 2 or 4 ranks and no mask, so the head all-to-all
     dense, bias
             the dense network with a whole relative-position bias (h, L, L) added to the
             scores, a parameter (zeros at the start), on rank 0 alone
@@ -31,9 +32,9 @@ rounds:
 
 Memory, per rank, from the step itself: the largest tensor any operator makes (a
 ``TorchDispatchMode``) and the bytes saved for backward (``saved_tensors_hooks``, each storage
-once), against the dense model's divided by 2. Parameters are left out (every rank holds them).
+once), against the dense model's divided by P. Parameters are left out (every rank holds them).
 
-Results: benchmarks/results/token_mixing.md and .json.
+Results: benchmarks/results/token_mixing.md and .json (``token_mixing-<P>ranks`` for P > 2).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class Config:
     depth: int = 2
     warmup: int = 1
     repeats: int = 5
+    ranks: int = 2
 
 
 class Attention(nn.Module):
@@ -132,8 +134,9 @@ class Net(nn.Module):
 
 class _Largest(TorchDispatchMode):
     """The largest tensor (bytes) any operator makes while active: new memory only (not a
-    view or an in-place result, such as DataParallel's gradient buckets), and not of a
-    parameter's shape (its gradient: every rank holds the parameters)."""
+    view or an in-place result, such as DataParallel's gradient buckets, nor a meta tensor:
+    the spatial rules work out whole shapes on the meta device, which holds no memory), and
+    not of a parameter's shape (its gradient: every rank holds the parameters)."""
 
     def __init__(self, params: set[tuple[int, ...]]) -> None:
         super().__init__()
@@ -144,7 +147,8 @@ class _Largest(TorchDispatchMode):
         given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
                  if isinstance(t, torch.Tensor)}  # fmt: skip
         for t in tree_leaves(out):
-            if (isinstance(t, torch.Tensor) and tuple(t.shape) not in self.params
+            if (isinstance(t, torch.Tensor) and not t.is_meta  # shapes only: no memory
+                    and tuple(t.shape) not in self.params
                     and t.untyped_storage().data_ptr() not in given):  # fmt: skip
                 self.largest = max(self.largest, t.numel() * t.element_size())
         return out
@@ -157,7 +161,7 @@ def _memory(step: Any, model: nn.Module) -> dict[str, float]:
     params = {tuple(p.shape) for p in model.parameters()}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if tuple(t.shape) not in params:
+        if tuple(t.shape) not in params and not t.is_meta:
             storage = t.untyped_storage()
             saved[storage.data_ptr()] = storage.nbytes()
         return t
@@ -183,8 +187,8 @@ def rank_job(comm: Any, cfg: Config) -> dict[str, Any]:
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     cases = {
-        "volume": (3, cfg.volume, 8, dict(depth=2), 1),
-        "image": (2, cfg.image, 4, dict(rows=2), 4),
+        "volume": (3, cfg.volume, 8, dict(depth=cfg.ranks), 1),
+        "image": (2, cfg.image, 4, dict(rows=cfg.ranks), 4),
     }
     rows = []
     for name, (dims, side, patch, grid, reduce) in cases.items():
@@ -229,22 +233,23 @@ def rank_job(comm: Any, cfg: Config) -> dict[str, Any]:
 
 
 def report(cfg: Config, results: list[dict[str, Any]], env: dict[str, str]) -> str:
+    p = cfg.ranks
     lines = [
-        "# Global attention on split samples: memory per rank and step time, 2 MPI ranks", "",
+        f"# Global attention on split samples: memory per rank and step time, {p} MPI ranks", "",
         f"Command: `{env['command']}`", "",
         f"Machine: {env['cpu']}, {env['nproc']} cores; python {env['python']}, torch "
         f"{env['torch']}; {env['date']}.", "",
         f"Width {cfg.width}, {cfg.heads} heads, {cfg.depth} ViT blocks, batch 1, float32; "
         f"median of {cfg.repeats} alternating rounds, the slowest rank. Memory: the most of "
-        "the two ranks; `/ (dense / 2)` is against an even share of its dense step's (the "
+        f"the {p} ranks; `/ (dense / {p})` is against an even share of its dense step's (the "
         "ring's: the biased network's).", "",
     ]  # fmt: skip
     for i, row in enumerate(results[0]["rows"]):
         ms = row["ms"]
         lines += [f"## {row['case']}: {row['side']}^{3 if row['case'] == 'volume' else 2}, "
                   f"{row['tokens']} tokens", "",
-                  "| variant | ms / step | x its dense | largest tensor MiB | / (dense / 2) "
-                  "| saved for backward MiB | / (dense / 2) |",
+                  f"| variant | ms / step | x its dense | largest tensor MiB | / (dense / {p}) "
+                  f"| saved for backward MiB | / (dense / {p}) |",
                   "|---|--:|--:|--:|--:|--:|--:|"]  # fmt: skip
         for v in ms:
             ref = REFERENCE.get(v, "dense")
@@ -252,7 +257,7 @@ def report(cfg: Config, results: list[dict[str, Any]], env: dict[str, str]) -> s
             mem = [r["rows"][i]["memory"][v] for r in results if v in r["rows"][i]["memory"]]
             largest = max(m["largest_mib"] for m in mem)
             saved = max(m["saved_mib"] for m in mem)
-            share = 1 if v in DENSE else 2
+            share = 1 if v in DENSE else p
             lines.append(
                 f"| {v} | {ms[v]:.0f} | {ms[v] / ms[ref]:.2f} | {largest:.1f} | "
                 f"{largest / dense['largest_mib'] * share:.2f} | {saved:.1f} | "
@@ -265,20 +270,27 @@ def report(cfg: Config, results: list[dict[str, Any]], env: dict[str, str]) -> s
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small sizes, 2 rounds")
+    p.add_argument("--ranks", type=int, default=2, help="ranks splitting each sample")
+    p.add_argument("--image", type=int, help="the image's side (default 512)")
+    p.add_argument("--volume", type=int, help="the volume's side (default 96)")
+    p.add_argument("--repeats", type=int)
     p.add_argument("--out", type=Path)
     p.add_argument("--worker", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         mpi_worker(rank_job, *args.worker, timeout=WORKER_TIMEOUT_S)
         return
-    cfg = Config()
+    cfg = Config(ranks=args.ranks)
     if args.quick:
         cfg.volume, cfg.image, cfg.repeats = 32, 128, 2
+    cfg.image, cfg.volume = args.image or cfg.image, args.volume or cfg.volume
+    cfg.repeats = args.repeats or cfg.repeats
     env = environment(command=command_line())
-    results = run_mpi(str(Path(__file__).resolve()), 2, (cfg,), WORKER_TIMEOUT_S)
+    results = run_mpi(str(Path(__file__).resolve()), cfg.ranks, (cfg,), WORKER_TIMEOUT_S)
     markdown = report(cfg, results, env)
     print(markdown)
-    default = Path("benchmarks/results/token_mixing.md")
+    suffix = "" if cfg.ranks == 2 else f"-{cfg.ranks}ranks"
+    default = Path(f"benchmarks/results/token_mixing{suffix}.md")
     out = args.out or (Path("/tmp/token_mixing_quick.md") if args.quick else default)
     save(out, markdown, env, cfg, results)
 

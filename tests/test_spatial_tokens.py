@@ -49,6 +49,7 @@ KINDS = [
     "token pool",  # mean, sum, amax, logsumexp, var, std over x.flatten(2): all-reduced
     "gc context",  # GCNet: a softmax over the tokens (all-reduced logsumexp), a sum over them
     "xca",  # XCiT: F.normalize over the tokens, q^T k, softmax, attn @ v
+    "token batchnorm",  # LeViT: BatchNorm1d over (N * L, C), the batch folded with the tokens
 ]
 IMAGE = (3, 5, 7)  # (C, H, W): uneven blocks on 2, 3 and 4 ranks
 
@@ -159,7 +160,7 @@ def test_patches_folded_after_the_channels(ranks, size, grid, shape):
                                   "F.unfold", "F.fold", "linear attention",
                                   "pooling queries",
                                   "token mlp", "flatten linear", "token pool", "gc context",
-                                  "xca"])  # fmt: skip
+                                  "xca", "token batchnorm"])  # fmt: skip
 def test_negative_control_own_tokens_only_do_not_match(ranks, kind):
     results = ranks(4).run(token_parity, kind, dict(rows=2, cols=2), IMAGE, 2, True, timeout=120)
     bad = mismatches([(label, got, want, {}) for label, got, want in results[0]])

@@ -26,6 +26,7 @@ from torch import nn
 import parallelkit as pk
 from parallelkit import geometry
 from parallelkit.comm import Communicator
+from parallelkit.nn import SyncBatchNorm
 from parallelkit.spatial import pool, relayout
 from parallelkit.spatial import ring_attention as ring
 from parallelkit.spatial.conv import transposed_out_size
@@ -51,6 +52,7 @@ class TokenNet(nn.Module):
             tokens_n *= n
         self.stem = conv(3, c, 3, padding=1)
         self.norm = nn.LayerNorm(c)
+        self.token_bn = nn.BatchNorm1d(c)
         self.qkv = nn.Linear(c, 3 * c)
         self.proj = nn.Linear(c, c)
         self.bias = nn.Parameter(0.1 * torch.randn(heads, tokens_n, tokens_n))
@@ -139,6 +141,9 @@ class TokenNet(nn.Module):
                 mixed = mixed.clone()  # x moves to its layout, not it to x's
                 mixed += x
             return self.head(self.pab_out(x + mixed))
+        if self.kind == "token batchnorm":  # LeViT's LinearNorm: BatchNorm1d over (N * L, C)
+            y = self.token_bn(self.proj(t).flatten(0, 1)).reshape_as(t)
+            return self.head(x + y.transpose(1, 2).reshape(n, c, *spatial))
         if self.kind == "token mlp":  # MLP-Mixer: a linear map over the token axis
             mixed = self.mix2(F.gelu(self.mix1(self.norm(t).transpose(1, 2))))
             return self.head(x + mixed.reshape(n, c, *spatial))
@@ -210,6 +215,7 @@ def token_parity(
             stack.enter_context(mock.patch.object(windows, "fetch", _halo_off_by_one))
             stack.enter_context(mock.patch.object(windows, "_plane", _block_numbers))
             stack.enter_context(mock.patch.object(windows, "conv_transpose_blocks", _alone))
+            stack.enter_context(mock.patch.object(SyncBatchNorm, "forward", _local_batch_norm))
         if ring_fault == "no shift" or broken:
             stack.enter_context(mock.patch.object(ring, "_shift", lambda c, ts, n: list(ts)))
         if ring_fault == "no rescale":
@@ -230,6 +236,12 @@ def token_parity(
             got = p.grad if p.grad is not None else torch.zeros_like(p)
             out.append((f"{key} grad", got, wanted[key].grad))
     return out
+
+
+def _local_batch_norm(self, x):  # type: ignore[no-untyped-def]
+    """The negative control of a synchronized norm: statistics of this rank's block alone."""
+    return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                        self.training, self.momentum or 0.0, self.eps)  # fmt: skip
 
 
 def _reshaped_in_place(x, comm, send, recv, size):  # type: ignore[no-untyped-def]

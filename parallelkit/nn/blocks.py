@@ -13,7 +13,9 @@ class attribute, ``takes_blocks``:
   the data group instead, through ``communicators()`` and ``use_communicators()``.
 
 The guard runs such a layer as it is (nothing inside it is checked) and refuses it a block
-whose spatial dimensions are not (N, C, *spatial).
+whose spatial dimensions are not (N, C, *spatial), except a pointwise convolution's block with
+them anywhere after the channels, and a norm's with none in the channels (LeViT's
+``BatchNorm1d`` over tokens folded into the batch, (N * L, C)): the output keeps that form.
 
 A spatial layer (:class:`SpatialLayer`) also names the torch classes it stands for
 (``stands_for``, by default its ``dense`` class) and builds itself from one (``from_dense``,

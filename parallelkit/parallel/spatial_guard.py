@@ -249,12 +249,16 @@ class SpatialGuard(TorchFunctionMode):
 
     def _layer_form(self, module: nn.Module, blocks: list[Tensor]) -> Any:
         """None for (N, C, *spatial) blocks, which every layer that takes blocks takes; the
-        form of a pointwise convolution's one block in another form (its output keeps it);
-        otherwise the refusal."""
+        form of one block in another form (its output keeps it) that a pointwise convolution
+        is given with the spatial dimensions after the channels, or a norm with none in the
+        channels (LeViT's BatchNorm1d over (N * L, C): a per-channel statistic over every other
+        dimension, merged over the ranks as for an image); otherwise the refusal."""
         if all(self.places(b) == standard(b) and not self.folds(b) for b in blocks):
             return None
-        if not (getattr(module, "pointwise", False) and len(blocks) == 1
-                and all(blocks[0].dim() + d >= 2 for d in self.places(blocks[0]))):  # fmt: skip
+        places = [blocks[0].dim() + d for d in self.places(blocks[0])]
+        pointwise = getattr(module, "pointwise", False) and all(p >= 2 for p in places)
+        norm = takes_blocks(module) == "norm" and blocks[0].dim() >= 2 and 1 not in places
+        if len(blocks) != 1 or not (pointwise or norm):
             raise self.refuse(type(module).__name__, "it wants (N, C, *spatial) blocks", module)
         return self.form(blocks[0])
 
