@@ -4,9 +4,10 @@ network (outputs, the input's gradient, every parameter's gradient; float64, une
 each with a negative control that shows the comparison can fail: the same network whose
 collectives bring only this rank's own tokens must not match.
 
-The token index geometry and the head all-to-all are checked on their own: every rank's
-tokens are its block of the whole index map, and the all-to-all pair passes the dot-product
-test (each the other's adjoint).
+The token index geometry, the head all-to-all and the relayout (blocks of one tensor moved
+between two layouts) are checked on their own: every rank's tokens are its block of the whole
+index map, the all-to-all pair passes the dot-product test (each the other's adjoint), and so
+does the relayout with autograd's backward as its adjoint.
 """
 
 from __future__ import annotations
@@ -224,7 +225,7 @@ def test_the_head_all_to_all_and_its_adjoint(ranks, heads):
 @pytest.mark.parametrize(("size", "grid", "shape"), [(2, dict(rows=2), (5, 3)),
                                                      (3, dict(rows=3), (7, 2)),
                                                      (4, dict(rows=2, cols=2), (5, 7))])
-def test_a_relayout_moves_each_element_to_its_rank_and_is_its_own_adjoints_inverse(
+def test_a_relayout_moves_each_element_to_its_rank_and_passes_the_dot_product_test(
         ranks, size, grid, shape):  # fmt: skip
     for triples in ranks(size).run(relayout_adjoint, grid, shape, timeout=60):
         assert_triples(triples)
