@@ -85,8 +85,9 @@ class TokenNet(nn.Module):
         if self.kind == "flatten linear":  # a classifier head over the flattened features
             return self.fc(F.relu(x).flatten(1))
         if self.kind == "token pool":  # reductions over the flattened tokens: a whole head
+            # (t[:, 0:] as timm's ViT pools past its prefix tokens, of which it has none here)
             f = F.gelu(x).flatten(2)  # (N, C, L)
-            feats = [f.mean(-1), t.sum(1) / L, f.amax(-1), t.amin(1), f.logsumexp(-1),
+            feats = [f.mean(-1), t[:, 0:].sum(1) / L, f.amax(-1), t.amin(1), f.logsumexp(-1),
                      f.var(-1), t.std(1, correction=0), f.norm(dim=-1), f.mean((1, 2))[:, None],
                      f.mean(1).logsumexp(-1, keepdim=True),
                      F.normalize(x, dim=(2, 3)).square().mul(x).sum((2, 3))]  # fmt: skip

@@ -438,7 +438,8 @@ def _indexed(
     and the whole spatial size after the index. A slice with a step (patch merging's
     ``x[..., 0::2, 0::2, :]``) is local where every rank's rows it keeps are its block of the
     kept rows. Refused: an integer or an index tensor along a spatial dimension, or any index
-    into a window partition's fold but ``:``. ``size``: ``x``'s whole spatial size."""
+    into a fold (a window partition's, a token dimension) but one that keeps all of it
+    (``:``, ``0:``). ``size``: ``x``'s whole spatial size."""
     entries = list(index) if isinstance(index, tuple) else [index]
     width = [
         0 if e is None else e.dim() if isinstance(e, Tensor) and e.dtype == torch.bool else 1
@@ -456,9 +457,11 @@ def _indexed(
     for e, n in zip(entries, width, strict=True):
         consumed = range(first, first + n)
         if first in folded and n == 1 and e is not Ellipsis:
-            if not (isinstance(e, slice) and e == slice(None)):
+            whole = range(shape[first])
+            if not (isinstance(e, slice) and whole[e] == whole):  # all of it: ViT's x[:, 0:]
                 raise g.refuse("indexing", f"the index {index!r} reaches into windows folded "
                                "into one dimension")  # fmt: skip
+            e = slice(None)
         elif first in spatial and n == 1 and e is not Ellipsis:
             if not isinstance(e, slice):
                 raise g.refuse("indexing", f"the index {index!r} reaches a spatial dimension")
