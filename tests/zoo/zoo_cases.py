@@ -492,6 +492,12 @@ ARCHS: dict[str, Arch] = {
         what="hybrid: 4-D attention with a bias table sized for the whole map, strided "
         "attention downsampling; depths cut from (2, 2, 6, 4), the attention blocks kept",
     ),
+    "timm vit_tiny gap": Arch(
+        "timm", _timm("vit_tiny_patch16_224", img_size=64, patch_size=8, class_token=False,
+                      global_pool="avg"),
+        what="a plain ViT: patch embedding, a whole (L, C) position embedding cut to the "
+        "block, global self-attention over 64 tokens, mean over x[:, 0:] (no class token)",
+    ),
     "smp Segformer mit_b0": Arch(
         "smp", _smp("Segformer", encoder="mit_b0", decoder_segmentation_channels=32),
         what="hybrid: Mix Transformer encoder (overlapping patch embeddings, attention with a "
@@ -821,10 +827,10 @@ COLS = (
     "timm resnetblur18",  # F.pad in reflect mode, then a strided blur
     # window attention on blocks: the window grid of columns folded into the batch
     "tv swin",
-    # hybrids: attention and patch reshapes, refused on blocks, gathered under gather
+    # hybrids and a ViT: attention over the flattened tokens, patch reshapes
     "tv maxvit", "timm maxvit", "timm coatnet", "timm mobilevit_xxs", "timm mobilevitv2_050",
     "timm edgenext_xx_small", "timm efficientformerv2_s0", "smp Segformer mit_b0",
-    "smp MAnet mobilenetv3", "timm tresnet",
+    "smp MAnet mobilenetv3", "timm tresnet", "timm vit_tiny gap",
     # sub-pixel upsampling regroups W with its factor
     "monai BasicUNet pixelshuffle",
 )  # fmt: skip
@@ -1061,6 +1067,10 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('timm efficientformerv2_s0', 'data'): (
+        'exact',
+        '',
+    ),
+    ('timm vit_tiny gap', 'data'): (
         'exact',
         '',
     ),
@@ -1364,6 +1374,10 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
+    ('timm vit_tiny gap', 'rows'): (
+        'exact',
+        '',
+    ),
     ('smp Segformer mit_b0', 'rows'): (
         'exact',
         '',
@@ -1545,6 +1559,10 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('timm efficientformerv2_s0', 'cols'): (
+        'exact',
+        '',
+    ),
+    ('timm vit_tiny gap', 'cols'): (
         'exact',
         '',
     ),
@@ -1741,6 +1759,10 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('timm efficientformerv2_s0', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('timm vit_tiny gap', 'channel'): (
         'exact',
         '',
     ),
