@@ -42,6 +42,7 @@ KINDS = [
     "F.fold",  # col2im: a one-hot transposed convolution, the halo rows' sums sent back
     "einsum",
     "linear attention",  # k^T v over tokens: an all-reduce of a (d x d) matrix
+    "relu linear attention",  # EfficientViT: v padded by a 1 along its features, then k^T v
     "pooling queries",  # whole learned queries attending to every token
     "token mlp",  # MLP-Mixer: Linear over the token axis
     "flatten linear",  # a classifier head over flattened (C * H * W) features
@@ -161,7 +162,7 @@ def test_patches_folded_after_the_channels(ranks, size, grid, shape):
                                   "F.unfold", "F.fold", "linear attention",
                                   "pooling queries",
                                   "token mlp", "flatten linear", "token pool", "gc context",
-                                  "xca", "token batchnorm"])  # fmt: skip
+                                  "xca", "token batchnorm", "relu linear attention"])  # fmt: skip
 def test_negative_control_own_tokens_only_do_not_match(ranks, kind):
     results = ranks(4).run(token_parity, kind, dict(rows=2, cols=2), IMAGE, 2, True, timeout=120)
     bad = mismatches([(label, got, want, {}) for label, got, want in results[0]])

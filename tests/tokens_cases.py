@@ -174,6 +174,11 @@ class TokenNet(nn.Module):
         elif self.kind == "linear attention":  # sums over tokens: k^T v, then q (k^T v)
             kv = k.softmax(-1).transpose(-2, -1) @ v
             y = q.softmax(-1) @ kv + torch.einsum("bhnd,bhne->bhde", k, v).sum() * 1e-3
+        elif self.kind == "relu linear attention":  # EfficientViT's LiteMLA: v padded by a 1
+            q, k = F.relu(q), F.relu(k)  # so that the sums over tokens bring their normalizer
+            kv = k.transpose(-2, -1) @ F.pad(v, (0, 1), mode="constant", value=1.0)
+            out = q @ kv
+            y = out[..., :-1] / (out[..., -1:] + 1e-3)
         elif self.kind == "xca":  # XCiT's cross-covariance attention over normalized tokens
             qn = F.normalize(q.transpose(-2, -1), dim=-1)  # (N, h, d, L)
             kn = F.normalize(k.transpose(-2, -1), dim=-1)

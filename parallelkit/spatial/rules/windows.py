@@ -389,16 +389,22 @@ def adaptive_pool(g: Guard, call: Call) -> Tensor | tuple[Tensor, Tensor]:
     return gather(y, g.comm, g.grid, size=tuple(outs))
 
 
-@rule(F.pad, params="input, pad, mode='constant', value=None")
+@rule(F.pad, params="input, pad, mode='constant', value=None", folds=True)
 def pad(g: Guard, call: Call) -> Tensor:
     """The padded samples' blocks in tensor_split layout: with a constant (negative pads
     crop), each rank fetches its new block's rows (``gather_rows``, the constant outside the
     sample); reflect, replicate and circular read mirrored or wrapped rows in three fetches of
     contiguous rows per dimension. The pads are the whole samples' (a pad computed from
     ``x.shape`` is computed from the whole size: timm's "same" padding, a pad to a multiple
-    of a patch size, MONAI's pad to a skip connection's size)."""
+    of a patch size, MONAI's pad to a skip connection's size). Pads of other dimensions only
+    are local, on any block (EfficientViT pads its tokens' value vectors with a 1)."""
     x, pads = call["input"], list(call["pad"])
     mode, value = call["mode"], call["value"] or 0.0
+    padded = {x.dim() - 1 - i for i in range(len(pads) // 2) if pads[2 * i] or pads[2 * i + 1]}
+    if not padded & {x.dim() + d for d in g.places(x)}:
+        return g.marked(call.run(), g.places(x))
+    if g.folds(x):
+        raise g.refuse(call.name, "it pads a dimension that holds folded spatial ones")
     last = tuple(range(-len(g.places(x)), 0))
     if g.places(x) != last:  # channels last (Swin's pads): the same on (N, C, *spatial)
         return _pad_moved(g, x, pads, mode, call["value"])
