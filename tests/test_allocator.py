@@ -39,9 +39,9 @@ def faults(mode: str, **env: str) -> tuple[str, int]:
 
 def test_freed_blocks_are_reused_without_page_faults():
     made, kept = faults("keep")
-    # 0 measured here, 2048 once in a loaded CI run: the two blocks faulted in once at most,
-    # where faulting them in every step costs 20 x 4096 (the control: 81960).
-    assert made == "True" and kept <= 2 * 2048 + 200
+    # 0 measured here, 2048 and 6144 in loaded CI runs: the blocks faulted in a few times at
+    # most, where faulting them in every step costs 20 x 4096 (the control: 81960).
+    assert made == "True" and kept <= 4 * 4096
     # Negative control: glibc's starting threshold (128 KiB), held, maps and faults in every
     # step's blocks again. (Left to move, glibc's threshold makes the count vary from run to
     # run: 0 to 20481 measured here.)
