@@ -15,7 +15,15 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-from parallelkit.spatial.rules.registry import Call, Guard, channels_first, ops, rule, whole_shape
+from parallelkit.spatial.rules.registry import (
+    Call,
+    Guard,
+    channels_first,
+    ops,
+    rule,
+    standard,
+    whole_shape,
+)
 from parallelkit.spatial.rules.shape import cut_whole, to_form
 
 _POINTWISE = """
@@ -43,9 +51,9 @@ requires_grad_ cpu cuda retain_grad zero_ fill_ copy_ __deepcopy__
     folds=True,
 )
 def pointwise(g: Guard, call: Call) -> Any:
-    """Local. Blocks of another layout than the first plain one (spatial dimensions last, none
-    folded) are moved to it first, an all-to-all (``shape.to_form``: MAnet adds a map that a
-    reshape scrambled to the map it came from); a whole tensor must have size 1 or the whole
+    """Local. Blocks of another layout than the first (N, C, *spatial) one are moved to it
+    first, an all-to-all (``shape.to_form``: MAnet adds a map that a reshape scrambled to the
+    map it came from); a whole tensor must have size 1 or the whole
     samples' size in each spatial dimension, and is then cut to the block."""
     first = call.blocks[0]
     if len(call.blocks) > 1:
@@ -74,11 +82,9 @@ def _run(g: Guard, call: Call) -> Any:
 
 
 def _one_layout(g: Guard, call: Call) -> Call:
-    """``call`` with every block in the layout of its first plain block (else its first):
-    the others moved there (``shape.to_form``); refused where their whole shapes differ."""
-    def plain(b: Tensor) -> bool:
-        return not g.folds(b) and g.places(b) == tuple(range(-len(g.places(b)), 0))
-
+    """``call`` with every block in the layout of its first (N, C, *spatial) block (else its
+    first): the others moved there (``shape.to_form``); refused where their whole shapes
+    differ."""
     name = getattr(call.func, "__name__", "")
     in_place = name.endswith("_") or (name.startswith("__i") and name != "__invert__")
     if in_place:  # the layout of the block it writes
@@ -86,7 +92,8 @@ def _one_layout(g: Guard, call: Call) -> Call:
         if not g.is_split(like):
             raise g.refuse(call.name, "it writes into a whole tensor from blocks")
     else:
-        like = next((b for b in call.blocks if plain(b)), call.blocks[0])
+        like = next((b for b in call.blocks if not g.folds(b) and g.places(b) == standard(b)),
+                    call.blocks[0])  # fmt: skip
     moved = {}
     for b in call.blocks:
         if g.form(b) != g.form(like):
