@@ -28,7 +28,9 @@ alternating rounds:
 The fixed cost is reported per operator of the plain step (what a ``TorchDispatchMode`` sees
 in one plain step: on a GPU, about one kernel launch each): (variant - its ceiling) / calls.
 ``--compile`` adds, on gloo, the number of graphs ``torch._dynamo.explain`` finds in each
-variant's forward (torch's DDP on the same model for reference).
+variant's forward (torch's DDP on the same model for reference), and in the op-bound case the
+step of each strategy under ``torch.compile`` (inductor), timed in the same alternating
+rounds as the eager ones, with its first step (the compile) apart.
 
 Results: benchmarks/results/overhead_<backend>.md and .json.
 """
@@ -62,6 +64,7 @@ from _common import (
 
 CEILING_HALO = 3  # rows the stem (7x7, stride 2, padding 3) reads past a block
 VARIANTS = ("plain", "data", "channel", "spatial", "spatial ceiling")
+STRATEGIES = ("data", "channel", "spatial")
 WORKER_TIMEOUT_S = 1800.0
 
 
@@ -137,18 +140,27 @@ def rank_job(comm: Any, cfg: Config, widths: tuple[int, ...], size: int) -> dict
         "spatial ceiling": _step(copy.deepcopy(base), x[:, :, rows].contiguous(), labels),
     }
     sync = comm_sync(comm)
-    for name in VARIANTS:
+    compile_s = {}
+    if cfg.compile and size == cfg.sizes[0][2]:  # the op-bound case, where compiling pays
+        for name in STRATEGIES:
+            steps[f"{name} compiled"] = _step(
+                torch.compile(pk.parallelize(copy.deepcopy(base), comm, name)), x, labels)
+            sync.barrier()
+            compile_s[name] = sync.max(steps[f"{name} compiled"]()[0])
+    names = list(steps)
+    for name in names:
         for _ in range(cfg.warmup):
             steps[name]()
     operators = {name: _operators(steps[name]) for name in VARIANTS}
-    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
-    cpu: dict[str, list[float]] = {name: [] for name in VARIANTS}
-    for name in alternating(VARIANTS, cfg.repeats):
+    times: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
+    for name in alternating(names, cfg.repeats):
         sync.barrier()
         wall, used = steps[name]()
         times[name].append(sync.max(wall))
         cpu[name].append(sync.max(used))
-    result: dict[str, Any] = {"calls": operators["plain"], "operators": operators}
+    result: dict[str, Any] = {"calls": operators["plain"], "operators": operators,
+                              "compile_s": compile_s}  # fmt: skip
     result["ms"] = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
     result["cpu_ms"] = {name: statistics.median(ts) * 1e3 for name, ts in cpu.items()}
     if cfg.compile:
@@ -270,6 +282,13 @@ def report(cfg: Config, rows: list[dict[str, Any]], guard: dict[str, float],
             lines.append(f"| {name} | {ms[name]:.2f} | {ms[name] / ms['plain']:.2f} | "
                          f"{ms[name] / ceiling[name]:.2f} | {added:.1f} | "
                          f"{r['cpu_ms'][name]:.2f} | {r['operators'][name]} |")  # fmt: skip
+        if r.get("compile_s"):
+            lines += ["", "| compiled step (inductor) | ms / step | x plain | x eager | first "
+                      "step, s (the compile) |", "|---|--:|--:|--:|--:|"]  # fmt: skip
+            for name, first in r["compile_s"].items():
+                t = ms[f"{name} compiled"]
+                lines.append(f"| {name} | {t:.2f} | {t / ms['plain']:.2f} | "
+                             f"{t / ms[name]:.2f} | {first:.0f} |")  # fmt: skip
         if "graphs" in r:
             lines += ["", "| compiled forward | graphs | breaks | first reasons |",
                       "|---|--:|--:|---|"]
@@ -296,7 +315,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--backend", choices=["mpi", "gloo"], default="mpi")
     p.add_argument("--quick", action="store_true", help="the op-bound case, 3 rounds")
     p.add_argument("--repeats", type=int)
-    p.add_argument("--compile", action="store_true", help="graph counts (gloo)")
+    p.add_argument("--compile", action="store_true",
+                   help="graph counts and compiled steps (gloo)")
     p.add_argument("--out", type=Path)
     p.add_argument("--worker", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -78,7 +78,8 @@ class SyncBatchNorm(_BatchNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(x)
-        self._input_dim = x.dim()
+        if getattr(self, "_input_dim", None) != x.dim():  # a Module attribute write costs us
+            self._input_dim = x.dim()
         if x.shape[1] != self.num_features:
             raise ValueError(
                 f"SyncBatchNorm({self.num_features}): input has {x.shape[1]} channels "
@@ -293,7 +294,7 @@ class _SyncBatchNorm(Function):
         # (it wants the statistics in the parameters' dtype when those are 16-bit).
         if weight is not None and weight.dtype != mean.dtype:
             mean, var = _as(mean, weight.dtype), _as(var, weight.dtype)
-        return F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)
+        return _normalize(x, mean, var, weight, bias, eps)
 
     @staticmethod
     @once_differentiable
@@ -306,13 +307,14 @@ class _SyncBatchNorm(Function):
         # batch_norm_backward given the global mean and invstd as its saved statistics computes
         # exactly these as the bias and weight gradients. They are this rank's parameter
         # gradients, too. (The eval-mode form, given running statistics, is not served
-        # everywhere: CUDA asserts that the saved statistics are defined, XLA lowers only this.)
-        invstd, ones = torch.rsqrt(var + eps), torch.ones_like(mean)
+        # everywhere: CUDA asserts that the saved statistics are defined, XLA lowers only this,
+        # and only given a weight of the statistics' dtype for 16-bit inputs.)
+        invstd = torch.rsqrt(var + eps)
         if x.numel() == 0:  # an empty rank still joins the all-reduce
             sum_dy_xhat, sum_dy = mean.new_zeros(c), mean.new_zeros(c)
         else:
             _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-                grad, x, ones, None, None, mean, invstd, True, eps,
+                grad, x, torch.ones_like(mean), None, None, mean, invstd, True, eps,
                 [False, True, True],
             )  # fmt: skip
         grad_weight = _as(sum_dy_xhat, weight.dtype) if ctx.needs_input_grad[1] else None
@@ -321,29 +323,36 @@ class _SyncBatchNorm(Function):
         if ctx.needs_input_grad[0]:
             # One all-reduce of both sums: the input gradient needs their whole-batch values.
             sums = comm.all_reduce(_as(torch.cat([sum_dy, sum_dy_xhat]), stat_dtype))
-            grad_x = _input_grad(grad, x, weight, mean, invstd, ones, sums, count)
+            grad_x = _input_grad(grad, x, weight, mean, var, invstd, eps, sums, count)
         return grad_x, grad_weight, grad_bias, None, None, None, None, None
 
 
-def _input_grad(grad, x, weight, mean, invstd, ones, sums, count):
+def _input_grad(grad, x, weight, mean, var, invstd, eps, sums, count):
     """dx = w invstd (dy - sum(dy)/count - xhat sum(dy xhat)/count) in two passes over the batch.
 
-    That is ``scale dy + (x - mean) k - scale sum(dy)/count`` per channel, with scale = w
-    invstd and k = -scale invstd sum(dy xhat)/count. The last two terms are an eval-mode
-    batch norm of x with ``mean``, unit variance and eps 0 (weight k, bias -scale sum(dy)/count):
-    torch's fused per-channel affine kernel, which on the CPU is 2.5x faster than ``addcmul``
-    with per-channel operands (CPU torch has no ``batch_norm_backward_elemt``, which fuses all
-    of it on CUDA). The first term is added in place.
+    That is ``scale dy + xhat k - scale sum(dy)/count`` per channel, with scale = w invstd and
+    k = -scale sum(dy xhat)/count. The last two terms are the forward's own normalization of x
+    (the same mean, var and eps) with weight k and bias -scale sum(dy)/count: torch's fused
+    per-channel affine kernel, which on the CPU is 2.5x faster than ``addcmul`` with
+    per-channel operands (CPU torch has no ``batch_norm_backward_elemt``, which fuses all of
+    it on CUDA). The first term is added in place.
     """
     if x.numel() == 0:
         return torch.zeros_like(x)
     scale = invstd if weight is None else invstd * _as(weight, invstd.dtype)
-    # rows: [-scale mean(dy), -scale mean(dy xhat)] (C each), the bias and k / invstd
+    # rows: the bias -scale mean(dy) and the weight k = -scale mean(dy xhat), C each
     terms = sums.view(2, -1) / -count * scale
     dtype = x.dtype
     if dtype in (torch.float16, torch.bfloat16):
         grad, x = grad.float(), x.float()
-    dx = F.batch_norm(x, mean, ones, terms[1] * invstd, terms[0], False, 0.0,
-                      0.0)  # fmt: skip
+    dx = _normalize(x, mean, var, terms[1], terms[0], eps)
     dx.addcmul_(grad, _per_channel(scale, x))
     return _as(dx, dtype)
+
+
+def _normalize(x, mean, var, weight, bias, eps):
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` per channel: eval-mode batch norm, one
+    fused pass (``torch.batch_norm`` itself: ``F.batch_norm``'s checks cost microseconds and
+    are for training mode)."""
+    return torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps,
+                            torch.backends.cudnn.enabled)  # fmt: skip
