@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from parallelkit.comm import CommError, Communicator
-from parallelkit.testing import RankError, Ranks
+from parallelkit.testing import RankError, Ranks, free_port
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -44,6 +44,31 @@ def test_gloo_collective_times_out_with_a_clear_error():
         message, skipped = pool.run(rank1_skips, timeout=120)
     assert skipped == "skipped"
     assert "time out after 2 s" in message and "rank 0 of 2" in message
+
+
+LATE_RANK = """
+import os, sys, time
+rank = int(sys.argv[1])
+if rank == 1:
+    time.sleep(float(sys.argv[2]))  # starts well after rank 0, past the collective timeout
+os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3])
+import torch
+import parallelkit as pk
+comm = pk.init("gloo", timeout=2)
+print(comm.all_reduce(torch.ones(2) * (rank + 1)).tolist())
+"""
+
+
+def test_a_rank_that_starts_after_the_collective_timeout_still_joins():
+    """The start waits for late ranks up to its own limit; the 2 s collective timeout is
+    for collectives (the test above), not for a rank that is still importing torch."""
+    port = str(free_port())
+    ranks = [subprocess.Popen([sys.executable, "-c", LATE_RANK, str(r), "6", port],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]  # fmt: skip
+    outs = [p.communicate(timeout=180) for p in ranks]
+    assert [p.returncode for p in ranks] == [0, 0], [err[-2000:] for _, err in outs]
+    assert [out.strip() for out, _ in outs] == ["[3.0, 3.0]"] * 2
 
 
 def rank1_dies(comm: Communicator) -> str:

@@ -45,6 +45,9 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _NEW_GROUP_ARGS = inspect.signature(dist.new_group).parameters
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+START_TIMEOUT_S = 300.0
+"""The least time the rendezvous waits for every rank to start (``pk.init``'s timeout, when
+longer, applies instead)."""
 
 
 class TorchCommunicator(Communicator):
@@ -110,7 +113,18 @@ class TorchCommunicator(Communicator):
                 torch.cuda.set_device(local_rank)
                 kwargs["device_id"] = torch.device("cuda", local_rank)
                 backend = "cpu:gloo,cuda:nccl"  # host metadata on gloo, data on NCCL
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=seconds), **kwargs)
+            # The rendezvous waits for ranks that start late (a loaded machine, a slow file
+            # system) up to its own limit, never less than the collectives' (a short one, set
+            # to catch a stuck collective fast, would fail the start instead); its store keeps
+            # that limit, so gloo's connection of each pair of ranks waits as long. torch's
+            # env:// handler makes the store as init_process_group would, torchrun's agent
+            # store included; the process group then runs under ``seconds``.
+            start = datetime.timedelta(seconds=max(seconds, START_TIMEOUT_S))
+            store, rank, size = next(dist.rendezvous("env://", timeout=start))
+            dist.init_process_group(
+                backend, store=dist.PrefixStore("default_pg", store), rank=rank,
+                world_size=size, timeout=datetime.timedelta(seconds=seconds), **kwargs,
+            )  # fmt: skip
             # Tear the group down before the interpreter does: gloo's threads, still alive at
             # interpreter shutdown, can abort the process ("terminate called without an
             # active exception") after the job's work is done.
