@@ -85,6 +85,15 @@ class SpatialRegion(nn.Module):
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if self.comm.size == 1:  # one rank holds the whole image: nothing to follow
             return self.module(x, *args, **kwargs)
+        if torch.compiler.is_compiling():
+            # Eager under torch.compile: the guard records blocks by tensor identity, and
+            # dynamo guards on identity, so each step's new tensors recompiled every layer's
+            # frame until dynamo's limit (8), after which it ran eager anyway, slower than
+            # plain eager (docs/design.md, "Compiled steps"). dynamo is imported by then.
+            return torch.compiler.disable(self._forward_blocks)(x, *args, **kwargs)
+        return self._forward_blocks(x, *args, **kwargs)
+
+    def _forward_blocks(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if self.input == "blocks":
             size, x_blk = self._whole_size(x), x
         else:
