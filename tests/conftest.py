@@ -17,11 +17,10 @@ from parallelkit.testing import Ranks
 
 # Whole modules of subprocess runs (seconds to minutes each: ``parallelkit train`` and
 # ``predict``, the examples as subprocesses, faults), compiles or lazy-tensor tracing: not in
-# --fast. Listed longest
-# first: ``make test`` hands whole modules to 2 pytest-xdist workers in collection order
-# (``--dist loadfile --no-loadscope-reorder``), and :func:`longest_first` puts these first;
-# xdist's own reorder, most cases first, would hand out these modules of few long cases last
-# and leave one worker running them alone at the end.
+# --fast. Listed longest first: ``make test`` hands whole modules to 2 pytest-xdist workers in
+# collection order (``--dist loadfile --no-loadscope-reorder``), and :func:`longest_first` puts
+# these first; xdist's own reorder, most cases first, would hand out these modules of few long
+# cases last and leave one worker running them alone at the end.
 SLOW_MODULES = (
     "test_predict_outputs_owned.py", "test_compile.py", "test_faults.py", "test_train.py",
     "test_startup_faults.py", "test_decathlon.py", "test_train_segment.py", "test_examples.py",
