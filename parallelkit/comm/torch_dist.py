@@ -148,7 +148,7 @@ class TorchCommunicator(Communicator):
     # Under torch.compile: functional collectives that dynamo keeps in the graph (traced.py).
     def _traceable(self, t: torch.Tensor, out: torch.Tensor | None) -> bool:
         return (self.size > 1 and out is None and not self.debug and traced.tracing()
-                and not self._staged(t) and traced.outside_eager_regions())  # fmt: skip
+                and not self._staged(t))  # fmt: skip
 
     def all_reduce(self, t: torch.Tensor, op: Op = "sum", *, out: torch.Tensor | None = None
                    ) -> torch.Tensor:  # fmt: skip

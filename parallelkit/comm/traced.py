@@ -30,23 +30,6 @@ def tracing() -> bool:
     return torch.compiler.is_compiling()
 
 
-_eager_depth = 0  # regions running now whose collectives stay eager (spatial regions)
-
-
-def keep_eager(entering: bool) -> None:
-    """A region whose collectives stay on the eager path while it runs (``True`` on entry,
-    ``False`` on exit). Spatial regions do: under torch.compile, a rank whose block is empty
-    traces other graphs than its neighbours, and functional collectives issued from graphs
-    that differ between ranks were seen to pair wrongly (a hang). Their eager collectives
-    end graphs instead, and the step stays exact."""
-    global _eager_depth
-    _eager_depth += 1 if entering else -1
-
-
-def outside_eager_regions() -> bool:
-    return _eager_depth == 0
-
-
 def all_reduce(t: torch.Tensor, op: str, group: ProcessGroup, size: int) -> torch.Tensor:
     out = funcol.all_reduce(t, _REDUCE[op], group)
     return out / size if op == "mean" else out

@@ -45,7 +45,7 @@ from torch.nn.modules.module import (
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from parallelkit.comm import Communicator, traced
+from parallelkit.comm import Communicator
 from parallelkit.nn.blocks import takes_blocks
 from parallelkit.parallel.refusal import SpatialRefusal, model_failure, refusal
 from parallelkit.parallel.spatial_fallback import gather_inputs, gathered_message, scatter_outputs
@@ -197,7 +197,6 @@ class SpatialGuard(TorchFunctionMode):
     def __enter__(self) -> SpatialGuard:
         install_hooks()
         layout.push(self)
-        traced.keep_eager(True)
         return super().__enter__()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -208,7 +207,6 @@ class SpatialGuard(TorchFunctionMode):
             torch._C._push_on_torch_function_stack(self)
         super().__exit__(exc_type, exc, tb)
         layout.pop()
-        traced.keep_eager(False)
         if exc is not None and not isinstance(exc, SpatialRefusal) and not self._gathering:
             refused = model_failure(self.names, self.module(with_blocks=True), exc)
             if refused is not None:
