@@ -52,6 +52,7 @@ KINDS = [
     "gc context",  # GCNet: a softmax over the tokens (all-reduced logsumexp), a sum over them
     "xca",  # XCiT: F.normalize over the tokens, q^T k, softmax, attn @ v
     "token batchnorm",  # LeViT: BatchNorm1d over (N * L, C), the batch folded with the tokens
+    "class token",  # DeiT, CaiT, CoaT: two tokens before the patch tokens, the first rank's
 ]
 IMAGE = (3, 5, 7)  # (C, H, W): uneven blocks on 2, 3 and 4 ranks
 
@@ -162,7 +163,8 @@ def test_patches_folded_after_the_channels(ranks, size, grid, shape):
                                   "F.unfold", "F.fold", "linear attention",
                                   "pooling queries",
                                   "token mlp", "flatten linear", "token pool", "gc context",
-                                  "xca", "token batchnorm", "relu linear attention"])  # fmt: skip
+                                  "xca", "token batchnorm", "relu linear attention",
+                                  "class token"])  # fmt: skip
 def test_negative_control_own_tokens_only_do_not_match(ranks, kind):
     results = ranks(4).run(token_parity, kind, dict(rows=2, cols=2), IMAGE, 2, True, timeout=120)
     bad = mismatches([(label, got, want, {}) for label, got, want in results[0]])
@@ -268,4 +270,21 @@ def test_what_stays_refused_over_the_tokens_and_spatial_dimensions():
                         lambda: F.normalize(x, dim=3), lambda: x.sum(2),
                         lambda: unflattened.mean(-1)):  # fmt: skip
             with pytest.raises(ValueError, match="spatial dimension"):
+                refused()
+
+
+def test_class_tokens_refuse_what_would_need_their_place():
+    """One rank: with class tokens before the tokens, a reshape that regroups them, a token
+    past the class tokens taken alone, and operations without a rule for such tokens (a scan,
+    a flip) are refused, the first and the last naming the class token."""
+    guard = SpatialGuard(nn.Identity(), LocalCommunicator())
+    x = torch.randn(2, 4, 5, 6, dtype=torch.float64)
+    guard.mark(x, size=(5, 6))
+    with guard:
+        u = torch.cat((torch.zeros(2, 1, 4, dtype=torch.float64), x.flatten(2).transpose(1, 2)), 1)
+        assert u.shape == (2, 31, 4) and u[:, 0].shape == (2, 4) and u[:, 1:].shape == (2, 30, 4)
+        for refused, why in ((lambda: u.reshape(2, 31 * 4), "class token"),
+                             (lambda: u[:, 3], "folded"), (lambda: u.flip(1), "class token"),
+                             (lambda: u.cumsum(1), "class token")):  # fmt: skip
+            with pytest.raises(ValueError, match=why):
                 refused()

@@ -76,6 +76,8 @@ class TokenNet(nn.Module):
         self.fold_in = conv(c, 9 * c, 1)
         self.pab_top, self.pab_center = conv(c, 4, 1), conv(c, 4, 1)
         self.pab_bottom, self.pab_out = conv(c, c, 3, padding=1), conv(c, c, 3, padding=1)
+        self.cls = nn.Parameter(torch.randn(1, 2, c))  # a class and a distillation token
+        self.pos = nn.Parameter(0.1 * torch.randn(1, 2 + tokens_n, c))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stem(x)
@@ -142,6 +144,19 @@ class TokenNet(nn.Module):
                 mixed = mixed.clone()  # x moves to its layout, not it to x's
                 mixed += x
             return self.head(self.pab_out(x + mixed))
+        if self.kind == "class token":  # DeiT: two tokens before the patch tokens
+            u = torch.cat((self.cls[:, :1].expand(n, -1, -1), self.cls[:, 1:].expand(n, -1, -1),
+                           t), 1) + self.pos  # fmt: skip
+            d = c // h
+            q, k, v = self.qkv(self.norm(u)).reshape(n, L + 2, 3, h, d).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(q, k, v)  # (N, h, 2 + L, d)
+            # CaiT's class attention: the class token's query over every token, written out
+            attn_cls = ((q[:, :, 0:1] @ k.transpose(-2, -1)) * d**-0.5).softmax(-1) @ v
+            a = a + F.pad(v[:, :, 2:] * 0.5, (0, 0, 2, 0))  # CoaT: zeros in the tokens' place
+            y = self.proj(a.transpose(1, 2).reshape(n, L + 2, c))
+            pooled = y[:, 0] + y[:, 1] + attn_cls.transpose(1, 2).reshape(n, c) + y[:, 2:].mean(1)
+            gate = self.gc_t(pooled).reshape(n, c, *(1 for _ in spatial))  # whole
+            return self.head(x + y[:, 2:].transpose(1, 2).reshape(n, c, *spatial) + gate)
         if self.kind == "token batchnorm":  # LeViT's LinearNorm: BatchNorm1d over (N * L, C)
             y = self.token_bn(self.proj(t).flatten(0, 1)).reshape_as(t)
             return self.head(x + y.transpose(1, 2).reshape(n, c, *spatial))

@@ -53,6 +53,7 @@ from parallelkit.spatial import layout
 from parallelkit.spatial.grid import SpatialGrid, grid_of
 from parallelkit.spatial.rules import Call, lookup, op_name
 from parallelkit.spatial.rules.registry import Fold, Places, standard
+from parallelkit.spatial.token_comm import prefixed
 
 Size = tuple[int, ...]
 
@@ -89,6 +90,7 @@ class SpatialGuard(TorchFunctionMode):
         self._restore: dict[int, tuple[Any, Any]] = {}
         self._trusted = 0
         self._off_stack: nn.Module | None = None  # the trusted layer we stepped aside for
+        self._prefixes = False  # whether a token fold with a prefix was ever marked
 
     # ------------------------------------------------------------------ the record
     def is_split(self, t: Any) -> bool:
@@ -126,6 +128,8 @@ class SpatialGuard(TorchFunctionMode):
         """Record ``tensors`` as blocks whose spatial dimensions are ``places`` (default: every
         one after N and C), folded as ``folds`` says."""
         single = len(tensors) == 1 and isinstance(tensors[0], Tensor)  # no tree to walk
+        if folds and not self._prefixes:
+            self._prefixes = prefixed(folds)
         for t in tensors if single else tree_leaves(tensors):
             if isinstance(t, Tensor) and t.dim() >= (-min(places) if places else 3):
                 self._blocks[id(t)] = (weakref.ref(t), places or standard(t), size, folds)
@@ -311,6 +315,12 @@ class SpatialGuard(TorchFunctionMode):
             return func(*args, **kwargs)
         if entry is None:
             raise self.refuse(op_name(func), "it has no exact rule for blocks of split images")
+        if self._prefixes and not entry.prefix and self._any_prefixed(blocks):
+            raise self.refuse(op_name(func), "it is given tokens with a class token before "
+                              "them (a prefix held by the first rank), which only pointwise, "
+                              "linear, attention, layer-norm and token reductions, reshapes "
+                              "that keep the tokens, and indexing that takes the class token "
+                              "or the rest take")  # fmt: skip
         if not entry.folds and any(self._blocks[id(b)][3] for b in blocks):
             raise self.refuse(op_name(func), "it is given a window partition (spatial "
                               "dimensions folded into one), which only reshapes, permutes, "
@@ -322,6 +332,9 @@ class SpatialGuard(TorchFunctionMode):
             return entry.fn(self, entry.normalize(self, Call(func, args, kwargs, blocks)))
         finally:
             self.size_now, self.folds_now = before
+
+    def _any_prefixed(self, blocks: list[Tensor]) -> bool:
+        return any(prefixed(self._blocks[id(b)][3]) for b in blocks)
 
     def _blocks_in(self, args: tuple, kwargs: dict) -> list[Tensor]:
         """The blocks among the arguments (tensors, and tensors in lists and tuples: what

@@ -30,6 +30,7 @@ token of its share of the heads, so attention runs locally with 1/P of the keys 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -40,7 +41,43 @@ from parallelkit.comm import Communicator
 from parallelkit.geometry import BlockLayout, blocks, tensor_split_sizes
 from parallelkit.spatial.grid import SpatialGrid
 
-Factors = tuple[tuple[int, int | None], ...]
+Factors = tuple[tuple[int, int | str | None], ...]
+"""A token dimension's factors, outermost first: (whole size, the spatial dimension it is,
+or None for another), after an optional prefix factor ``(p, PREFIX)``: ``p`` whole tokens
+(a class token) before the product of the others, held by the group's first rank."""
+PREFIX = "prefix"
+
+
+def prefix_of(fold: Factors) -> int:
+    """How many whole tokens come before ``fold``'s product (a class token): 0 for none."""
+    return fold[0][0] if fold and fold[0][1] == PREFIX else 0
+
+
+def prefixed(folds: tuple[Factors, ...]) -> bool:
+    """Whether one of ``folds`` has a prefix."""
+    return any(f and f[0][1] == PREFIX for f in folds)
+
+
+def box(fold: Factors) -> Factors:
+    """``fold``'s factors after its prefix."""
+    return fold[1:] if prefix_of(fold) else fold
+
+
+def fold_count(fold: Factors) -> int:
+    """The whole size of a folded dimension: its prefix and the product of its factors."""
+    return prefix_of(fold) + math.prod(n for n, _ in box(fold))
+
+
+def box_index(fold: Factors, rows: list[tuple[int, int]], first: bool) -> torch.Tensor:
+    """The whole fold's indices of a rank's part of it, in its order: the box of ``rows``
+    (a (start, stop) per factor after the prefix), behind the prefix on the group's
+    ``first`` rank (which holds it)."""
+    flat = torch.zeros((), dtype=torch.long)
+    for (n, _), (start, stop) in zip(box(fold), rows, strict=True):
+        flat = (flat * n).unsqueeze(-1) + torch.arange(start, stop)
+    p = prefix_of(fold)
+    flat = flat.reshape(-1) + p
+    return torch.cat((torch.arange(p), flat)) if p and first else flat
 
 
 def rank_layout(grid: SpatialGrid, rank: int, ndim: int) -> BlockLayout:
@@ -53,15 +90,14 @@ def rank_layout(grid: SpatialGrid, rank: int, ndim: int) -> BlockLayout:
 
 def token_orders(grid: SpatialGrid, factors: Factors, ndim: int) -> list[torch.Tensor]:
     """The whole token indices each rank of ``grid.comm`` holds, in its block's order, for a
-    token dimension of ``factors`` (samples of ``ndim`` spatial dimensions)."""
+    token dimension of ``factors`` (samples of ``ndim`` spatial dimensions); a prefix (a
+    class token) is rank 0's, before its box."""
     orders = []
     for r in range(grid.comm.size):
         layout = rank_layout(grid, r, ndim)
-        flat = torch.zeros((), dtype=torch.long)
-        for n, k in factors:
-            start, stop = blocks(n, layout.counts[k])[layout.coords[k]] if k is not None else (0, n)
-            flat = (flat * n).unsqueeze(-1) + torch.arange(start, stop)
-        orders.append(flat.reshape(-1))
+        rows = [blocks(n, layout.counts[k])[layout.coords[k]] if k is not None else (0, n)
+                for n, k in box(factors)]  # fmt: skip
+        orders.append(box_index(factors, rows, first=r == 0))
     return orders
 
 

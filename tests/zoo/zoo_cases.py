@@ -190,6 +190,15 @@ def _tv_maxvit() -> nn.Module:
     )  # fmt: skip
 
 
+def _tv_vit() -> nn.Module:
+    from torchvision.models import VisionTransformer
+
+    return no_randomness(VisionTransformer(
+        image_size=64, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64,
+        num_classes=5,
+    ))  # fmt: skip
+
+
 def _tv_swin() -> nn.Module:
     """torchvision's Swin Transformer (swin_t's code) built small: 4 x 4 patches, two stages in
     4 x 4 windows, each a window block and a shifted-window block (torch.roll and the
@@ -497,6 +506,29 @@ ARCHS: dict[str, Arch] = {
                       global_pool="avg"),
         what="a plain ViT: patch embedding, a whole (L, C) position embedding cut to the "
         "block, global self-attention over 64 tokens, mean over x[:, 0:] (no class token)",
+    ),
+    "timm vit_tiny": Arch(
+        "timm", _timm("vit_tiny_patch16_224", img_size=64, patch_size=8),
+        what="a plain ViT with its class token: the token concatenated before the patch "
+        "tokens, a (1 + L, C) position embedding, the class token's output classified",
+    ),
+    "timm deit_tiny distilled": Arch(
+        "timm", _timm("deit_tiny_distilled_patch16_224", img_size=64, patch_size=8, depth=2),
+        what="DeiT: a class and a distillation token before the patch tokens, two heads",
+    ),
+    "timm cait_xxs24": Arch(
+        "timm", _timm("cait_xxs24_224", img_size=64, patch_size=8, depth=2),
+        what="CaiT: talking-heads attention, then class attention: the class token's query "
+        "over its own and every patch token's keys",
+    ),
+    "timm coat_lite_tiny": Arch(
+        "timm", _timm("coat_lite_tiny", img_size=64),
+        what="CoaT-Lite: factorized attention, convolutional position encodings on the "
+        "tokens without the class token",
+    ),
+    "tv vit": Arch(
+        "torchvision", _tv_vit,
+        what="torchvision's ViT: nn.MultiheadAttention over the class token and patch tokens",
     ),
     "smp Segformer mit_b0": Arch(
         "smp", _smp("Segformer", encoder="mit_b0", decoder_segmentation_channels=32),
@@ -831,6 +863,8 @@ COLS = (
     "tv maxvit", "timm maxvit", "timm coatnet", "timm mobilevit_xxs", "timm mobilevitv2_050",
     "timm edgenext_xx_small", "timm efficientformerv2_s0", "smp Segformer mit_b0",
     "smp MAnet mobilenetv3", "timm tresnet", "timm vit_tiny gap",
+    # class tokens: a prefix held by the first rank, whose tokens are columns' blocks here
+    "timm vit_tiny", "timm deit_tiny distilled",
     # sub-pixel upsampling regroups W with its factor
     "monai BasicUNet pixelshuffle",
 )  # fmt: skip
@@ -1071,6 +1105,26 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('timm vit_tiny gap', 'data'): (
+        'exact',
+        '',
+    ),
+    ('timm vit_tiny', 'data'): (
+        'exact',
+        '',
+    ),
+    ('timm deit_tiny distilled', 'data'): (
+        'exact',
+        '',
+    ),
+    ('timm cait_xxs24', 'data'): (
+        'exact',
+        '',
+    ),
+    ('timm coat_lite_tiny', 'data'): (
+        'exact',
+        '',
+    ),
+    ('tv vit', 'data'): (
         'exact',
         '',
     ),
@@ -1378,6 +1432,26 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
+    ('timm vit_tiny', 'rows'): (
+        'exact',
+        '',
+    ),
+    ('timm deit_tiny distilled', 'rows'): (
+        'exact',
+        '',
+    ),
+    ('timm cait_xxs24', 'rows'): (
+        'exact',
+        '',
+    ),
+    ('timm coat_lite_tiny', 'rows'): (
+        'exact',
+        '',
+    ),
+    ('tv vit', 'rows'): (
+        'exact',
+        '',
+    ),
     ('smp Segformer mit_b0', 'rows'): (
         'exact',
         '',
@@ -1563,6 +1637,14 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('timm vit_tiny gap', 'cols'): (
+        'exact',
+        '',
+    ),
+    ('timm vit_tiny', 'cols'): (
+        'exact',
+        '',
+    ),
+    ('timm deit_tiny distilled', 'cols'): (
         'exact',
         '',
     ),
@@ -1763,6 +1845,26 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('timm vit_tiny gap', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('timm vit_tiny', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('timm deit_tiny distilled', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('timm cait_xxs24', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('timm coat_lite_tiny', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('tv vit', 'channel'): (
         'exact',
         '',
     ),

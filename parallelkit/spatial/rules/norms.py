@@ -92,7 +92,7 @@ def instance_norm(g: Guard, call: Call) -> Tensor:
 
 
 @rule(F.layer_norm, params="input, normalized_shape, weight=None, bias=None, eps=1e-5",
-      folds=True)  # fmt: skip
+      prefix=True)  # fmt: skip
 def layer_norm(g: Guard, call: Call) -> Tensor:
     """Over the channels of a channels-last block (ConvNeXt): local, weights' gradients
     summed. Over (C,) and the spatial dimensions (a WGAN-GP critic's
@@ -123,7 +123,7 @@ def layer_norm(g: Guard, call: Call) -> Tensor:
     return g.marked(y, spatial)
 
 
-@rule(F.linear, params="input, weight, bias=None", folds=True)
+@rule(F.linear, params="input, weight, bias=None", prefix=True)
 def linear(g: Guard, call: Call) -> Tensor:
     """Over the channels of a channels-last block (ConvNeXt's MLP): local, weights' gradients
     summed. Over a token dimension holding every spatial one (MLP-Mixer's token mixing, a
@@ -139,7 +139,7 @@ def linear(g: Guard, call: Call) -> Tensor:
     return g.marked(F.linear(x, g.summed(call["weight"]), g.summed(call["bias"])), spatial)
 
 
-@rule(torch.matmul, Tensor.matmul, Tensor.__matmul__, params="input, other", folds=True)
+@rule(torch.matmul, Tensor.matmul, Tensor.__matmul__, params="input, other", prefix=True)
 def matmul(g: Guard, call: Call) -> Tensor:
     """A block times a whole matrix over its last dimension, which is not spatial (a linear
     map over channels-last features): local, the matrix's gradient summed. Two blocks of one
@@ -166,7 +166,7 @@ def matmul(g: Guard, call: Call) -> Tensor:
 
 @rule(F.scaled_dot_product_attention,
       params="query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, "
-      "enable_gqa=False", folds=True)  # fmt: skip
+      "enable_gqa=False", prefix=True)  # fmt: skip
 def attention(g: Guard, call: Call) -> Tensor:
     """Attention within windows folded into the batch (timm's and MONAI's window attention):
     local where query, key and value are blocks of one layout whose spatial dimensions are

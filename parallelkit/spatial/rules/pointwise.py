@@ -48,7 +48,7 @@ requires_grad_ cpu cuda retain_grad zero_ fill_ copy_ __deepcopy__
 @rule(
     *ops(_POINTWISE, torch, Tensor, F, torch.special, inplace=True),
     *ops(" ".join(f"__{n}__" for n in _DUNDERS.split()), Tensor),
-    folds=True,
+    prefix=True,
 )
 def pointwise(g: Guard, call: Call) -> Any:
     """Local. Blocks of another layout than the first (N, C, *spatial) one are moved to it
@@ -124,7 +124,7 @@ def _blocks_and_scalars(g: Guard, call: Call) -> bool:
     return True
 
 
-@rule(*ops(_LOCAL, Tensor), torch.as_tensor, folds=True)
+@rule(*ops(_LOCAL, Tensor), torch.as_tensor, prefix=True)
 def local(g: Guard, call: Call) -> Any:
     """Local: type, device and memory-format changes, copies, detaching; `torch.as_tensor`
     of a block (MONAI's HighResBlock wraps its branches in it)."""
@@ -144,13 +144,13 @@ def _size(args: tuple) -> tuple[int, ...] | None:
     return tuple(size) if all(isinstance(n, int) for n in size) else None
 
 
-@rule(*ops("zeros_like ones_like full_like empty_like", torch), folds=True)
+@rule(*ops("zeros_like ones_like full_like empty_like", torch), prefix=True)
 def constant_like(g: Guard, call: Call) -> Tensor:
     """Local: a constant block of the block's shape."""
     return g.marked(call.run(), g.places(call.blocks[0]))
 
 
-@rule(*ops("new_zeros new_ones new_full new_empty", Tensor), folds=True)
+@rule(*ops("new_zeros new_ones new_full new_empty", Tensor), prefix=True)
 def new_constant(g: Guard, call: Call) -> Tensor:
     """Asked for the whole shape of the block it is called on (``x.new_zeros(x.shape)``):
     this rank's block of that constant; any other size: a whole tensor, as asked."""

@@ -19,7 +19,7 @@ _CHANNELS = (F.dropout1d, F.dropout2d, F.dropout3d)
 
 @rule(F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
       F.feature_alpha_dropout, torch.dropout, torch.alpha_dropout, torch.feature_dropout,
-      params="input, p=0.5, training=True, inplace=False", folds=True)  # fmt: skip
+      params="input, p=0.5, training=True, inplace=False", prefix=True)  # fmt: skip
 def dropout(g: Guard, call: Call) -> Tensor:
     """In training, ``F.dropout`` and ``F.dropout1d/2d/3d``: the mask drawn for the whole
     samples (or channels) and cut to the block. In eval (or p = 0): local. Other kinds in

@@ -130,7 +130,7 @@ def _over_spatial(g: Guard, call: Call, x: Tensor, dims: list[int]) -> bool:
 
 
 @rule(*ops("sum mean nansum nanmean", torch, Tensor),
-      params="input, dim=None, keepdim=False, *, dtype=None, out=None", folds=True)  # fmt: skip
+      params="input, dim=None, keepdim=False, *, dtype=None, out=None", prefix=True)  # fmt: skip
 def sum_mean(g: Guard, call: Call) -> Tensor:
     """Over the spatial dimensions (and maybe more, any layout): local sums and one
     all-reduce with the pixel count; the result is whole. Over a flattened token dimension
@@ -153,7 +153,7 @@ def sum_mean(g: Guard, call: Call) -> Tensor:
 
 
 @rule(*ops("amax amin", torch, Tensor), params="input, dim=(), keepdim=False, *, out=None",
-      folds=True)  # fmt: skip
+      prefix=True)  # fmt: skip
 def amax(g: Guard, call: Call) -> Tensor:
     """Over the spatial dimensions (and maybe more): a no-grad all-reduce of the local
     extremes gives the
@@ -185,7 +185,7 @@ def max_min(g: Guard, call: Call) -> Any:
 
 
 @rule(*ops("argmax argmin prod all any", torch, Tensor),
-      params="input, dim=None, keepdim=False, *_, **__", folds=True)  # fmt: skip
+      params="input, dim=None, keepdim=False, *_, **__", prefix=True)  # fmt: skip
 def along_others(g: Guard, call: Call) -> Any:
     """Local over channels or the batch (``argmax(1)``, ``prod(1)``);
     refused over a spatial dimension, or over everything."""
@@ -201,7 +201,7 @@ def along_others(g: Guard, call: Call) -> Any:
 
 
 @rule(*ops("softmax log_softmax", torch, Tensor, F), params="input, dim=None, *rest, **options",
-      folds=True)  # fmt: skip
+      prefix=True)  # fmt: skip
 def softmax(g: Guard, call: Call) -> Tensor:
     """Over channels or the batch (class scores' ``softmax(1)``): local. Over every spatial
     dimension at once (the one dimension of a signal, or a flattened token dimension: the
@@ -242,7 +242,7 @@ def pointwise_loss(g: Guard, call: Call) -> Tensor:
 
 
 @rule(torch.logsumexp, Tensor.logsumexp, params="input, dim, keepdim=False, *, out=None",
-      folds=True)  # fmt: skip
+      prefix=True)  # fmt: skip
 def logsumexp(g: Guard, call: Call) -> Tensor:
     """Over the spatial dimensions (and maybe more): the all-reduced maximum m, then one
     all-reduced sum of exp(x - m); whole. Over other dimensions: local."""
@@ -260,7 +260,7 @@ def logsumexp(g: Guard, call: Call) -> Tensor:
 
 @rule(*ops("var std", torch, Tensor),
       params="input, dim=None, unbiased=None, keepdim=False, *, correction=None, "
-      "out=None", folds=True)  # fmt: skip
+      "out=None", prefix=True)  # fmt: skip
 def var_std(g: Guard, call: Call) -> Tensor:
     """Over the spatial dimensions (and maybe more; AdaIN-style statistics), any correction:
     written out as means of the whole samples (the rules above) and scaled by the whole
@@ -313,7 +313,7 @@ def _norm(g: Guard, call: Call, p: Any) -> Tensor:
 
 @rule(torch.norm, Tensor.norm,
       params="input, p='fro', dim=None, keepdim=False, out=None, dtype=None",
-      folds=True)  # fmt: skip
+      prefix=True)  # fmt: skip
 def norm(g: Guard, call: Call) -> Tensor:
     """Over the spatial dimensions (and maybe more; ConvNeXt-V2's global response
     normalization), p = 1, 2 or inf: written out as sums or extremes of the whole samples
@@ -323,13 +323,13 @@ def norm(g: Guard, call: Call) -> Tensor:
 
 @rule(torch.linalg.vector_norm,
       params="input, ord=2, dim=None, keepdim=False, *, dtype=None, out=None",
-      folds=True)  # fmt: skip
+      prefix=True)  # fmt: skip
 def vector_norm(g: Guard, call: Call) -> Tensor:
     """As ``torch.norm``."""
     return _norm(g, call, call["ord"])
 
 
-@rule(F.normalize, params="input, p=2.0, dim=1, eps=1e-12, out=None", folds=True)
+@rule(F.normalize, params="input, p=2.0, dim=1, eps=1e-12, out=None", prefix=True)
 def normalize(g: Guard, call: Call) -> Tensor:
     """Over channels (or any dimension but the spatial ones): local. Over every spatial
     dimension (``dim=(2, 3)``, or a flattened token dimension: cross-covariance attention's

@@ -20,7 +20,6 @@ The docs table of operations (docs/parallelism.md) is generated from these regis
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from torch import Tensor, nn
 
 from parallelkit.geometry import blocks
 from parallelkit.spatial.grid import SpatialGrid
+from parallelkit.spatial.token_comm import box, box_index, fold_count
 
 Size = tuple[int, ...]
 Places = tuple[int, ...]
@@ -43,7 +43,15 @@ Fold = tuple[tuple[int, int | None], ...]
 its factors, outermost first, as (whole size, the spatial dimension it is, by its place in
 the record, or None for another). A block's fold has the same factors with this rank's rows
 of each spatial one: a box in the whole fold's index space, so a rule that treats the folded
-dimension as a batch (pointwise, linear maps, attention within windows) is local."""
+dimension as a batch (pointwise, linear maps, attention within windows) is local.
+
+A token dimension's fold may begin with a *prefix* factor ``(p, PREFIX)``: ``p`` whole tokens
+before the product of the others (a ViT's class token, DeiT's distillation token, register
+tokens: ``torch.cat((cls, x), 1)``), held by the group's first rank (the one whose blocks
+are the first of every axis) in front of its own tokens. The fold then counts ``p`` plus the
+product of its other factors, and the ranks' tokens are still a partition of the whole
+ones: rank 0's block is ``p`` tokens longer, as an uneven split's would be. Only rules
+registered with ``prefix=True`` take such blocks (the guard refuses them to the others)."""
 
 
 class Guard(Protocol):
@@ -102,8 +110,9 @@ class Call:
 class Rule:
     """One registration: the rule function, the signature its calls are normalized by, the
     torch functions it serves, its docs-table verdict, and whether the guard asks it about
-    calls without a block too (a whole tensor resized to a block's size), and whether it
-    takes folded blocks (window partitions; the guard refuses them to the others)."""
+    calls without a block too (a whole tensor resized to a block's size), whether it
+    takes folded blocks (window partitions; the guard refuses them to the others), and
+    whether it takes token folds with a prefix (class tokens)."""
 
     fn: Callable[[Guard, Call], Any]
     params: inspect.Signature | None
@@ -111,6 +120,7 @@ class Rule:
     exact: str  # the docs table's last column: "yes", "refused", ...
     whole: bool  # also asked about calls without a block (a whole tensor resized to blocks)
     folds: bool  # takes blocks with folds
+    prefix: bool  # takes token folds with a prefix (a class token)
 
     @property
     def family(self) -> str:
@@ -137,17 +147,20 @@ def rule(
     exact: str = "yes",
     whole: bool = False,
     folds: bool = False,
+    prefix: bool = False,
 ) -> Callable[[Callable], Callable]:
     """Register the decorated function as the rule of ``funcs`` (None entries are skipped:
     functions this torch does not have). ``params``: the signature its arguments are
     normalized by, as Python writes one (``"input, dim=None, keepdim=False"``); ``folds``:
-    it takes folded blocks too (it treats the folded dimension as a batch)."""
+    it takes folded blocks too (it treats the folded dimension as a batch); ``prefix``: it
+    takes folded blocks, token folds with a prefix among them (see :data:`Fold`)."""
     signature = None
     if params is not None:
         signature = inspect.signature(eval(f"lambda {params}: None"))  # our own text
 
     def register(fn: Callable) -> Callable:
-        entry = Rule(fn, signature, tuple(f for f in funcs if f is not None), exact, whole, folds)
+        served = tuple(f for f in funcs if f is not None)
+        entry = Rule(fn, signature, served, exact, whole, folds or prefix, prefix)
         for f in entry.funcs:
             if f in _RULES and _RULES[f].fn is not fn:
                 raise AssertionError(f"{op_name(f)} has two rules: {_RULES[f].fn} and {fn}")
@@ -262,24 +275,23 @@ def whole_shape(g: Guard, x: Tensor, size: tuple[int, ...] | None = None) -> tor
     for d, n in zip(g.places(x), size or whole_size(g, x), strict=True):
         shape[d] = n
     for fold in g.folds(x):
-        shape[fold_place(g, x, fold)] = math.prod(n for n, _ in fold)
+        shape[fold_place(g, x, fold)] = fold_count(fold)
     return torch.Size(shape)
 
 
 def fold_place(g: Guard, x: Tensor, fold: Fold) -> int:
     """Where ``fold`` is in block ``x``, counted from the end."""
-    return g.places(x)[next(k for _, k in fold if k is not None)]
+    return g.places(x)[next(k for _, k in fold if isinstance(k, int))]
 
 
 def fold_index(g: Guard, x: Tensor, fold: Fold) -> Tensor:
     """The whole fold's indices of block ``x``'s fold, in the block's order: its box of
-    this rank's rows of each spatial factor, all of each other."""
+    this rank's rows of each spatial factor, all of each other (and the prefix, on the
+    group's first rank)."""
     axes = g.grid.axes(len(g.places(x)))
-    rows = [blocks(n, axes[k][1])[axes[k][2]] if k is not None else (0, n) for n, k in fold]
-    flat = torch.zeros((), dtype=torch.long)
-    for (n, _), (start, stop) in zip(fold, rows, strict=True):
-        flat = (flat * n).unsqueeze(-1) + torch.arange(start, stop)
-    return flat.reshape(-1).to(x.device)
+    rows = [blocks(n, axes[k][1])[axes[k][2]] if k is not None else (0, n) for n, k in box(fold)]
+    first = all(mine == 0 for _, _, mine in axes)
+    return box_index(fold, rows, first).to(x.device)
 
 
 def standard(x: Tensor) -> Places:

@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_map
 
 from parallelkit.geometry import in_whole_groups, starts, tensor_split_sizes
-from parallelkit.spatial import relayout
+from parallelkit.spatial import layout, relayout
 from parallelkit.spatial.rules.registry import (
     PROPERTY,
     Call,
@@ -41,6 +41,8 @@ from parallelkit.spatial.rules.registry import (
     whole_shape,
     whole_size,
 )
+from parallelkit.spatial.rules.tokens import token_dim
+from parallelkit.spatial.token_comm import PREFIX, box, fold_count, prefix_of, prefixed
 
 
 def _positions(g: Guard, x: Tensor) -> tuple[int, ...]:
@@ -66,7 +68,7 @@ _VIEWS = (Tensor.view, Tensor.view_as)
 
 
 @rule(*ops("view reshape flatten unflatten view_as reshape_as squeeze unsqueeze", torch, Tensor),
-      params="input, *_, **__", folds=True)  # fmt: skip
+      params="input, *_, **__", prefix=True)  # fmt: skip
 def reshape(g: Guard, call: Call) -> Any:
     """Local where each spatial dimension comes out whole in a place of its own, or split
     into (outer, inner ...) with the blocks' rows in whole groups of the inner size (a
@@ -95,6 +97,8 @@ def reshape(g: Guard, call: Call) -> Any:
                        f"{str(e).splitlines()[0]}") from e  # fmt: skip
     if not isinstance(whole, Tensor):
         raise g.refuse(call.name, f"it gives a {type(whole).__name__}")
+    if prefixed(g.folds(x)):
+        return _keeping_tokens(g, call, x, tuple(whole_in.shape), tuple(whole.shape))
     regrouped = _regroup(g, x, tuple(whole_in.shape), tuple(whole.shape))
     if isinstance(regrouped, str):
         size = whole_size(g, x)
@@ -109,6 +113,24 @@ def reshape(g: Guard, call: Call) -> Any:
     shape, out_dims, size, folds = regrouped
     y = x.view(shape) if call.func in _VIEWS else x.reshape(shape)
     return g.marked(y, out_dims, size, folds)
+
+
+def _keeping_tokens(
+    g: Guard, call: Call, x: Tensor, a: tuple[int, ...], b: tuple[int, ...]
+) -> Tensor:
+    """A reshape of block ``x`` (whole shape ``a``) whose token dimension has a prefix (a
+    class token) to whole shape ``b``: local where the token dimension comes out whole in a
+    place of its own, the dimensions before it and after it regrouping among themselves
+    (a ViT's ``(N, L, 3, h, d)`` of its ``(N, L, 3C)`` projection)."""
+    t = x.dim() + g.places(x)[0]
+    before, after = math.prod(a[:t]), math.prod(a[t + 1 :])
+    for j, n in enumerate(b):
+        if n == a[t] and math.prod(b[:j]) == before and math.prod(b[j + 1 :]) == after:
+            shape = (*b[:j], x.shape[t], *b[j + 1 :])
+            y = x.view(shape) if call.func in _VIEWS else x.reshape(shape)
+            return g.marked(y, (j - len(b),) * len(g.places(x)))
+    raise g.refuse(call.name, f"{tuple(a)} -> {tuple(b)} regroups tokens that have a class "
+                   "token before them")  # fmt: skip
 
 
 def _named(g: Guard, x: Tensor, shape: Any) -> str:
@@ -263,7 +285,7 @@ def pixel_shuffle(g: Guard, call: Call) -> Any:
 
 
 @rule(*ops("permute transpose swapaxes swapdims movedim moveaxis", torch, Tensor),
-      params="input, *_, **__", folds=True)  # fmt: skip
+      params="input, *_, **__", prefix=True)  # fmt: skip
 def permute(g: Guard, call: Call) -> Any:
     """Local; the record follows the spatial dimensions to their new places (channels last
     and back)."""
@@ -291,7 +313,7 @@ def repeat(g: Guard, call: Call) -> Any:
     return g.marked(call.run(), dims)
 
 
-@rule(*ops("expand_as", Tensor), params="input, other", folds=True)
+@rule(*ops("expand_as", Tensor), params="input, other", prefix=True)
 def expand_as(g: Guard, call: Call) -> Any:
     """Local: a block expanded along non-spatial dimensions of size 1, or a whole tensor of
     size 1 in the spatial dimensions (timm's ECA gate, (N, C, 1, 1); MobileViTv2's context
@@ -319,7 +341,7 @@ def _along(g: Guard, call: Call, dim: int) -> int:
 
 
 @rule(*ops("split chunk tensor_split split_with_sizes", torch, Tensor),
-      params="input, sections=None, dim=0, *_, **__", folds=True)  # fmt: skip
+      params="input, sections=None, dim=0, *_, **__", prefix=True)  # fmt: skip
 def split(g: Guard, call: Call) -> Any:
     """Local along channels or the batch (or the channels of a channels-last block)."""
     _along(g, call, call["dim"])
@@ -341,7 +363,7 @@ def along(g: Guard, call: Call) -> Any:
     return g.marked(call.run(), g.places(call["input"]))
 
 
-@rule(*ops("unbind select", torch, Tensor), params="input, dim=0, index=None", folds=True)
+@rule(*ops("unbind select", torch, Tensor), params="input, dim=0, index=None", prefix=True)
 def unbind(g: Guard, call: Call) -> Any:
     """Local along channels or the batch: the dimension goes away."""
     x = call["input"]
@@ -360,7 +382,7 @@ def cut_whole(g: Guard, t: Tensor, block: Tensor, op: str) -> Tensor:
     index: list[Any] = [slice(None)] * t.dim()
     for d, n, rows in zip(dims, whole, g.grid.block(*whole), strict=True):
         if d in folds:
-            n = math.prod(m for m, _ in folds[d])
+            n = fold_count(folds[d])
         if t.dim() < -d or t.shape[d] == 1:
             continue
         if t.shape[d] != n:
@@ -379,7 +401,7 @@ def to_form(g: Guard, t: Tensor, like: Tensor) -> Tensor | None:
     """Block ``t`` moved to the layout of block ``like`` (the same whole shape, its spatial
     dimensions elsewhere or folded otherwise); None where the whole shapes differ."""
     shape = tuple(whole_shape(g, t))
-    if shape != tuple(whole_shape(g, like)):
+    if shape != tuple(whole_shape(g, like)) or prefixed(g.folds(t) + g.folds(like)):
         return None
     target = _factors(g, like, shape)
     return _moved(g, t, target, like.shape, g.places(like), g.size_of(like), g.folds(like))
@@ -405,18 +427,22 @@ def _moved(
 
 
 @rule(torch.cat, torch.concat, torch.concatenate, torch.stack,
-      params="tensors, dim=0, *, out=None")  # fmt: skip
+      params="tensors, dim=0, *, out=None", prefix=True)  # fmt: skip
 def cat(g: Guard, call: Call) -> Any:
     """Local when every tensor is a block of one layout, joined along another dimension; a
     whole tensor among them of the whole samples' size is cut to the block first
-    (CoordConv's coordinate maps)."""
+    (CoordConv's coordinate maps). Whole tensors joined before a token dimension (ViT's
+    class token, DeiT's distillation token) are its prefix, held by the first rank in front
+    of its tokens: an uneven split of the tokens, nothing moved."""
     tensors, dim, first = list(call["tensors"]), call["dim"], call.blocks[0]
     dims = g.places(first)
+    if call.func is not torch.stack and (y := _class_tokens(g, call, tensors, dim)) is not None:
+        return y
     if call["out"] is None and all(t.dim() == first.dim() for t in tensors):
         size = whole_size(g, first)
         tensors = [t if g.is_split(t) else g.marked(cut_whole(g, t, first, call.name), dims, size)
                    for t in tensors]  # fmt: skip
-    if all(g.is_split(t) and g.places(t) == dims for t in tensors) and call["out"] is None:
+    if all(g.is_split(t) and g.form(t) == g.form(first) for t in tensors) and call["out"] is None:
         ndim, run = tensors[0].dim(), lambda: call.func(tensors, dim)
         if call.func is not torch.stack and dim % ndim - ndim not in dims:
             return g.marked(run(), dims)
@@ -427,6 +453,75 @@ def cat(g: Guard, call: Call) -> Any:
             if d > ndim + max(dims):
                 return g.marked(run(), tuple(v - 1 for v in dims))
     raise g.refuse(call.name, "it joins blocks with whole tensors, or along a spatial dimension")
+
+
+def _class_tokens(g: Guard, call: Call, tensors: list[Any], dim: int) -> Tensor | None:
+    """``torch.cat((cls, x), dim)``: whole tensors (a class token, a distillation token)
+    before a block's token dimension. They become its prefix (see ``registry.Fold``), held
+    by the group's first rank, in front of its tokens; the others keep theirs, with a new
+    tensor (the whole ones taken for none of their tokens, so that every rank's backward
+    meets their gradient's collective alike). None where the call is not this pattern."""
+    x, ndim = call.blocks[0], call.blocks[0].dim()
+    d = dim % ndim - ndim if isinstance(dim, int) else None
+    if len(call.blocks) != 1 or call["out"] is not None or token_dim(g, x) != d:
+        return None
+    at = next(i for i, t in enumerate(tensors) if t is x)
+    whole = tensors[:at]
+    if not whole or tensors[at + 1 :] or any(t.dim() != ndim for t in whole):
+        return None
+    fold = g.folds(x)[0] if g.folds(x) else ((whole_size(g, x)[0], 0),)
+    added = sum(t.shape[d] for t in whole)
+    first = g.grid.comm.rank == 0
+    parts = [g.summed(t) if first else g.summed(t).narrow(d, 0, 0) for t in whole]
+    y = torch.cat([*parts, x], dim)
+    tokens = ((prefix_of(fold) + added, PREFIX), *box(fold))
+    return g.marked(y, g.places(x), folds=(tokens,))
+
+
+def _prefix_index(g: Guard, x: Tensor, index: Any) -> Tensor | None:
+    """``x[:, 0]`` or ``x[:, :1]`` (the class token: whole on every rank, from the first
+    rank, which holds it) and ``x[:, 1:]`` (the tokens after it: a block) on block ``x``
+    whose token dimension has a prefix, with any basic index of the other dimensions; None
+    where the index leaves the token dimension whole, or takes tokens past the prefix (the
+    general rule then takes it, or refuses)."""
+    fold = g.folds(x)[0]
+    t = x.dim() + g.places(x)[0]
+    entries = list(index) if isinstance(index, tuple) else [index]
+    if any(isinstance(e, Tensor) for e in entries):
+        return None
+    consumed = sum(e is not None and e is not Ellipsis for e in entries)
+    at, pos = None, 0
+    for i, e in enumerate(entries):
+        if e is Ellipsis:
+            pos += x.dim() - consumed
+        elif e is not None:
+            if pos == t:
+                at = i
+            pos += 1
+    if at is None:
+        return None
+    e, p, n = entries[at], prefix_of(fold), fold_count(fold)
+    kept = range(n)[e] if isinstance(e, slice) else range(n)[e : e + 1 or None]
+    if kept == range(n) or kept.step != 1 or not kept:
+        return None
+    first = g.grid.comm.rank == 0
+    if kept.stop <= p:  # class tokens: whole, from the first rank
+        if first:
+            mine = x.narrow(t, kept.start, len(kept))
+        else:  # none of its own, but in the graph: its backward meets the collective
+            shape = (*x.shape[:t], len(kept), *x.shape[t + 1 :])
+            mine = torch.cat([x.narrow(t, 0, 0), x.new_zeros(shape)], t)
+        entries[at] = 0 if isinstance(e, int) else slice(None)
+        return layout.summed(mine, g.comm)[tuple(entries)]
+    if kept.start > p or kept.stop != n or isinstance(e, int):
+        return None
+    y = x.narrow(t, kept.start, x.shape[t] - kept.start) if first else x.view_as(x)
+    rest = box(fold) if kept.start == p else ((p - kept.start, PREFIX), *box(fold))
+    signal = len(rest) == 1 and rest[0][1] == 0  # a signal's own length: no fold
+    y = g.marked(y, g.places(x), folds=() if signal else (rest,))
+    entries[at] = slice(None)
+    with g.rules():
+        return y[tuple(entries)] if isinstance(index, tuple) else y
 
 
 def _indexed(
@@ -518,15 +613,19 @@ def _strided(g: Guard, x: Tensor, k: int, rows: range) -> slice:
     return slice(begin, begin + (kept[mine] - 1) * rows.step + 1, rows.step)
 
 
-@rule(Tensor.__getitem__, params="input, index", folds=True)
+@rule(Tensor.__getitem__, params="input, index", prefix=True)
 def getitem(g: Guard, call: Call) -> Any:
     """Local when the spatial dimensions are taken whole (``x[:, :16]``, ``x[:, :16, :, :]``,
     ``x[:, idx]`` with a channel index tensor, ``x[..., :16]`` on a channels-last block);
     index tensors only before the spatial dimensions. A slice with a step is local where the
     blocks are whole groups of it (patch merging's ``x[..., 0::2, 0::2, :]``). A slice of
     step 1 along a spatial dimension (Swin's unpad ``x[:, :H, :W, :]``, ``x[..., 1:-1]``) is
-    a crop: ``F.pad`` by negative pads, whose rule fetches each rank's new rows."""
+    a crop: ``F.pad`` by negative pads, whose rule fetches each rank's new rows. On tokens
+    with class tokens before them, ``x[:, 0]`` (``x[:, :2]``) is whole, all-reduced from the
+    first rank, and ``x[:, 1:]`` the block of the tokens after them."""
     x = call["input"]
+    if prefixed(g.folds(x)) and (y := _prefix_index(g, x, call["index"])) is not None:
+        return y
     size = whole_size(g, x)
     dims, index, crops, new_size = _indexed(g, x, call["index"], size)
     y = g.marked(x[index], dims, new_size)
@@ -562,7 +661,7 @@ stride storage_offset __repr__ __format__ __hash__ register_hook
 _SHAPE = (Tensor.size, prop("shape"), Tensor.numel, Tensor.nelement, Tensor.__len__)
 
 
-@rule(PROPERTY, *ops(_METADATA, Tensor), *_SHAPE, folds=True)
+@rule(PROPERTY, *ops(_METADATA, Tensor), *_SHAPE, prefix=True)
 def metadata(g: Guard, call: Call) -> Any:
     """Answered from the block, but for its shape (``x.shape``, ``x.size()``, ``x.numel()``,
     ``len(x)``): the whole samples', as DTensor reports its global shape, so that sizes the
@@ -586,7 +685,7 @@ def metadata(g: Guard, call: Call) -> Any:
     return tuple(shape[d] for d in dim)
 
 
-@rule(prop("data"), folds=True)
+@rule(prop("data"), prefix=True)
 def data(g: Guard, call: Call) -> Any:
     """The same block, without its history."""
     return g.marked(call.run(), g.places(call.blocks[0]))

@@ -54,7 +54,8 @@ def token_dim(g: Guard, t: Any) -> int | None:
         return None
     if len(places) == 1 and not folds:
         return places[0]
-    if len(folds) == 1 and {k for _, k in folds[0] if k is not None} == set(range(len(places))):
+    spatial = {k for _, k in folds[0] if isinstance(k, int)} if len(folds) == 1 else None
+    if spatial == set(range(len(places))):
         return places[0]
     return None
 
@@ -65,8 +66,8 @@ def _factors(g: Guard, t: Tensor) -> token_comm.Factors:
 
 
 def count(g: Guard, t: Tensor) -> int:
-    """The whole token count of block ``t``'s token dimension."""
-    return math.prod(n for n, _ in _factors(g, t))
+    """The whole token count of block ``t``'s token dimension (a class token included)."""
+    return token_comm.fold_count(_factors(g, t))
 
 
 def _orders(g: Guard, t: Tensor) -> tuple[list[Tensor], Tensor | None]:
@@ -264,7 +265,7 @@ def einsum(g: Guard, subscripts: list[str], output: str, operands: tuple) -> Ten
       "bias_k, bias_v, add_zero_attn, dropout_p, out_proj_weight, out_proj_bias, training=True, "
       "key_padding_mask=None, need_weights=True, attn_mask=None, use_separate_proj_weight=False, "
       "q_proj_weight=None, k_proj_weight=None, v_proj_weight=None, static_k=None, "
-      "static_v=None, average_attn_weights=True, is_causal=False", folds=True)  # fmt: skip
+      "static_v=None, average_attn_weights=True, is_causal=False", prefix=True)  # fmt: skip
 def multi_head_attention(g: Guard, call: Call) -> tuple[Tensor, Tensor | None]:
     """``nn.MultiheadAttention`` written out in rules: the projections (``F.linear``), a view
     to heads, attention over the tokens (``scaled_dot_product_attention``, or, where the

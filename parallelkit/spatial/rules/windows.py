@@ -44,6 +44,8 @@ from parallelkit.spatial.rules.registry import (
     rule,
     whole_size,
 )
+from parallelkit.spatial.rules.tokens import token_dim
+from parallelkit.spatial.token_comm import PREFIX, box, prefix_of
 
 MAX_POOLS = {F.max_pool1d: 1, F.max_pool2d: 2, F.max_pool3d: 3, torch.max_pool1d: 1,
              torch.max_pool2d: 2, torch.max_pool3d: 3}  # fmt: skip
@@ -389,7 +391,21 @@ def adaptive_pool(g: Guard, call: Call) -> Tensor | tuple[Tensor, Tensor]:
     return gather(y, g.comm, g.grid, size=tuple(outs))
 
 
-@rule(F.pad, params="input, pad, mode='constant', value=None", folds=True)
+def _token_pad(g: Guard, x: Tensor, pads: list[int], mode: str, value: float) -> Tensor | None:
+    """Block ``x`` padded by a constant before its token dimension only: on the first rank,
+    which holds the prefix, the pad itself; the others keep their tokens (a new tensor).
+    None for any other pad."""
+    d = token_dim(g, x)
+    at = 2 * (-d - 1) if d is not None else len(pads)  # F.pad's order: the last dimension first
+    if mode != "constant" or at >= len(pads) or pads[at] <= 0 or any(pads[:at] + pads[at + 1 :]):
+        return None
+    fold = g.folds(x)[0]
+    y = F.pad(x, pads, value=value) if g.grid.comm.rank == 0 else x.view_as(x)
+    tokens = ((prefix_of(fold) + pads[at], PREFIX), *box(fold))
+    return g.marked(y, g.places(x), folds=(tokens,))
+
+
+@rule(F.pad, params="input, pad, mode='constant', value=None", prefix=True)
 def pad(g: Guard, call: Call) -> Tensor:
     """The padded samples' blocks in tensor_split layout: with a constant (negative pads
     crop), each rank fetches its new block's rows (``gather_rows``, the constant outside the
@@ -397,13 +413,17 @@ def pad(g: Guard, call: Call) -> Tensor:
     contiguous rows per dimension. The pads are the whole samples' (a pad computed from
     ``x.shape`` is computed from the whole size: timm's "same" padding, a pad to a multiple
     of a patch size, MONAI's pad to a skip connection's size). Pads of other dimensions only
-    are local, on any block (EfficientViT pads its tokens' value vectors with a 1)."""
+    are local, on any block (EfficientViT pads its tokens' value vectors with a 1). A
+    constant pad before a token dimension only (CoaT's zero row in the class token's place)
+    is a prefix of that constant, as a class token (``shape._class_tokens``)."""
     x, pads = call["input"], list(call["pad"])
     mode, value = call["mode"], call["value"] or 0.0
     padded = {x.dim() - 1 - i for i in range(len(pads) // 2) if pads[2 * i] or pads[2 * i + 1]}
     if not padded & {x.dim() + d for d in g.places(x)}:
         return g.marked(call.run(), g.places(x))
     if g.folds(x):
+        if (y := _token_pad(g, x, pads, mode, value)) is not None:
+            return y
         raise g.refuse(call.name, "it pads a dimension that holds folded spatial ones")
     last = tuple(range(-len(g.places(x)), 0))
     if g.places(x) != last:  # channels last (Swin's pads): the same on (N, C, *spatial)
