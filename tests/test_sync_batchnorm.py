@@ -13,6 +13,7 @@ from parallelkit.nn import SyncBatchNorm, convert_sync_batchnorm
 
 from bn_cases import (
     CASES,
+    LAYOUT_CASES,
     all_empty,
     collective_counts,
     one_value_raises,
@@ -24,6 +25,15 @@ from cases import WORLD_SIZES, assert_results, assert_triples, mismatches
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("size", WORLD_SIZES)
 def test_parity_with_dense_batchnorm(ranks, size, name):
+    for results in ranks(size).run(parity, name):
+        assert_results(results)
+
+
+@pytest.mark.parametrize("name", list(LAYOUT_CASES))
+@pytest.mark.parametrize("size", [2, 3])
+def test_parity_with_a_gradient_laid_out_otherwise(ranks, size, name):
+    """The output's gradient in another layout than the input (SyncBatchNorm hands it the
+    input's layout before torch's kernel reads it as such)."""
     for results in ranks(size).run(parity, name):
         assert_results(results)
 

@@ -310,6 +310,12 @@ class _SyncBatchNorm(Function):
         # everywhere: CUDA asserts that the saved statistics are defined, XLA lowers only this,
         # and only given a weight of the statistics' dtype for 16-bit inputs.)
         invstd = torch.rsqrt(var + eps)
+        if grad.device.type == "cpu" and grad.stride() != x.stride():
+            # torch's CPU kernel reads the gradient as laid out like the input wherever both
+            # pass its contiguity checks, and a batch of one whose gradient is channels last
+            # in memory (a class token's cat backward leaves it so) passes the channels-last
+            # one: the sums come out wrong. Given the input's layout, it reads it right.
+            grad = torch.empty_like(x).copy_(grad)
         if x.numel() == 0:  # an empty rank still joins the all-reduce
             sum_dy_xhat, sum_dy = mean.new_zeros(c), mean.new_zeros(c)
         else:

@@ -530,6 +530,36 @@ ARCHS: dict[str, Arch] = {
         "torchvision", _tv_vit,
         what="torchvision's ViT: nn.MultiheadAttention over the class token and patch tokens",
     ),
+    "timm xcit_nano_12_p8": Arch(
+        "timm", _timm("xcit_nano_12_p8_224", img_size=64, depth=2),
+        what="XCiT: cross-covariance attention, BatchNorm in the patch embedding, then "
+        "class-attention layers with the class token joined late; depth cut from 12",
+    ),
+    "timm beit": Arch(
+        "timm", _timm("beit_base_patch16_224", img_size=64, patch_size=8, depth=2, embed_dim=32,
+                      num_heads=2),
+        what="BEiT: a relative-position bias over the class token and every patch token "
+        "(a whole (h, 1 + L, 1 + L) mask), layer scales; narrowed from the base model",
+    ),
+    "timm vit_tiny reg4": Arch(
+        "timm", _timm("vit_tiny_patch16_224", img_size=64, patch_size=8, depth=2, reg_tokens=4),
+        what="a ViT with four register tokens beside its class token: a prefix of five",
+    ),
+    "timm pit_ti": Arch(
+        "timm", _timm("pit_ti_224", img_size=64),
+        what="PiT: the tokens after the class token read back as a map and pooled by a "
+        "strided depthwise convolution, the class token by a Linear, joined again",
+    ),
+    "timm convit_tiny": Arch(
+        "timm", _timm("convit_tiny", img_size=64, patch_size=8, depth=2, local_up_to_layer=1),
+        what="ConViT: gated positional self-attention with whole (L, L, 3) relative "
+        "indices, then the class token joined for plain attention",
+    ),
+    "timm eva02_tiny": Arch(
+        "timm", _timm("eva02_tiny_patch14_224", img_size=64, patch_size=8, depth=2),
+        what="EVA-02: rotary position embeddings applied to the tokens after the class token, "
+        "SwiGLU",
+    ),
     "smp Segformer mit_b0": Arch(
         "smp", _smp("Segformer", encoder="mit_b0", decoder_segmentation_channels=32),
         what="hybrid: Mix Transformer encoder (overlapping patch embeddings, attention with a "
@@ -864,7 +894,7 @@ COLS = (
     "timm edgenext_xx_small", "timm efficientformerv2_s0", "smp Segformer mit_b0",
     "smp MAnet mobilenetv3", "timm tresnet", "timm vit_tiny gap",
     # class tokens: a prefix held by the first rank, whose tokens are columns' blocks here
-    "timm vit_tiny", "timm deit_tiny distilled",
+    "timm vit_tiny", "timm deit_tiny distilled", "timm eva02_tiny",
     # sub-pixel upsampling regroups W with its factor
     "monai BasicUNet pixelshuffle",
 )  # fmt: skip
@@ -1105,6 +1135,30 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('timm vit_tiny gap', 'data'): (
+        'exact',
+        '',
+    ),
+    ('timm xcit_nano_12_p8', 'data'): (
+        'exact',
+        '',
+    ),
+    ('timm beit', 'data'): (
+        'exact',
+        '',
+    ),
+    ('timm vit_tiny reg4', 'data'): (
+        'exact',
+        '',
+    ),
+    ('timm pit_ti', 'data'): (
+        'exact',
+        '',
+    ),
+    ('timm convit_tiny', 'data'): (
+        'exact',
+        '',
+    ),
+    ('timm eva02_tiny', 'data'): (
         'exact',
         '',
     ),
@@ -1432,6 +1486,30 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
+    ('timm xcit_nano_12_p8', 'rows'): (
+        'exact',
+        '',
+    ),
+    ('timm beit', 'rows'): (
+        'exact',
+        '',
+    ),
+    ('timm vit_tiny reg4', 'rows'): (
+        'exact',
+        '',
+    ),
+    ('timm pit_ti', 'rows'): (
+        'exact',
+        '',
+    ),
+    ('timm convit_tiny', 'rows'): (
+        'exact',
+        '',
+    ),
+    ('timm eva02_tiny', 'rows'): (
+        'exact',
+        '',
+    ),
     ('timm vit_tiny', 'rows'): (
         'exact',
         '',
@@ -1640,6 +1718,10 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
+    ('timm eva02_tiny', 'cols'): (
+        'exact',
+        '',
+    ),
     ('timm vit_tiny', 'cols'): (
         'exact',
         '',
@@ -1845,6 +1927,30 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('timm vit_tiny gap', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('timm xcit_nano_12_p8', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('timm beit', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('timm vit_tiny reg4', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('timm pit_ti', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('timm convit_tiny', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('timm eva02_tiny', 'channel'): (
         'exact',
         '',
     ),
