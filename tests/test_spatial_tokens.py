@@ -34,7 +34,7 @@ KINDS = [
     "sdpa",  # the head all-to-all where the heads divide among the ranks, else the ring
     "sdpa bias",  # a whole relative-position bias (h, L, L) as a float mask: the ring
     "sdpa causal",  # the ring, with query blocks whose keys in a block are all masked
-    "explicit",  # q @ k^T * scale + bias, softmax, @ v
+    "explicit",  # q @ k^T * scale + bias, softmax, @ v; v^T @ attn^T (channels first)
     "map softmax",  # one softmax over the whole flattened (h, L, L) map: all-reduced
     "talking heads",  # 1x1 convolutions over the heads of the (h, L, L) map: local
     "tensor unfold",  # Tensor.unfold along H and W: windows with a halo from the neighbours

@@ -174,9 +174,10 @@ class TokenNet(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, self.bias)
         elif self.kind == "sdpa causal":
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        elif self.kind == "explicit":  # timm's Attention without fused attention
-            attn = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5 + self.bias
-            y = attn.softmax(-1) @ v
+        elif self.kind == "explicit":  # timm's Attention without fused attention; SHViT's
+            attn = ((q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5 + self.bias).softmax(-1)
+            channels_first = v.transpose(-2, -1) @ attn.transpose(-2, -1)  # v @ attn^T
+            y = attn @ v + 0.5 * channels_first.transpose(-2, -1)
         elif self.kind == "einsum":  # MONAI's SABlock
             attn = torch.einsum("bhxd,bhyd->bhxy", q, k).mul(q.shape[-1] ** -0.5).softmax(-1)
             y = torch.einsum("bhxy,bhyd->bhxd", attn, v)

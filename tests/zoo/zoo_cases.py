@@ -560,6 +560,18 @@ ARCHS: dict[str, Arch] = {
         what="EVA-02: rotary position embeddings applied to the tokens after the class token, "
         "SwiGLU",
     ),
+    "timm shvit_s1": Arch(
+        "timm", _timm("shvit_s1"), steps=1,
+        what="SHViT: single-head attention on part of the channels, written channels first "
+        "(v @ attn^T); one step (its BatchNorms over few values make the dense model's own "
+        "second step chaotic: 3e1 under a 1e-13 weight change, tests/zoo/sensitivity.py)",
+    ),
+    "timm levit_128s": Arch(
+        "timm", _timm("levit_128s", img_size=128), (3, 128, 128),
+        what="LeViT: attention with a learned bias per offset, queries from every second "
+        "token (x[:, ::2, ::2]), BatchNorm1d over (N * L, C); at 128 x 128, whose last stage "
+        "is 2 x 2 tokens (at 64 x 64 one row of them would be split over two ranks)",
+    ),
     "smp Segformer mit_b0": Arch(
         "smp", _smp("Segformer", encoder="mit_b0", decoder_segmentation_channels=32),
         what="hybrid: Mix Transformer encoder (overlapping patch embeddings, attention with a "
@@ -1138,6 +1150,14 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
+    ('timm shvit_s1', 'data'): (
+        'exact',
+        '',
+    ),
+    ('timm levit_128s', 'data'): (
+        'exact',
+        '',
+    ),
     ('timm xcit_nano_12_p8', 'data'): (
         'exact',
         '',
@@ -1483,6 +1503,14 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('timm vit_tiny gap', 'rows'): (
+        'exact',
+        '',
+    ),
+    ('timm shvit_s1', 'rows'): (
+        'exact',
+        '',
+    ),
+    ('timm levit_128s', 'rows'): (
         'exact',
         '',
     ),
@@ -1927,6 +1955,14 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('timm vit_tiny gap', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('timm shvit_s1', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('timm levit_128s', 'channel'): (
         'exact',
         '',
     ),

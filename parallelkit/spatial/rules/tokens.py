@@ -174,13 +174,16 @@ def _by_heads(g: Guard, q: Tensor, k: Tensor, v: Tensor, scale: float | None) ->
 # --------------------------------------------------------------------------- products
 def matmul(g: Guard, x: Any, w: Any) -> Tensor | None:
     """``x @ w`` where a block's tokens are a row or column dimension (see the module
-    docstring): the scores ``q @ k^T`` and ``attn @ v`` gather the second operand's tokens;
+    docstring): the scores ``q @ k^T``, ``attn @ v`` and ``v @ attn^T`` (channels first, as
+    SHViT writes it) gather the other operand's tokens;
     contractions over tokens are local products all-reduced."""
     tx, tw = token_dim(g, x), token_dim(g, w)
     if not isinstance(x, Tensor) or not isinstance(w, Tensor) or min(x.dim(), w.dim()) < 2:
         return None
     if tx == -2 and tw in (-1, -2):  # q @ k^T; attn @ v
         return _like(g, x @ whole_tokens(g, w), x)
+    if tx == -1 and tw == -1 and w.shape[-2] == count(g, x):  # v @ attn^T (SHViT): its
+        return _like(g, whole_tokens(g, x) @ w, w)  # rows are every key, in the whole order
     if tx == -2 and not g.is_split(w):  # q @ (k^T v), whole matrices by batch: rows local
         return _like(g, x @ g.summed(w), x)
     if tx == -1 and tw == -2 and _same_tokens(g, x, w):  # k^T @ v: a sum over tokens
