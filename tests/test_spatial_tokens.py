@@ -48,7 +48,7 @@ KINDS = [
     "flatten linear",  # a classifier head over flattened (C * H * W) features
     "mha",  # nn.MultiheadAttention with its weights and a boolean mask: written out
     "mha sdpa",  # the same without weights: scaled_dot_product_attention
-    "token pool",  # mean, sum, amax, logsumexp, var, std over x.flatten(2): all-reduced
+    "token pool",  # mean, sum, amax, logsumexp, var, std, max with indices over x.flatten(2)
     "gc context",  # GCNet: a softmax over the tokens (all-reduced logsumexp), a sum over them
     "xca",  # XCiT: F.normalize over the tokens, q^T k, softmax, attn @ v
     "token batchnorm",  # LeViT: BatchNorm1d over (N * L, C), the batch folded with the tokens

@@ -64,7 +64,7 @@ class TokenNet(nn.Module):
         masked = ~(allowed | torch.eye(tokens_n, dtype=torch.bool))
         self.register_buffer("mask", masked.double())  # DataParallel broadcasts no bool
         self.head = conv(c, 2, 3, padding=1)
-        self.pool_fc = nn.Linear(9 * c + 2, 5)
+        self.pool_fc = nn.Linear(12 * c + 2, 5)
         self.gc_mask, self.gc_t = conv(c, 1, 1), nn.Linear(c, c)
         self.temperature = nn.Parameter(1 + 0.1 * torch.randn(heads, 1, 1))
         self.talk1, self.talk2 = nn.Conv2d(heads, heads, 1), nn.Conv2d(heads, heads, 1)
@@ -93,6 +93,9 @@ class TokenNet(nn.Module):
                      f.var(-1), t.std(1, correction=0), f.norm(dim=-1), f.mean((1, 2))[:, None],
                      f.mean(1).logsumexp(-1, keepdim=True),
                      F.normalize(x, dim=(2, 3)).square().mul(x).sum((2, 3))]  # fmt: skip
+            # VOLO's token-labelling head: the maximum over the tokens with its index
+            top, where = t.max(1)
+            feats += [top, f.min(-1).values, 1e-3 * where.to(f.dtype)]
             return self.pool_fc(torch.cat(feats, 1))
         if self.kind == "gc context":  # GCNet: a softmax over the tokens, a weighted sum
             logits = self.gc_mask(x).flatten(2)  # (N, 1, L)

@@ -263,6 +263,15 @@ def _timm_poolformerv2() -> nn.Module:
     )  # fmt: skip
 
 
+def _timm_volo() -> nn.Module:
+    from timm.models.volo import VOLO
+
+    return no_randomness(VOLO(
+        layers=(1, 1, 1, 1), img_size=64, embed_dims=(32, 64, 64, 64), num_heads=(2, 4, 4, 4),
+        stem_hidden_dim=16, num_classes=5,
+    ))  # fmt: skip
+
+
 def _timm_tresnet() -> nn.Module:
     """timm's TResNet (tresnet_m's code) with one block per stage at half width: a
     space-to-depth stem (view/permute of 4 x 4 patches into channels), anti-aliased
@@ -571,6 +580,12 @@ ARCHS: dict[str, Arch] = {
         what="LeViT: attention with a learned bias per offset, queries from every second "
         "token (x[:, ::2, ::2]), BatchNorm1d over (N * L, C); at 128 x 128, whose last stage "
         "is 2 x 2 tokens (at 64 x 64 one row of them would be split over two ranks)",
+    ),
+    "timm volo_d1": Arch(
+        "timm", _timm_volo,
+        what="VOLO: outlook attention (F.unfold, attention per window, F.fold), attention, "
+        "class attention, and the token-labelling head's maximum over the tokens after the "
+        "class token; depths cut from (4, 4, 8, 2), widths narrowed",
     ),
     "smp Segformer mit_b0": Arch(
         "smp", _smp("Segformer", encoder="mit_b0", decoder_segmentation_channels=32),
@@ -906,7 +921,7 @@ COLS = (
     "timm edgenext_xx_small", "timm efficientformerv2_s0", "smp Segformer mit_b0",
     "smp MAnet mobilenetv3", "timm tresnet", "timm vit_tiny gap",
     # class tokens: a prefix held by the first rank, whose tokens are columns' blocks here
-    "timm vit_tiny", "timm deit_tiny distilled", "timm eva02_tiny",
+    "timm vit_tiny", "timm deit_tiny distilled", "timm eva02_tiny", "timm volo_d1",
     # sub-pixel upsampling regroups W with its factor
     "monai BasicUNet pixelshuffle",
 )  # fmt: skip
@@ -1147,6 +1162,10 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('timm vit_tiny gap', 'data'): (
+        'exact',
+        '',
+    ),
+    ('timm volo_d1', 'data'): (
         'exact',
         '',
     ),
@@ -1506,6 +1525,10 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
+    ('timm volo_d1', 'rows'): (
+        'exact',
+        '',
+    ),
     ('timm shvit_s1', 'rows'): (
         'exact',
         '',
@@ -1746,6 +1769,10 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
+    ('timm volo_d1', 'cols'): (
+        'exact',
+        '',
+    ),
     ('timm eva02_tiny', 'cols'): (
         'exact',
         '',
@@ -1955,6 +1982,10 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('timm vit_tiny gap', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('timm volo_d1', 'channel'): (
         'exact',
         '',
     ),

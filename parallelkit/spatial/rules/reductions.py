@@ -31,7 +31,8 @@ from torch import Tensor
 
 from parallelkit.spatial import layout
 from parallelkit.spatial.rules.pointwise import pointwise
-from parallelkit.spatial.rules.registry import Call, Guard, ops, rule, whole_shape
+from parallelkit.spatial.rules.registry import Call, Guard, fold_index, ops, rule, whole_shape
+from parallelkit.spatial.rules.tokens import own_tokens
 
 
 def _dims(x: Tensor, dim: Any) -> list[int]:
@@ -167,10 +168,15 @@ def amax(g: Guard, call: Call) -> Tensor:
     return _whole(x, dims, extreme(g, x, dims, largest=call.name.endswith("amax")), keepdim)
 
 
-@rule(*ops("max min", torch, Tensor), params="input, dim=None, keepdim=False, *, out=None")
+@rule(*ops("max min", torch, Tensor), params="input, dim=None, keepdim=False, *, out=None",
+      prefix=True)  # fmt: skip
 def max_min(g: Guard, call: Call) -> Any:
     """``max(x)`` of everything: as ``amax``. ``max(x, dim)`` with its indices: local over
-    other dimensions, refused over a spatial one. ``max(x, other)``: pointwise."""
+    other dimensions; over a dimension that holds every spatial one (a token dimension,
+    VOLO's token-labelling head ``x.max(1)``; a signal's length), torch's winner of the whole
+    dimension (its first maximum, or first NaN) named by two all-reduces and made whole by a
+    third, its index the whole dimension's, the gradient routed to it alone as torch routes
+    it; over some of them, refused. ``max(x, other)``: pointwise."""
     x, dim, keepdim = call["input"], call["dim"], call["keepdim"]
     if isinstance(dim, Tensor):
         return pointwise(g, call)
@@ -178,10 +184,49 @@ def max_min(g: Guard, call: Call) -> Any:
         dims = _dims(x, None)
         return _whole(x, dims, extreme(g, x, dims, largest=call.name.endswith("max")), False)
     dims = _dims(x, dim)
+    if dims == _spatial(g, x) and _every_spatial_fold(g, x):
+        return _winner(g, x, dims[0], keepdim, largest=call.name.endswith("max"))
     if set(dims) & set(_spatial(g, x)):
-        raise g.refuse(call.name, "it reduces over a spatial dimension with indices (amax "
-                       "has a rule)")  # fmt: skip
+        raise g.refuse(call.name, "it reduces over some of the spatial dimensions with indices "
+                       "(amax has a rule)")  # fmt: skip
     return _local(g, call, x, dims, keepdim)
+
+
+def _winner(g: Guard, x: Tensor, d: int, keepdim: bool, largest: bool) -> Any:
+    """``x.max(d)`` (``x.min(d)``) over dimension ``d``, which holds every spatial one: each
+    rank's first extreme (first NaN) and its whole index there; one all-reduce of the
+    extreme and of whether any is NaN, one of the lowest whole index that reaches it (torch
+    keeps the first), one that makes the winner's value whole (a sum of the winner's value
+    and zeros), whose backward routes the gradient to the winner alone."""
+    folds = g.folds(x)
+    whole = fold_index(g, x, folds[0]) if folds else own_tokens(g, x)
+    if x.shape[d]:
+        value, at = x.max(d, keepdim=True) if largest else x.min(d, keepdim=True)
+        index = whole[at]
+    else:  # an empty block reaches no extreme (its value still in the graph: every rank's
+        # backward meets the collective below)
+        shape = [1 if i == d else n for i, n in enumerate(x.shape)]
+        if x.is_floating_point():
+            value = x.narrow(d, 0, 0).sum(d, keepdim=True) + (-math.inf if largest else math.inf)
+        else:
+            limits = torch.iinfo(x.dtype)
+            value = x.new_full(shape, limits.min if largest else limits.max)
+        index = torch.full(shape, -1, dtype=torch.long, device=x.device)
+    nan = value.isnan()
+    bound = math.inf if largest else -math.inf  # what a NaN counts as in the extreme
+    with torch.no_grad():
+        ends = torch.stack([torch.where(nan, bound, value).detach(), nan.to(value.dtype)])
+        ends = g.comm.all_reduce(ends if largest else ends * ends.new_tensor([-1, 1]).view(
+            -1, *(1,) * value.dim()), "max")  # fmt: skip
+        extreme = ends[0] if largest else -ends[0]
+        reached = torch.where(ends[1] > 0, nan, value == extreme) & (index >= 0)
+        first = g.comm.all_reduce(torch.where(reached, index, torch.iinfo(torch.long).max), "min")
+    mine = index == first
+    values = layout.summed(torch.where(mine, value, 0), g.comm)
+    if not keepdim:
+        values, first = values.squeeze(d), first.squeeze(d)
+    return torch.return_types.max((values, first)) if largest else torch.return_types.min(
+        (values, first))  # fmt: skip
 
 
 @rule(*ops("argmax argmin prod all any", torch, Tensor),
