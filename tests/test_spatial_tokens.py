@@ -22,6 +22,7 @@ from tokens_cases import (
     pool_indices_parity,
     relayout_adjoint,
     token_parity,
+    winners_parity,
 )
 from torch import nn
 
@@ -169,6 +170,14 @@ def test_negative_control_own_tokens_only_do_not_match(ranks, kind):
     results = ranks(4).run(token_parity, kind, dict(rows=2, cols=2), IMAGE, 2, True, timeout=120)
     bad = mismatches([(label, got, want, {}) for label, got, want in results[0]])
     assert "output" in bad
+
+
+@pytest.mark.parametrize(("size", "grid"), [(2, dict(rows=2)), (4, dict(rows=2, cols=2))])
+def test_extremes_over_tokens_with_ties_and_a_nan_are_torchs(ranks, size, grid):
+    """``max(1)`` and ``min(1)`` over the tokens, ties across blocks and a NaN: torch's first
+    winner, its whole index, and the gradient to it alone."""
+    for triples in ranks(size).run(winners_parity, grid, timeout=120):
+        assert_triples(triples)
 
 
 @pytest.mark.parametrize(("fault", "kind"), [("no shift", "sdpa"), ("no rescale", "sdpa bias")])

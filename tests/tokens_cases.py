@@ -16,6 +16,7 @@ only): the negative control.
 from __future__ import annotations
 
 import copy
+import math
 from contextlib import ExitStack
 from unittest import mock
 
@@ -525,3 +526,34 @@ def _pool_case(comm: Communicator, shape: tuple, grid: dict, args: tuple, kind: 
     out.append(("unpooled", u_blk.detach(), u.detach()[cut], exact))
     out.append(("unpooled input grad", v_blk.grad, v.grad[out_cut], exact))
     return out
+
+
+class _Winners(nn.Module):
+    """``max`` and ``min`` over the flattened tokens, values and indices, as VOLO's head."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.flatten(2).transpose(1, 2)  # (N, L, C)
+        top, low = t.max(1), t.min(1)
+        return torch.cat([top.values, low.values, top.indices.to(x.dtype),
+                          low.indices.to(x.dtype)], 1)  # fmt: skip
+
+
+def winners_parity(comm: Communicator, grid: dict) -> list[Triple]:
+    """``max(1)`` and ``min(1)`` over tokens on blocks, where the extremes tie across blocks
+    (channel 0 constant, channel 1's maximum and minimum twice, far apart) and a NaN sits in
+    the last rank's block (channel 2 of sample 0): torch's first winner and its index, the
+    gradient to it alone, against the dense module."""
+    x = torch.randn(2, 3, 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    x[:, 0] = 0.5
+    x[:, 1, 0, 1] = x[:, 1, 4, 2] = 9.0
+    x[:, 1, 0, 2] = x[:, 1, 4, 3] = -9.0
+    x[0, 2, 4, 0] = math.nan
+    g = pk.Grid(comm, **grid)
+    model = pk.parallelize(_Winners(), g, g)
+    x_dense, x_mine = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y, y_mine = _Winners()(x_dense), model(x_mine)
+    weights = torch.arange(1.0, 1 + y.shape[1], dtype=torch.float64)
+    (torch.nan_to_num(y) * weights).sum().backward()
+    (torch.nan_to_num(y_mine) * weights).sum().backward()
+    return [("winners", torch.nan_to_num(y_mine, nan=-1.0), torch.nan_to_num(y, nan=-1.0)),
+            ("input grad", x_mine.grad, x_dense.grad)]  # fmt: skip
