@@ -901,6 +901,24 @@ def test_the_walk_records_multihead_attention_linear_attention_and_token_mixing(
     assert not net.layers[-1].spatial  # the head on (N, F) ends the region
 
 
+def test_the_walk_reads_tokens_after_class_tokens_as_the_maps():
+    class ClassToken(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 8, 2, stride=2)
+            self.cls = nn.Parameter(torch.zeros(1, 2, 8))  # a class and a distillation token
+            self.qkv = nn.Linear(8, 24)
+
+        def forward(self, x):
+            t = self.conv(x).flatten(2).transpose(1, 2)  # (N, 16, 8)
+            t = torch.cat((self.cls.expand(len(t), -1, -1), t), 1)  # (N, 18, 8)
+            q, k, v = self.qkv(t).view(len(t), -1, 3, 2, 4).permute(2, 0, 3, 1, 4)
+            return F.scaled_dot_product_attention(q, k, v)[:, :, 0].flatten(1)
+
+    (rec,) = walk(ClassToken(), (3, 8, 8)).mixing
+    assert (rec.kind, rec.tokens, rec.heads) == ("attention", (4, 4), 2)
+
+
 def test_no_attention_no_token_cost():
     """The negative control: the same convolutions without the attention block."""
     net = walk(hybrid(attention=False), (3, 32, 32))

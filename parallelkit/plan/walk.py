@@ -18,7 +18,8 @@ too) over tokens. A *token dimension* is one whose size is a flattened feature m
 region (H x W, D x H x W, a signal's L) in a tensor that is not that map itself. The walk sees
 shapes only, not the spatial guard's layouts: a token count that happens to equal another
 dimension's size is read as tokens; a square (L x L) product is read with its rows as the
-queries; ``einsum``, window attention (tokens in the batch) and keys of a count no map of the
+queries; a count up to ``CLASS_TOKENS`` more than a map's is that map's tokens after class
+tokens; ``einsum``, window attention (tokens in the batch) and keys of a count no map of the
 region has (a text context: whole, no collective) are not recorded. Their compute is not a
 leaf's: a profile has it in the rest of a pass (``Profile.other_s``; counted, it is left out).
 
@@ -289,6 +290,10 @@ MAP_KINDS = ("conv", "convT", "norm", "sample_norm", "pool")  # (C, *spatial) in
 MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm)
 
 
+CLASS_TOKENS = 8
+"""The most whole tokens before a map's tokens that the walk reads as class tokens."""
+
+
 def _arg(args: tuple, kwargs: Mapping[str, Any], i: int, name: str, default: Any = None) -> Any:
     return args[i] if len(args) > i else kwargs.get(name, default)
 
@@ -328,10 +333,13 @@ class _Mixings(TorchFunctionMode):
         return next((self.maps[n] for n in shape if n in self.maps), ())
 
     def tokens_at(self, t: Any, dim: int) -> Shape | None:
-        """The map whose tokens tensor ``t`` holds in dimension ``dim``, if it does."""
+        """The map whose tokens tensor ``t`` holds in dimension ``dim``, if it does, maybe
+        after a few class tokens (a class token, a distillation token, register tokens)."""
         if not isinstance(t, torch.Tensor) or t.dim() < 2 or self._is_map(t.shape):
             return None
-        return self.maps.get(t.shape[dim])
+        n = t.shape[dim]
+        return next((self.maps[n - p] for p in range(CLASS_TOKENS + 1) if n - p in self.maps),
+                    None)  # fmt: skip
 
     def add(self, kind: str, tokens: Shape, *tensors: torch.Tensor, **more: Any) -> None:
         numel = tuple(t.numel() for t in tensors)  # batch 1: one sample
