@@ -71,6 +71,7 @@ class TokenNet(nn.Module):
         self.talk1, self.talk2 = nn.Conv2d(heads, heads, 1), nn.Conv2d(heads, heads, 1)
         self.patch_norm, self.patch_qkv = nn.GroupNorm(1, c), nn.Conv2d(c, 1 + 2 * c, 1)
         self.window_w, self.cols_proj = nn.Parameter(torch.randn(3, 4)), nn.Linear(9 * c, c)
+        self.rel_h = nn.Parameter(torch.randn(size[0] if size else 1, 3, c))  # (H, K, C)
         windows = UNPOOL_WINDOWS.get(kind, (2, 2, 0))  # kernel, stride, padding
         self.pool_i = getattr(nn, f"MaxPool{dims}d")(*windows, return_indices=True)
         self.unpool = getattr(nn, f"MaxUnpool{dims}d")(*windows)
@@ -182,9 +183,11 @@ class TokenNet(nn.Module):
             attn = ((q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5 + self.bias).softmax(-1)
             channels_first = v.transpose(-2, -1) @ attn.transpose(-2, -1)  # v @ attn^T
             y = attn @ v + 0.5 * channels_first.transpose(-2, -1)
-        elif self.kind == "einsum":  # MONAI's SABlock
+        elif self.kind == "einsum":  # MONAI's SABlock; MViTv2's relative positions by row
             attn = torch.einsum("bhxd,bhyd->bhxy", q, k).mul(q.shape[-1] ** -0.5).softmax(-1)
             y = torch.einsum("bhxy,bhyd->bhxd", attn, v)
+            rel = torch.einsum("nchw,hkc->nhwk", x, self.rel_h)  # a whole (H, K, C) table
+            x = x + rel.mean(-1).unsqueeze(1)
         elif self.kind == "talking heads":  # EfficientFormerV2: 1x1 convs over the heads
             attn = self.talk2(self.talk1(q @ k.transpose(-2, -1)).softmax(-1))
             y = attn @ v

@@ -272,6 +272,16 @@ def _timm_volo() -> nn.Module:
     ))  # fmt: skip
 
 
+def _timm_mvitv2_cls() -> nn.Module:
+    import dataclasses
+
+    from timm.models.mvitv2 import MultiScaleVit, model_cfgs
+
+    cfg = dataclasses.replace(model_cfgs["mvitv2_tiny"], use_cls_token=True, depths=(1, 1, 1, 1),
+                              embed_dim=(16, 32, 64, 128))  # fmt: skip
+    return no_randomness(MultiScaleVit(cfg, img_size=64, num_classes=5))
+
+
 def _timm_tresnet() -> nn.Module:
     """timm's TResNet (tresnet_m's code) with one block per stage at half width: a
     space-to-depth stem (view/permute of 4 x 4 patches into channels), anti-aliased
@@ -586,6 +596,18 @@ ARCHS: dict[str, Arch] = {
         what="VOLO: outlook attention (F.unfold, attention per window, F.fold), attention, "
         "class attention, and the token-labelling head's maximum over the tokens after the "
         "class token; depths cut from (4, 4, 8, 2), widths narrowed",
+    ),
+    "timm mvitv2_tiny": Arch(
+        "timm", _timm("mvitv2_tiny", img_size=64),
+        what="MViTv2: pooling attention (queries, keys and values pooled by strided "
+        "convolutions on the tokens read as maps), relative positions by row and column "
+        "(einsum with whole (H, K, C) tables), written into the attention map by setitem",
+    ),
+    "timm mvitv2 cls": Arch(
+        "timm", _timm_mvitv2_cls,
+        what="MViTv2 with its class token: split off before each pooling and joined after, "
+        "the relative positions added to the map's tokens after it; depths (1, 1, 1, 1), "
+        "widths narrowed",
     ),
     "smp Segformer mit_b0": Arch(
         "smp", _smp("Segformer", encoder="mit_b0", decoder_segmentation_channels=32),
@@ -922,6 +944,7 @@ COLS = (
     "smp MAnet mobilenetv3", "timm tresnet", "timm vit_tiny gap",
     # class tokens: a prefix held by the first rank, whose tokens are columns' blocks here
     "timm vit_tiny", "timm deit_tiny distilled", "timm eva02_tiny", "timm volo_d1",
+    "timm mvitv2_tiny", "timm mvitv2 cls",
     # sub-pixel upsampling regroups W with its factor
     "monai BasicUNet pixelshuffle",
 )  # fmt: skip
@@ -1162,6 +1185,14 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('timm vit_tiny gap', 'data'): (
+        'exact',
+        '',
+    ),
+    ('timm mvitv2_tiny', 'data'): (
+        'exact',
+        '',
+    ),
+    ('timm mvitv2 cls', 'data'): (
         'exact',
         '',
     ),
@@ -1525,6 +1556,14 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
+    ('timm mvitv2_tiny', 'rows'): (
+        'exact',
+        '',
+    ),
+    ('timm mvitv2 cls', 'rows'): (
+        'exact',
+        '',
+    ),
     ('timm volo_d1', 'rows'): (
         'exact',
         '',
@@ -1769,6 +1808,14 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
+    ('timm mvitv2_tiny', 'cols'): (
+        'exact',
+        '',
+    ),
+    ('timm mvitv2 cls', 'cols'): (
+        'exact',
+        '',
+    ),
     ('timm volo_d1', 'cols'): (
         'exact',
         '',
@@ -1982,6 +2029,14 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('timm vit_tiny gap', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('timm mvitv2_tiny', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('timm mvitv2 cls', 'channel'): (
         'exact',
         '',
     ),

@@ -10,6 +10,8 @@ gradients are summed.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -196,8 +198,10 @@ def attention(g: Guard, call: Call) -> Tensor:
 @rule(torch.einsum, params="equation, *operands", folds=True)
 def einsum(g: Guard, call: Call) -> Tensor:
     """Local where every spatial dimension's letter is in the output and only in blocks of
-    one layout, at their own spatial dimension (``"nchw,dc->ndhw"``: a map over channels);
-    whole operands' gradients summed. Blocks that hold their tokens in one letter
+    one layout, at their own spatial dimension (``"nchw,dc->ndhw"``: a map over channels),
+    or in whole operands of the whole size there, cut to the block's rows (MViTv2's
+    relative positions, ``"byhwc,hkc->byhwk"``); whole operands' gradients summed. Blocks
+    that hold their tokens in one letter
     (``"bhid,bhjd->bhij"``, ``"bhij,bhjd->bhid"``, ``"bhdn,bhen->bhde"``): ``tokens``."""
     equation, operands = call["equation"], call["operands"]
     if len(operands) == 1 and isinstance(operands[0], list | tuple):
@@ -210,17 +214,40 @@ def einsum(g: Guard, call: Call) -> Tensor:
     if any(g.folds(b) != g.folds(first) for b in call.blocks):
         raise g.refuse(call.name, "its blocks are folded differently")
     letters = [subscripts[operands.index(first)][d] for d in g.places(first)]
-    why = None
-    for sub, t in zip(subscripts, operands, strict=True):
+    why, cuts = None, {}
+    for i, (sub, t) in enumerate(zip(subscripts, operands, strict=True)):
         mine = [sub[d] for d in g.places(t)] if g.is_split(t) else []
-        if (g.is_split(t) and mine != letters) or (not g.is_split(t) and set(sub) & set(letters)):
+        if g.is_split(t) and mine != letters:
             why = "mixes a spatial dimension with another"
+        elif not g.is_split(t) and set(sub) & set(letters):
+            cuts[i] = _rows_of(g, first, letters, sub, t)
+            why = "mixes a spatial dimension with another" if cuts[i] is None else why
     if why is None and any(c not in output for c in letters):
         why = "sums over a spatial dimension"
     if why is not None:
         if (y := tokens.einsum(g, subscripts, output, tuple(operands))) is not None:
             return y
         raise g.refuse(call.name, f"{equation!r} {why}")
-    summed = [t if g.is_split(t) else g.summed(t) for t in operands]
+    summed = [cuts[i] if i in cuts else t if g.is_split(t) else g.summed(t)
+              for i, t in enumerate(operands)]  # fmt: skip
     dims = tuple(output.index(c) - len(output) for c in letters)
     return g.marked(torch.einsum(equation, *summed), dims)
+
+
+def _rows_of(g: Guard, block: Tensor, letters: list[str], sub: str, t: Tensor) -> Tensor | None:
+    """Whole einsum operand ``t`` (subscripts ``sub``) cut to ``block``'s rows along each
+    spatial letter it has, where it is of the whole size there (its gradient summed, each
+    rank's share); None where it is not, or ``block`` is folded (its letters then name one
+    dimension)."""
+    if g.folds(block) or len(set(letters)) != len(letters) or len(set(sub)) != len(sub):
+        return None
+    size = whole_size(g, block)
+    rows = g.grid.block(*size)
+    index: list[Any] = [slice(None)] * t.dim()
+    for at, c in enumerate(sub):
+        if c in letters:
+            k = letters.index(c)
+            if t.shape[at] != size[k]:
+                return None
+            index[at] = rows[k]
+    return g.summed(t)[tuple(index)]

@@ -478,14 +478,10 @@ def _class_tokens(g: Guard, call: Call, tensors: list[Any], dim: int) -> Tensor 
     return g.marked(y, g.places(x), folds=(tokens,))
 
 
-def _prefix_index(g: Guard, x: Tensor, index: Any) -> Tensor | None:
-    """``x[:, 0]`` or ``x[:, :1]`` (the class token: whole on every rank, from the first
-    rank, which holds it) and ``x[:, 1:]`` (the tokens after it: a block) on block ``x``
-    whose token dimension has a prefix, with any basic index of the other dimensions; None
-    where the index leaves the token dimension whole, or takes tokens past the prefix (the
-    general rule then takes it, or refuses)."""
-    fold = g.folds(x)[0]
-    t = x.dim() + g.places(x)[0]
+def _token_entry(x: Tensor, t: int, index: Any, n: int) -> tuple[list, int, range] | None:
+    """The entries of basic ``index`` into ``x``, which of them indexes dimension ``t`` (of
+    ``n`` whole tokens) and the tokens it keeps (a step of 1); None where none does, or it
+    keeps all or none of them, or steps, or the index holds a tensor."""
     entries = list(index) if isinstance(index, tuple) else [index]
     if any(isinstance(e, Tensor) for e in entries):
         return None
@@ -500,10 +496,25 @@ def _prefix_index(g: Guard, x: Tensor, index: Any) -> Tensor | None:
             pos += 1
     if at is None:
         return None
-    e, p, n = entries[at], prefix_of(fold), fold_count(fold)
+    e = entries[at]
     kept = range(n)[e] if isinstance(e, slice) else range(n)[e : e + 1 or None]
     if kept == range(n) or kept.step != 1 or not kept:
         return None
+    return entries, at, kept
+
+
+def _prefix_index(g: Guard, x: Tensor, index: Any) -> Tensor | None:
+    """``x[:, 0]`` or ``x[:, :1]`` (the class token: whole on every rank, from the first
+    rank, which holds it) and ``x[:, 1:]`` (the tokens after it: a block) on block ``x``
+    whose token dimension has a prefix, with any basic index of the other dimensions; None
+    where the index leaves the token dimension whole, or takes tokens past the prefix (the
+    general rule then takes it, or refuses)."""
+    fold, t = g.folds(x)[0], x.dim() + g.places(x)[0]
+    found = _token_entry(x, t, index, fold_count(fold))
+    if found is None:
+        return None
+    entries, at, kept = found
+    e, p, n = entries[at], prefix_of(fold), fold_count(fold)
     first = g.grid.comm.rank == 0
     if kept.stop <= p:  # class tokens: whole, from the first rank
         if first:
@@ -639,19 +650,46 @@ def getitem(g: Guard, call: Call) -> Any:
         return F.pad(y, pads)
 
 
-@rule(Tensor.__setitem__, params="input, index, value")
+@rule(Tensor.__setitem__, params="input, index, value", prefix=True)
 def setitem(g: Guard, call: Call) -> None:
     """Assignment to a part that takes the spatial dimensions whole (ReXNet's
-    ``out[:, :c] += shortcut``): local, a whole value cut to the block as in pointwise."""
+    ``out[:, :c] += shortcut``; MViTv2's ``attn[:, :, 0:, 0:] = ...`` on its attention map,
+    whose query rows are a token dimension): local, a whole value cut to the block as in
+    pointwise, a block of the part's layout written as it is."""
     x, index, value = call["input"], call["index"], call["value"]
     if not g.is_split(x):
         raise g.refuse(call.name, "it writes a block into a whole tensor")
-    _, index, crops, _ = _indexed(g, x, index, whole_size(g, x))
+    if prefixed(g.folds(x)):
+        fold, t = g.folds(x)[0], x.dim() + g.places(x)[0]
+        found = _token_entry(x, t, index, fold_count(fold))
+        if found is not None:
+            _write_after_prefix(g, x, found, value)
+            return
+    dims, index, crops, _ = _indexed(g, x, index, whole_size(g, x))
     if crops:
         raise g.refuse("indexing", "it writes to part of a spatial dimension")
+    if g.is_split(value) and g.form(value) != (dims, g.folds(x)):
+        raise g.refuse(call.name, "it writes a block of another layout")
     if isinstance(value, Tensor) and not g.is_split(value):
         value = cut_whole(g, value, x, call.name)
     x[index] = value
+
+
+def _write_after_prefix(g: Guard, x: Tensor, found: tuple[list, int, range], value: Any) -> None:
+    """``x[:, :, 1:, 1:] = value`` (MViTv2 adds its relative positions to the attention map's
+    tokens after the class token): the tokens after the prefix, a block of their layout,
+    written into this rank's tokens after it (the first rank's) or into all of them."""
+    entries, at, kept = found
+    fold = g.folds(x)[0]
+    p = prefix_of(fold)
+    rest = box(fold)
+    form = (g.places(x), () if len(rest) == 1 and rest[0][1] == 0 else (rest,))
+    if (kept.start, kept.stop) != (p, fold_count(fold)) or isinstance(entries[at], int) or (
+            not g.is_split(value) or g.form(value) != form):  # fmt: skip
+        raise g.refuse("indexing", "it writes to the tokens after class tokens other than all "
+                       "of them, or writes a whole tensor or a block of another layout there")
+    entries[at] = slice(p, None) if g.grid.comm.rank == 0 else slice(None)
+    x[tuple(entries)] = value
 
 
 _METADATA = """
