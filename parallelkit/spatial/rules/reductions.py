@@ -187,8 +187,8 @@ def max_min(g: Guard, call: Call) -> Any:
     if dims == _spatial(g, x) and _every_spatial_fold(g, x):
         return _winner(g, x, dims[0], keepdim, largest=call.name.endswith("max"))
     if set(dims) & set(_spatial(g, x)):
-        raise g.refuse(call.name, "it reduces over some of the spatial dimensions with indices "
-                       "(amax has a rule)")  # fmt: skip
+        raise g.refuse(call.name, "it reduces over a spatial dimension with indices, not over "
+                       "all of them in one (amax has a rule)")  # fmt: skip
     return _local(g, call, x, dims, keepdim)
 
 
