@@ -1188,23 +1188,23 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
-    ('timm mvitv2_tiny', 'data'): (
+    ('timm vit_tiny', 'data'): (
         'exact',
         '',
     ),
-    ('timm mvitv2 cls', 'data'): (
+    ('timm deit_tiny distilled', 'data'): (
         'exact',
         '',
     ),
-    ('timm volo_d1', 'data'): (
+    ('timm cait_xxs24', 'data'): (
         'exact',
         '',
     ),
-    ('timm shvit_s1', 'data'): (
+    ('timm coat_lite_tiny', 'data'): (
         'exact',
         '',
     ),
-    ('timm levit_128s', 'data'): (
+    ('tv vit', 'data'): (
         'exact',
         '',
     ),
@@ -1232,23 +1232,23 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
-    ('timm vit_tiny', 'data'): (
+    ('timm shvit_s1', 'data'): (
         'exact',
         '',
     ),
-    ('timm deit_tiny distilled', 'data'): (
+    ('timm levit_128s', 'data'): (
         'exact',
         '',
     ),
-    ('timm cait_xxs24', 'data'): (
+    ('timm volo_d1', 'data'): (
         'exact',
         '',
     ),
-    ('timm coat_lite_tiny', 'data'): (
+    ('timm mvitv2_tiny', 'data'): (
         'exact',
         '',
     ),
-    ('tv vit', 'data'): (
+    ('timm mvitv2 cls', 'data'): (
         'exact',
         '',
     ),
@@ -1556,23 +1556,23 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
-    ('timm mvitv2_tiny', 'rows'): (
+    ('timm vit_tiny', 'rows'): (
         'exact',
         '',
     ),
-    ('timm mvitv2 cls', 'rows'): (
+    ('timm deit_tiny distilled', 'rows'): (
         'exact',
         '',
     ),
-    ('timm volo_d1', 'rows'): (
+    ('timm cait_xxs24', 'rows'): (
         'exact',
         '',
     ),
-    ('timm shvit_s1', 'rows'): (
+    ('timm coat_lite_tiny', 'rows'): (
         'exact',
         '',
     ),
-    ('timm levit_128s', 'rows'): (
+    ('tv vit', 'rows'): (
         'exact',
         '',
     ),
@@ -1600,23 +1600,23 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
-    ('timm vit_tiny', 'rows'): (
+    ('timm shvit_s1', 'rows'): (
         'exact',
         '',
     ),
-    ('timm deit_tiny distilled', 'rows'): (
+    ('timm levit_128s', 'rows'): (
         'exact',
         '',
     ),
-    ('timm cait_xxs24', 'rows'): (
+    ('timm volo_d1', 'rows'): (
         'exact',
         '',
     ),
-    ('timm coat_lite_tiny', 'rows'): (
+    ('timm mvitv2_tiny', 'rows'): (
         'exact',
         '',
     ),
-    ('tv vit', 'rows'): (
+    ('timm mvitv2 cls', 'rows'): (
         'exact',
         '',
     ),
@@ -1808,15 +1808,11 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
-    ('timm mvitv2_tiny', 'cols'): (
+    ('timm vit_tiny', 'cols'): (
         'exact',
         '',
     ),
-    ('timm mvitv2 cls', 'cols'): (
-        'exact',
-        '',
-    ),
-    ('timm volo_d1', 'cols'): (
+    ('timm deit_tiny distilled', 'cols'): (
         'exact',
         '',
     ),
@@ -1824,11 +1820,15 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
-    ('timm vit_tiny', 'cols'): (
+    ('timm volo_d1', 'cols'): (
         'exact',
         '',
     ),
-    ('timm deit_tiny distilled', 'cols'): (
+    ('timm mvitv2_tiny', 'cols'): (
+        'exact',
+        '',
+    ),
+    ('timm mvitv2 cls', 'cols'): (
         'exact',
         '',
     ),
@@ -2032,23 +2032,23 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
-    ('timm mvitv2_tiny', 'channel'): (
+    ('timm vit_tiny', 'channel'): (
         'exact',
         '',
     ),
-    ('timm mvitv2 cls', 'channel'): (
+    ('timm deit_tiny distilled', 'channel'): (
         'exact',
         '',
     ),
-    ('timm volo_d1', 'channel'): (
+    ('timm cait_xxs24', 'channel'): (
         'exact',
         '',
     ),
-    ('timm shvit_s1', 'channel'): (
+    ('timm coat_lite_tiny', 'channel'): (
         'exact',
         '',
     ),
-    ('timm levit_128s', 'channel'): (
+    ('tv vit', 'channel'): (
         'exact',
         '',
     ),
@@ -2076,23 +2076,23 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
-    ('timm vit_tiny', 'channel'): (
+    ('timm shvit_s1', 'channel'): (
         'exact',
         '',
     ),
-    ('timm deit_tiny distilled', 'channel'): (
+    ('timm levit_128s', 'channel'): (
         'exact',
         '',
     ),
-    ('timm cait_xxs24', 'channel'): (
+    ('timm volo_d1', 'channel'): (
         'exact',
         '',
     ),
-    ('timm coat_lite_tiny', 'channel'): (
+    ('timm mvitv2_tiny', 'channel'): (
         'exact',
         '',
     ),
-    ('tv vit', 'channel'): (
+    ('timm mvitv2 cls', 'channel'): (
         'exact',
         '',
     ),
