@@ -22,12 +22,19 @@ from cases import assert_triples, mismatches
 GOAL = {"data": "ddp", "channel": "ddp", "spatial": 0}
 
 
+@pytest.fixture(scope="module")
+def ddp_bound(ranks) -> int:
+    """DDP's graph count, the bound of data and channel: the same for both, so traced once."""
+    return ranks(2).run(ddp_graphs, timeout=300)[0]
+
+
 @pytest.mark.parametrize("strategy", ["data", "channel", "spatial"])
-def test_compiled_steps_are_few_graphs_and_give_the_eager_numbers(ranks, strategy):
+def test_compiled_steps_are_few_graphs_and_give_the_eager_numbers(request, ranks, strategy):
     """One compile per strategy: its graph count (dynamo's backend calls in the first
     forward, as ``torch._dynamo.explain`` counts them) and its numbers."""
     pool = ranks(2)
-    bound = pool.run(ddp_graphs, timeout=300)[0] if GOAL[strategy] == "ddp" else GOAL[strategy]
+    goal = GOAL[strategy]
+    bound = request.getfixturevalue("ddp_bound") if goal == "ddp" else goal
     for triples, graphs in pool.run(compiled_against_eager, strategy, timeout=600):
         assert_triples(triples)
         assert graphs <= bound, (graphs, bound)

@@ -107,14 +107,31 @@ def test_samples_of_one_file_name_get_one_prediction_each(run, tmp_path):
              for f in ("imagesTr", "other")]
     (root / "dataset.json").write_text(json.dumps({"training": pairs[:1], "validation": pairs}))
     out = tmp_path / "out"
+    # 2 data ranks, one sample each. With the probabilities, in float32: the class maps of
+    # this 2-step model are all background for both inputs, which no mix-up would change,
+    # and its probabilities of the two differ by about 0.01.
+    probabilities = ["predict.probabilities=true", "predict.dtype=float32"]
     predict(f"train.run_dir={run_dir}", f"data.name=npy:{root}", f"predict.output={out}",
-            "predict.format=npy", "parallel.ranks=2")  # 2 data ranks, one sample each
-    assert sorted(p.name for p in out.glob("*.npy")) == ["imagesTr__c.npy", "other__c.npy"]
-    for folder in ("imagesTr", "other"):  # each is its own input's prediction
-        alone = tmp_path / f"alone-{folder}"
-        predict(f"train.run_dir={run_dir}", f"predict.input={root / folder / 'c.npy'}",
-                f"predict.output={alone}", "predict.format=npy", "parallel.ranks=1")
-        np.testing.assert_array_equal(np.load(out / f"{folder}__c.npy"), np.load(alone / "c.npy"))
+            "predict.format=npy", *probabilities, "parallel.ranks=2")  # fmt: skip
+    assert sorted(p.name for p in out.glob("*.npy")) == [
+        "imagesTr__c.npy", "imagesTr__c_probabilities.npy", "other__c.npy",
+        "other__c_probabilities.npy"]  # fmt: skip
+    # Each is its own input's prediction: both inputs again under names of their own, in one
+    # plain run (a run per input would start predict twice to check the same).
+    apart, alone = tmp_path / "apart", tmp_path / "alone"
+    apart.mkdir()
+    for folder in ("imagesTr", "other"):
+        shutil.copy(root / folder / "c.npy", apart / f"{folder}.npy")
+    predict(f"train.run_dir={run_dir}", f"predict.input={apart}", f"predict.output={alone}",
+            "predict.format=npy", *probabilities, "parallel.ranks=1")  # fmt: skip
+    want = {f: np.load(alone / f"{f}_probabilities.npy") for f in ("imagesTr", "other")}
+    gap = np.abs(want["imagesTr"] - want["other"]).max()
+    assert gap > 1e-3, gap  # else a swap or a repeat would pass
+    for folder, probs in want.items():
+        got = np.load(out / f"{folder}__c_probabilities.npy")
+        np.testing.assert_allclose(got, probs, rtol=0, atol=1e-5)
+        np.testing.assert_array_equal(np.load(out / f"{folder}__c.npy"),
+                                      np.load(alone / f"{folder}.npy"))  # fmt: skip
     twins = tmp_path / "twins"  # one folder, one name, two formats: cannot be told apart
     twins.mkdir()
     shutil.copy(data / "test" / "images" / "s0.npy", twins / "c.npy")
@@ -131,6 +148,9 @@ def test_a_second_predict_into_a_held_output_is_refused(run, tmp_path):
     args = [f"train.run_dir={run_dir}", f"predict.output={out}", "predict.format=npy",
             "predict.resume=true", "parallel.ranks=2"]
     predict(*args)
+    # Labelled samples: the last run below also finds predict's own summary.json acceptable
+    # (test_decathlon.py refuses a foreign one).
+    assert (out / "summary.json").is_file()
     holder = subprocess.Popen(  # the lock a running predict's rank 0 holds
         [sys.executable, "-c", "import sys, time; from parallelkit.train.rundir import Lock; "
          f"Lock({str(out / '.parallelkit-predict')!r}); print('held', flush=True); "
