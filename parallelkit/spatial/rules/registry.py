@@ -38,7 +38,7 @@ Places = tuple[int, ...]
 """Where a block's spatial dimensions (L; H, W; or D, H, W) are, counted from the end:
 (-2, -1) for (N, C, H, W), (-3, -2) for a channels-last (N, H, W, C), (-3, -2, -1) for a
 volume (N, C, D, H, W)."""
-Fold = tuple[tuple[int, int | None], ...]
+Fold = tuple[tuple[int, int | str | None], ...]
 """A dimension that a window partition folded spatial dimensions into (Swin's B * nH * nW):
 its factors, outermost first, as (whole size, the spatial dimension it is, by its place in
 the record, or None for another). A block's fold has the same factors with this rank's rows
