@@ -63,6 +63,11 @@ def box(fold: Factors) -> Factors:
     return fold[1:] if prefix_of(fold) else fold
 
 
+def with_prefix(fold: Factors, p: int) -> Factors:
+    """``fold``'s factors after ``p`` whole tokens (none: its factors after its prefix)."""
+    return ((p, PREFIX), *box(fold)) if p else box(fold)
+
+
 def fold_count(fold: Factors) -> int:
     """The whole size of a folded dimension: its prefix and the product of its factors."""
     return prefix_of(fold) + math.prod(n for n, _ in box(fold))

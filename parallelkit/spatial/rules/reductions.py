@@ -215,9 +215,9 @@ def _winner(g: Guard, x: Tensor, d: int, keepdim: bool, largest: bool) -> Any:
     nan = value.isnan()
     bound = math.inf if largest else -math.inf  # what a NaN counts as in the extreme
     with torch.no_grad():
-        ends = torch.stack([torch.where(nan, bound, value).detach(), nan.to(value.dtype)])
-        ends = g.comm.all_reduce(ends if largest else ends * ends.new_tensor([-1, 1]).view(
-            -1, *(1,) * value.dim()), "max")  # fmt: skip
+        limit = torch.where(nan, bound, value)  # a minimum is the maximum of its negation
+        ends = g.comm.all_reduce(torch.stack([limit if largest else -limit, nan.to(limit.dtype)]),
+                                 "max")  # fmt: skip
         extreme = ends[0] if largest else -ends[0]
         reached = torch.where(ends[1] > 0, nan, value == extreme) & (index >= 0)
         first = g.comm.all_reduce(torch.where(reached, index, torch.iinfo(torch.long).max), "min")

@@ -42,7 +42,7 @@ from parallelkit.spatial.rules.registry import (
     whole_size,
 )
 from parallelkit.spatial.rules.tokens import token_dim
-from parallelkit.spatial.token_comm import PREFIX, box, fold_count, prefix_of, prefixed
+from parallelkit.spatial.token_comm import box, fold_count, prefix_of, prefixed, with_prefix
 
 
 def _positions(g: Guard, x: Tensor) -> tuple[int, ...]:
@@ -474,8 +474,13 @@ def _class_tokens(g: Guard, call: Call, tensors: list[Any], dim: int) -> Tensor 
     first = g.grid.comm.rank == 0
     parts = [g.summed(t) if first else g.summed(t).narrow(d, 0, 0) for t in whole]
     y = torch.cat([*parts, x], dim)
-    tokens = ((prefix_of(fold) + added, PREFIX), *box(fold))
-    return g.marked(y, g.places(x), folds=(tokens,))
+    return g.marked(y, g.places(x), folds=(with_prefix(fold, prefix_of(fold) + added),))
+
+
+def _token_folds(fold: Fold) -> tuple[Fold, ...]:
+    """The record's folds of a token dimension of factors ``fold``: none for a signal's own
+    length (one spatial factor, no prefix), as an unfolded signal is recorded."""
+    return () if len(fold) == 1 and fold[0][1] == 0 else (fold,)
 
 
 def _token_entry(x: Tensor, t: int, index: Any, n: int) -> tuple[list, int, range] | None:
@@ -510,11 +515,12 @@ def _prefix_index(g: Guard, x: Tensor, index: Any) -> Tensor | None:
     where the index leaves the token dimension whole, or takes tokens past the prefix (the
     general rule then takes it, or refuses)."""
     fold, t = g.folds(x)[0], x.dim() + g.places(x)[0]
-    found = _token_entry(x, t, index, fold_count(fold))
+    p, n = prefix_of(fold), fold_count(fold)
+    found = _token_entry(x, t, index, n)
     if found is None:
         return None
     entries, at, kept = found
-    e, p, n = entries[at], prefix_of(fold), fold_count(fold)
+    e = entries[at]
     first = g.grid.comm.rank == 0
     if kept.stop <= p:  # class tokens: whole, from the first rank
         if first:
@@ -527,9 +533,7 @@ def _prefix_index(g: Guard, x: Tensor, index: Any) -> Tensor | None:
     if kept.start > p or kept.stop != n or isinstance(e, int):
         return None
     y = x.narrow(t, kept.start, x.shape[t] - kept.start) if first else x.view_as(x)
-    rest = box(fold) if kept.start == p else ((p - kept.start, PREFIX), *box(fold))
-    signal = len(rest) == 1 and rest[0][1] == 0  # a signal's own length: no fold
-    y = g.marked(y, g.places(x), folds=() if signal else (rest,))
+    y = g.marked(y, g.places(x), folds=_token_folds(with_prefix(fold, p - kept.start)))
     entries[at] = slice(None)
     with g.rules():
         return y[tuple(entries)] if isinstance(index, tuple) else y
@@ -682,8 +686,7 @@ def _write_after_prefix(g: Guard, x: Tensor, found: tuple[list, int, range], val
     entries, at, kept = found
     fold = g.folds(x)[0]
     p = prefix_of(fold)
-    rest = box(fold)
-    form = (g.places(x), () if len(rest) == 1 and rest[0][1] == 0 else (rest,))
+    form = (g.places(x), _token_folds(box(fold)))
     if (kept.start, kept.stop) != (p, fold_count(fold)) or isinstance(entries[at], int) or (
             not g.is_split(value) or g.form(value) != form):  # fmt: skip
         raise g.refuse("indexing", "it writes to the tokens after class tokens other than all "

@@ -45,7 +45,7 @@ from parallelkit.spatial.rules.registry import (
     whole_size,
 )
 from parallelkit.spatial.rules.tokens import token_dim
-from parallelkit.spatial.token_comm import PREFIX, box, prefix_of
+from parallelkit.spatial.token_comm import prefix_of, with_prefix
 
 MAX_POOLS = {F.max_pool1d: 1, F.max_pool2d: 2, F.max_pool3d: 3, torch.max_pool1d: 1,
              torch.max_pool2d: 2, torch.max_pool3d: 3}  # fmt: skip
@@ -401,8 +401,7 @@ def _token_pad(g: Guard, x: Tensor, pads: list[int], mode: str, value: float) ->
         return None
     fold = g.folds(x)[0]
     y = F.pad(x, pads, value=value) if g.grid.comm.rank == 0 else x.view_as(x)
-    tokens = ((prefix_of(fold) + pads[at], PREFIX), *box(fold))
-    return g.marked(y, g.places(x), folds=(tokens,))
+    return g.marked(y, g.places(x), folds=(with_prefix(fold, prefix_of(fold) + pads[at]),))
 
 
 @rule(F.pad, params="input, pad, mode='constant', value=None", prefix=True)
