@@ -310,7 +310,7 @@ class SpatialGuard(TorchFunctionMode):
         if self._trusted:
             return func(*args, **kwargs)
         entry = lookup(func)
-        blocks = self._blocks_in(args, kwargs)
+        blocks, bare = self._scan(args, kwargs)
         if not blocks and not (entry is not None and entry.whole and not self._gathering):
             return func(*args, **kwargs)
         if entry is None:
@@ -329,7 +329,8 @@ class SpatialGuard(TorchFunctionMode):
         first = self._blocks[id(blocks[0])] if blocks else (None, None, None, ())
         self.size_now, self.folds_now = first[2], first[3]
         try:
-            return entry.fn(self, entry.normalize(self, Call(func, args, kwargs, blocks)))
+            call = Call(func, args, kwargs, blocks, bare=bare)
+            return entry.fn(self, entry.normalize(self, call))
         finally:
             self.size_now, self.folds_now = before
 
@@ -339,14 +340,27 @@ class SpatialGuard(TorchFunctionMode):
     def _blocks_in(self, args: tuple, kwargs: dict) -> list[Tensor]:
         """The blocks among the arguments (tensors, and tensors in lists and tuples: what
         torch functions take), without flattening the arguments on every call."""
-        found = []
-        for a in (*args, *kwargs.values()):
+        return self._scan(args, kwargs)[0]
+
+    def _scan(self, args: tuple, kwargs: dict) -> tuple[list[Tensor], bool]:
+        """The blocks among the arguments (:meth:`_blocks_in`), and whether the arguments are
+        bare: blocks and values without a tensor in them, so that a rule
+        has nothing whole to cut (a pytree walk costs tens of microseconds, more than the
+        operation on a fast device)."""
+        found, bare, record = [], True, self._blocks
+        for a in (*args, *kwargs.values()) if kwargs else args:
             if isinstance(a, Tensor):
-                if self.is_split(a):
+                entry = record.get(id(a))
+                if entry is not None and entry[0]() is a:
                     found.append(a)
+                else:
+                    bare = False
             elif isinstance(a, list | tuple):
                 found += [t for t in a if self.is_split(t)]
-        return found
+                bare = False
+            elif isinstance(a, dict):
+                bare = False
+        return found, bare
 
     def refuse(self, op: str, why: str, module: nn.Module | None = None) -> SpatialRefusal:
         """The refusal of ``op`` (raise it), naming the module and the ways out."""

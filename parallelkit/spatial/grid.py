@@ -70,6 +70,13 @@ class SpatialGrid:
     def shape(self) -> tuple[int, int, int]:
         return self.depth, self.rows, self.cols
 
+    @property
+    def at_origin(self) -> bool:
+        """Whether this rank holds the first block along every dimension (the group's rank 0,
+        as the grid is laid out row-major): the one that keeps what the blocks hold once,
+        such as a token fold's class tokens."""
+        return self.layer == self.row == self.col == 0
+
     def axes(self, ndim: int) -> list[Axis]:
         """Per spatial dimension of a sample with ``ndim`` of them (1, 2 or 3): the
         communicator along it, its number of blocks and this rank's block."""

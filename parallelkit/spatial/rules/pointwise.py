@@ -57,19 +57,22 @@ def pointwise(g: Guard, call: Call) -> Any:
     samples' size in each spatial dimension, and is then cut to the block."""
     first = call.blocks[0]
     if len(call.blocks) > 1:
-        if any(g.form(b) != g.form(first) for b in call.blocks):
+        form = g.form(first)
+        if any(g.form(b) != form for b in call.blocks):
             call = _one_layout(g, call)
             first = call.blocks[0]
             return g.marked(_run(g, call), g.places(first), g.size_of(first), g.folds(first))
-        dims = g.places(first)
-        if len(sizes := {tuple(b.shape[d] for d in dims) for b in call.blocks}) > 1:
+        shape, dims = first.shape, g.places(first)
+        if any(b.shape != shape for b in call.blocks) and len(
+            sizes := {tuple(b.shape[d] for d in dims) for b in call.blocks}
+        ) > 1:  # one shape (the common case) cannot differ in the spatial sizes
             raise g.refuse(call.name, f"its blocks have different sizes {sorted(sizes)}")
     return g.marked(_run(g, call), g.places(first))
 
 
 def _run(g: Guard, call: Call) -> Any:
     """The call on blocks of one layout, whole tensors among its arguments cut to them."""
-    if _blocks_and_scalars(g, call):  # the common case (x * y, relu(x)): nothing to cut
+    if call.bare:  # the common case (x * y, relu(x)): nothing to cut
         return call.run()
 
     def replicate(t: Any) -> Any:
@@ -109,19 +112,6 @@ def _one_layout(g: Guard, call: Call) -> Call:
     args, kwargs = tree_map(swap, (call.args, call.kwargs))
     blocks = [like, *(swap(b) for b in call.blocks if b is not like)]
     return Call(call.func, args, kwargs, blocks, call.named)
-
-
-def _blocks_and_scalars(g: Guard, call: Call) -> bool:
-    """Whether every argument is a block or holds no tensor: then nothing is cut, and the
-    call needs no walk through its arguments' trees (a pytree walk costs tens of
-    microseconds, more than the operation on a fast device)."""
-    for a in (*call.args, *call.kwargs.values()):
-        if isinstance(a, Tensor):
-            if not g.is_split(a):
-                return False
-        elif isinstance(a, list | tuple | dict):
-            return False
-    return True
 
 
 @rule(*ops(_LOCAL, Tensor), torch.as_tensor, prefix=True)

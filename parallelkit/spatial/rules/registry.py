@@ -80,16 +80,18 @@ class Guard(Protocol):
     def warn_once(self, key: Any, message: str) -> None: ...
 
 
-@dataclass
+@dataclass(slots=True)
 class Call:
-    """One torch call on blocks: the function, its raw arguments, the blocks among them, and
-    the arguments by name where the rule gave a signature."""
+    """One torch call on blocks: the function, its raw arguments, the blocks among them, the
+    arguments by name where the rule gave a signature, and whether the arguments are bare:
+    only blocks and values that hold no tensor (nothing whole to cut to a block)."""
 
     func: Callable
     args: tuple
     kwargs: dict
     blocks: list[Tensor]
     named: dict[str, Any] = field(default_factory=dict)
+    bare: bool = False
 
     def __getitem__(self, name: str) -> Any:
         return self.named[name]
@@ -290,8 +292,7 @@ def fold_index(g: Guard, x: Tensor, fold: Fold) -> Tensor:
     group's first rank)."""
     axes = g.grid.axes(len(g.places(x)))
     rows = [blocks(n, axes[k][1])[axes[k][2]] if k is not None else (0, n) for n, k in box(fold)]
-    first = all(mine == 0 for _, _, mine in axes)
-    return box_index(fold, rows, first).to(x.device)
+    return box_index(fold, rows, g.grid.at_origin).to(x.device)
 
 
 def standard(x: Tensor) -> Places:

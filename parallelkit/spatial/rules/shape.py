@@ -471,7 +471,7 @@ def _class_tokens(g: Guard, call: Call, tensors: list[Any], dim: int) -> Tensor 
         return None
     fold = g.folds(x)[0] if g.folds(x) else ((whole_size(g, x)[0], 0),)
     added = sum(t.shape[d] for t in whole)
-    first = g.grid.comm.rank == 0
+    first = g.grid.at_origin
     parts = [g.summed(t) if first else g.summed(t).narrow(d, 0, 0) for t in whole]
     y = torch.cat([*parts, x], dim)
     return g.marked(y, g.places(x), folds=(with_prefix(fold, prefix_of(fold) + added),))
@@ -521,7 +521,7 @@ def _prefix_index(g: Guard, x: Tensor, index: Any) -> Tensor | None:
         return None
     entries, at, kept = found
     e = entries[at]
-    first = g.grid.comm.rank == 0
+    first = g.grid.at_origin
     if kept.stop <= p:  # class tokens: whole, from the first rank
         if first:
             mine = x.narrow(t, kept.start, len(kept))
@@ -691,7 +691,7 @@ def _write_after_prefix(g: Guard, x: Tensor, found: tuple[list, int, range], val
             not g.is_split(value) or g.form(value) != form):  # fmt: skip
         raise g.refuse("indexing", "it writes to the tokens after class tokens other than all "
                        "of them, or writes a whole tensor or a block of another layout there")
-    entries[at] = slice(p, None) if g.grid.comm.rank == 0 else slice(None)
+    entries[at] = slice(p, None) if g.grid.at_origin else slice(None)
     x[tuple(entries)] = value
 
 

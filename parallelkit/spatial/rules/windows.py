@@ -400,7 +400,7 @@ def _token_pad(g: Guard, x: Tensor, pads: list[int], mode: str, value: float) ->
     if mode != "constant" or at >= len(pads) or pads[at] <= 0 or any(pads[:at] + pads[at + 1 :]):
         return None
     fold = g.folds(x)[0]
-    y = F.pad(x, pads, value=value) if g.grid.comm.rank == 0 else x.view_as(x)
+    y = F.pad(x, pads, value=value) if g.grid.at_origin else x.view_as(x)
     return g.marked(y, g.places(x), folds=(with_prefix(fold, prefix_of(fold) + pads[at]),))
 
 
