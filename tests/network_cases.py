@@ -183,9 +183,10 @@ class ForwardCodeNet(nn.Module):
         if kind == "channels-last ops":
             self.proj = nn.Parameter(torch.randn(6, 6) / 3)
             self.dw = nn.Conv2d(6, 6, 3, padding=1, groups=6)
-        if kind == "window attention":  # qkv weights and a relative position bias
+        if kind in ("window attention", "windows across blocks"):  # qkv, a position bias
+            ws = 3 if kind == "window attention" else 4
             self.qkv = nn.Parameter(torch.randn(18, 6) / 3)
-            self.rel = nn.Parameter(torch.randn(9, 9) / 4)
+            self.rel = nn.Parameter(torch.randn(ws * ws, ws * ws) / 4)
         if kind == "coordinates":  # a positional embedding of the whole size, a parameter
             self.pos = nn.Parameter(torch.randn(1, 6, 12, 10) / 4 + 1)
         if kind == "space to depth":  # mixes the 4 pixels of each 2 x 2 cell
@@ -287,6 +288,11 @@ class ForwardCodeNet(nn.Module):
             y = y + shifted_window_attention(y, self.qkv, self.rel, 3, 1)
             y = torch.cat([y[:, 0::2, 0::2], y[:, 1::2, 1::2]], -1).permute(0, 3, 1, 2)
             return y[:, :6] * y[:, 6:]  # (N, 6, 6, 6)
+        if k == "windows across blocks":  # windows of 4 on 12 x 12: blocks of 6 rows (and
+            # columns) are not whole windows, so rows move to 8 + 4 and back; on 3 ranks 3 each
+            y = F.pad(x, (0, -x.shape[-1] % 4)).permute(0, 2, 3, 1)
+            y = y + shifted_window_attention(y, self.qkv, self.rel, 4, 2)
+            return y.permute(0, 3, 1, 2)
         if k == "whole-size constants":  # made from x.shape: this rank's block of each
             mask = torch.ones(x.shape[0], 1, *x.shape[2:], dtype=x.dtype)
             return x * mask + x.new_full(x.shape, 0.5) + torch.zeros_like(x)
@@ -303,7 +309,7 @@ class ForwardCodeNet(nn.Module):
             y = y + x[:, :, 1:-1].mean((1, 2, 3), keepdim=True)  # a crop, then a mean
             y[:, :3] += x[:, 3:]  # ReXNet's partial shortcut
             return y
-        if k == "space to depth by 4 along H":  # 12 rows in blocks of 6: not whole groups
+        if k == "space to depth by 4 along H":  # 12 rows in blocks of 6: whole groups move
             n, c, h, w = x.shape
             return x.view(n, c, h // 4, 4, w).sum(3)
         if k == "upcat pad":  # MONAI's UpCat: pad by one where the skip's size differs
@@ -401,6 +407,8 @@ FORWARD_CODE = {
         "space to depth",
         "cyclic shift",
         "window attention",
+        "windows across blocks",
+        "space to depth by 4 along H",
         "whole-size constants",
         "coordinates",
         "channels-last ops",
@@ -457,7 +465,6 @@ SWAPS = {
 # Refused under spatial parallelism (kind -> what the message names).
 REFUSED = {
     "flatten": "the output",  # (N, C * H * W): the spatial dimensions folded with C
-    "space to depth by 4 along H": "Tensor.view",
 }
 
 
@@ -610,6 +617,27 @@ def se_without_gradient_sum(comm: Communicator) -> list[str]:
         if not torch.allclose(got.to(want.dtype), want):
             bad.append(label)
     return bad
+
+
+def windows_from_the_other_end(comm: Communicator) -> list[str]:
+    """Negative control: rows moved to whole windows, each rank as many as it should hold but
+    counted from the other end of the dimension (rank 0 the last two windows of three, rank 1
+    the first), and moved back the same way: every rank then attends over windows whose
+    shifted-window mask and bias rows are another rank's. Returns the mismatching labels."""
+    from parallelkit.spatial.rules import shape
+
+    real = shape._grouped
+
+    def from_the_end(m: int, inner: int, axis: tuple) -> list[tuple[int, int]]:
+        sizes = [b - a for a, b in real(m, inner, axis)]
+        return [(sum(sizes[r + 1 :]), sum(sizes[r:])) for r in range(len(sizes))]
+
+    shape._grouped = from_the_end
+    try:
+        triples = network_parity(comm, "forward code: windows across blocks", "spatial", steps=1)
+    finally:
+        shape._grouped = real
+    return [label for label, got, want in triples if not torch.allclose(got.to(want.dtype), want)]
 
 
 class _TokenScan(nn.Module):

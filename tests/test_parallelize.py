@@ -31,6 +31,7 @@ from network_cases import (
     network_parity,
     refusal,
     se_without_gradient_sum,
+    windows_from_the_other_end,
 )
 
 
@@ -211,6 +212,11 @@ def test_dropout_masks_are_the_dense_models(ranks, size, strategy, grid):
 def test_negative_control_se_without_the_gradient_sum(ranks):
     for bad in ranks(2).run(se_without_gradient_sum):
         assert any("se.fc1.weight grad" in label for label in bad), bad
+
+
+def test_negative_control_windows_moved_to_the_wrong_ranks(ranks):
+    for bad in ranks(2).run(windows_from_the_other_end):
+        assert any("out" in label for label in bad), bad
 
 
 def test_refusal_names_the_module_and_keep_dense_is_the_way_out(ranks):

@@ -17,6 +17,7 @@ interpolation to a skip connection's size, a mean divided by ``H * W``, the size
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,8 +25,10 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
+import parallelkit.functional as pkf
 from parallelkit.geometry import in_whole_groups, starts, tensor_split_sizes
 from parallelkit.spatial import layout, relayout
+from parallelkit.spatial.grid import Axis
 from parallelkit.spatial.rules.registry import (
     PROPERTY,
     Call,
@@ -110,9 +113,48 @@ def reshape(g: Guard, call: Call) -> Any:
             return _moved(g, x, target, (*whole.shape[: -len(size)], *rows), places, size)
         raise g.refuse(call.name, f"{_named(g, x, whole_in.shape)} -> {tuple(whole.shape)} "
                        f"{regrouped}")  # fmt: skip
-    shape, out_dims, size, folds = regrouped
+    shape, out_dims, size, folds, moves = regrouped
+    axes = g.grid.axes(len(dims))
+    for k, m, inner in moves.into_groups:
+        x = _rows_moved(x, x.dim() + dims[k], axes[k], _blocks_of(m, axes[k]),
+                        _grouped(m, inner, axes[k]))  # fmt: skip
     y = x.view(shape) if call.func in _VIEWS else x.reshape(shape)
+    for at, k, groups, inner in moves.out_of_groups:
+        m = groups * inner
+        y = _rows_moved(y, at, axes[k], _grouped(m, inner, axes[k]), _blocks_of(m, axes[k]))
     return g.marked(y, out_dims, size, folds)
+
+
+@dataclass(frozen=True)
+class _Moves:
+    """Rows a reshape moves between neighbours, where a spatial dimension of ``m`` rows is cut
+    into ``(m / inner, inner)`` (a window partition, space-to-depth) but its tensor_split
+    blocks are not whole groups of ``inner`` rows: before the view each rank takes whole
+    groups, the tensor_split layout of the groups (``into_groups``: (spatial dimension, m,
+    inner)), and after a view that merges them again they go back (``out_of_groups``: (the
+    output dimension, the spatial dimension, groups, inner)). 32 rows padded to 35 for
+    windows of 7 on 2 ranks: blocks of 18 + 17 rows become 3 + 2 windows, 21 + 14 rows."""
+
+    into_groups: tuple[tuple[int, int, int], ...] = ()
+    out_of_groups: tuple[tuple[int, int, int, int], ...] = ()
+
+
+def _blocks_of(m: int, axis: Axis) -> list[tuple[int, int]]:
+    """The tensor_split blocks of ``m`` rows over the ranks along ``axis``."""
+    sizes = tensor_split_sizes(m, axis[1])
+    return [(a, a + n) for a, n in zip(starts(sizes), sizes, strict=True)]
+
+
+def _grouped(m: int, inner: int, axis: Axis) -> list[tuple[int, int]]:
+    """The blocks of ``m`` rows in whole groups of ``inner``: the groups' tensor_split."""
+    return [(a * inner, b * inner) for a, b in _blocks_of(m // inner, axis)]
+
+
+def _rows_moved(x: Tensor, dim: int, axis: Axis, have: list[tuple[int, int]],
+                want: list[tuple[int, int]]) -> Tensor:  # fmt: skip
+    """Block ``x`` with its rows along ``dim`` moved from blocks ``have`` to blocks ``want``
+    over the ranks along ``axis`` (``gather_rows``: each from the neighbours that hold it)."""
+    return pkf.gather_rows(x, axis[0], dim, [b - a for a, b in have], want)
 
 
 def _keeping_tokens(
@@ -166,19 +208,20 @@ def _factors(g: Guard, x: Tensor, a: tuple[int, ...]) -> list[Factor]:
 
 def _regroup(
     g: Guard, x: Tensor, a: tuple[int, ...], b: tuple[int, ...]
-) -> tuple[tuple[int, ...], Places, tuple[int, ...], tuple[Fold, ...]] | str:
+) -> tuple[tuple[int, ...], Places, tuple[int, ...], tuple[Fold, ...], _Moves] | str:
     """How block ``x`` of whole shape ``a`` reshapes to whole shape ``b``: this rank's shape,
-    the spatial dimensions' places (from the end), their whole sizes and the folds; or why it
-    cannot.
+    the spatial dimensions' places (from the end), their whole sizes, the folds and the rows
+    moved around the view (:class:`_Moves`); or why it cannot.
 
     Both shapes are read as factors (:func:`_factors`), and each dimension of ``b`` takes the
-    next ones whose product it is. A spatial factor may be split into (outer, inner) where
-    every block's rows are whole groups of the inner size (space-to-depth, a window
-    partition's ``(H / ws, ws)``): the outer part stays spatial, its blocks in tensor_split
-    layout. A dimension that takes one spatial factor and others after it is that spatial
-    dimension again where the blocks are in tensor_split layout of the product
-    (depth-to-space, a window reverse); any other with a spatial factor is a fold, which
-    only rules that treat it as a batch take."""
+    next ones whose product it is. A spatial factor may be split into (outer, inner): the
+    outer part stays spatial, its blocks in tensor_split layout, every block whole groups of
+    the inner size (space-to-depth, a window partition's ``(H / ws, ws)``; where the
+    dimension's blocks are not, its rows move first, and each rank needs one group at least).
+    A dimension that takes one spatial factor and others after it is that spatial dimension
+    again, in tensor_split layout of the product (depth-to-space, a window reverse; rows move
+    back where the groups' blocks are not that layout); any other with a spatial factor is a
+    fold, which only rules that treat it as a batch take."""
     ndim = len(g.places(x))
     axes = g.grid.axes(ndim)
     parts = [p for _, p, _ in axes]
@@ -189,8 +232,11 @@ def _regroup(
         found = _group(list(flat), b, parts, ones=True)
     if isinstance(found, str):
         return found
-    groups = found[0]
-    shape, places, size, folds = [], [0] * ndim, [0] * ndim, []
+    groups, _, cuts = found
+    folded = {k for fold in g.folds(x) for _, k in fold}
+    if any(k in folded for k, _, _ in cuts):
+        return "cuts a folded spatial dimension into groups its blocks do not hold whole"
+    shape, places, size, folds, back = [], [0] * ndim, [0] * ndim, [], []
     for at, group in enumerate(groups):
         spatial = [(m, k) for m, k in group if k is not None]
         local = [tensor_split_sizes(m, parts[k])[axes[k][2]] if k is not None else m
@@ -201,32 +247,37 @@ def _regroup(
         if not spatial:
             continue
         (m, k), rest = group[0], math.prod(f[0] for f in group[1:])
-        if len(spatial) == 1 and group[0][1] is not None and in_whole_groups(m, rest, parts[k]):
+        if len(spatial) == 1 and group[0][1] is not None:
             size[k] = m * rest  # one spatial dimension, merged with what follows it
+            if not in_whole_groups(m, rest, parts[k]):
+                back.append((at, k, m, rest))
             continue
         folds.append(tuple(group))
         for m, k in spatial:
             size[k] = m
-    return tuple(shape), tuple(places), tuple(size), tuple(folds)
+    return tuple(shape), tuple(places), tuple(size), tuple(folds), _Moves(cuts, tuple(back))
 
 
 def _group(
     flat: list[Factor], b: tuple[int, ...], parts: list[int], ones: bool
-) -> tuple[list[list[Factor]], bool] | str:
+) -> tuple[list[list[Factor]], bool, tuple[tuple[int, int, int], ...]] | str:
     """The factors ``flat`` of a block's whole shape taken by the dimensions of ``b`` in
-    turn (:func:`_regroup`), and whether a spatial factor was cut into (outer > 1, inner): a
-    partition. ``ones``: a dimension of size 1 just before one of a spatial factor's size
-    takes that factor as its outer part, (1, size): a window grid of one window along it
-    (Swin's ``view(B, 2, 7, 1, 7, C)`` of a 14 x 7 map), as the others' grids are spatial."""
-    i, groups, partition = 0, [], False
+    turn (:func:`_regroup`), whether a spatial factor was cut into (outer > 1, inner): a
+    partition, and the cuts whose blocks are not whole groups of the inner size, as
+    (spatial dimension, size, inner). ``ones``: a dimension of size 1 just before one of a
+    spatial factor's size takes that factor as its outer part, (1, size): a window grid of
+    one window along it (Swin's ``view(B, 2, 7, 1, 7, C)`` of a 14 x 7 map), as the others'
+    grids are spatial."""
+    i, groups, partition, cuts = 0, [], False, []
 
     def cut(m: int, k: int | None, outer: int) -> str | None:
-        if k is None:
+        if k is None or in_whole_groups(outer, m // outer, parts[k]):
             return None
-        if not in_whole_groups(outer, m // outer, parts[k]):
-            have, inner = tensor_split_sizes(m, parts[k]), m // outer
-            return (f"cuts a dimension of {m} split into blocks of {have} into ({outer}, "
-                    f"{inner}) (each block a multiple of {inner} rows would do)")  # fmt: skip
+        if outer < parts[k]:
+            return (f"cuts a dimension of {m} split over {parts[k]} ranks into ({outer}, "
+                    f"{m // outer}): fewer groups of {m // outer} rows than ranks (a larger "
+                    "sample, or fewer ranks along it, would do)")  # fmt: skip
+        cuts.append((k, m, m // outer))
         return None
 
     for at, n in enumerate(b):
@@ -265,7 +316,7 @@ def _group(
         groups.append(group)
     if i != len(flat):
         return "leaves a spatial dimension of size 1 out"
-    return groups, partition
+    return groups, partition, tuple(cuts)
 
 
 @rule(F.pixel_shuffle, F.pixel_unshuffle, params="input, factor")
