@@ -76,7 +76,9 @@ def reshape(g: Guard, call: Call) -> Any:
     """Local where each spatial dimension comes out whole in a place of its own, or split
     into (outer, inner ...) with the blocks' rows in whole groups of the inner size (a
     space-to-depth view), or merged with the dimensions after it (depth-to-space), the blocks
-    then in tensor_split layout of the new size; merged with others (a window partition,
+    then in tensor_split layout of the new size; where the blocks are not whole groups, rows
+    move between neighbours to whole groups before the split and back after the merge
+    (``_Moves``); merged with others (a window partition,
     Swin's (B * nH * nW, ws * ws, C)), it is folded: rules that treat the fold as a batch take
     it, and a reshape unfolds it again. The other dimensions regroup freely. Sizes given are
     the whole samples' (read from ``x.shape``): the call is worked out on the whole shape,
