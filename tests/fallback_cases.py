@@ -145,7 +145,7 @@ NETS = {
     "hybrid": (Hybrid, (3, 12, 10)),
     "windows": (WindowNet, (3, 16, 12)),
     "windows of 5": (lambda: WindowNet(p=5), (3, 16, 12)),  # 5 does not divide 16
-    "windows of 8": (lambda: WindowNet(p=8), (3, 16, 16)),  # 2 windows along H
+    "windows of 8": (lambda dropout=0.0: WindowNet(dropout, p=8), (3, 16, 16)),  # 2 along H
     "partitions": (PartitionNet, (3, 4, 4)),
 }
 

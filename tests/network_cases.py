@@ -293,6 +293,10 @@ class ForwardCodeNet(nn.Module):
             y = F.pad(x, (0, -x.shape[-1] % 4)).permute(0, 2, 3, 1)
             y = y + shifted_window_attention(y, self.qkv, self.rel, 4, 2)
             return y.permute(0, 3, 1, 2)
+        if k == "strides across blocks":  # patch merging on 12 x 10: columns in blocks of 5
+            # keep 2 and 3 of 1::2, not 3 and 2; each rank fetches its 3 and 2 first
+            y = torch.cat([x[..., 0::2, 0::2], x[..., 1::2, 1::2], x[..., 0::2, 1::2]], 1)
+            return y[:, :6] * y[:, 6:12] + y[:, 12:] - x[..., 1::2, 0::2]  # (N, 6, 6, 5)
         if k == "whole-size constants":  # made from x.shape: this rank's block of each
             mask = torch.ones(x.shape[0], 1, *x.shape[2:], dtype=x.dtype)
             return x * mask + x.new_full(x.shape, 0.5) + torch.zeros_like(x)
@@ -409,6 +413,7 @@ FORWARD_CODE = {
         "window attention",
         "windows across blocks",
         "space to depth by 4 along H",
+        "strides across blocks",
         "whole-size constants",
         "coordinates",
         "channels-last ops",

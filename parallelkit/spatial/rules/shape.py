@@ -127,6 +127,10 @@ def reshape(g: Guard, call: Call) -> Any:
     return g.marked(y, out_dims, size, folds)
 
 
+Move = tuple[list[tuple[int, int]], list[tuple[int, int]]]
+"""Row blocks of a spatial dimension over its ranks, before and after a move: (have, want)."""
+
+
 @dataclass(frozen=True)
 class _Moves:
     """Rows a reshape moves between neighbours, where a spatial dimension of ``m`` rows is cut
@@ -275,10 +279,6 @@ def _group(
     def cut(m: int, k: int | None, outer: int) -> str | None:
         if k is None or in_whole_groups(outer, m // outer, parts[k]):
             return None
-        if outer < parts[k]:
-            return (f"cuts a dimension of {m} split over {parts[k]} ranks into ({outer}, "
-                    f"{m // outer}): fewer groups of {m // outer} rows than ranks (a larger "
-                    "sample, or fewer ranks along it, would do)")  # fmt: skip
         cuts.append((k, m, m // outer))
         return None
 
@@ -594,15 +594,17 @@ def _prefix_index(g: Guard, x: Tensor, index: Any) -> Tensor | None:
 
 def _indexed(
     g: Guard, x: Tensor, index: Any, size: tuple[int, ...]
-) -> tuple[Places, Any, dict[int, tuple[int, int]], tuple[int, ...]]:
-    """Where the spatial dimensions of block ``x`` are after ``x[index]``, the index to apply
-    to the block, the rows each spatial dimension keeps, by its place in the record, where a
+) -> tuple[Places, Any, dict[int, tuple[int, int]], tuple[int, ...], dict[int, tuple]]:
+    """Where the spatial dimensions of block ``x`` are after ``x[index]``, the index to apply to
+    the block, the rows each spatial dimension keeps, by its place in the record, where a
     slice of step 1 cuts it (``x[:, :, 1:-1]``; a slice to the whole size keeps them all),
-    and the whole spatial size after the index. A slice with a step (patch merging's
-    ``x[..., 0::2, 0::2, :]``) is local where every rank's rows it keeps are its block of the
-    kept rows. Refused: an integer or an index tensor along a spatial dimension, or any index
-    into a fold (a window partition's, a token dimension) but one that keeps all of it
-    (``:``, ``0:``). ``size``: ``x``'s whole spatial size."""
+    the whole spatial size after the index, and the rows to move before it, by the same
+    key: (the dimension of ``x``, have, want). A slice with a step (patch merging's
+    ``x[..., 0::2, 0::2, :]``) is local where every rank's rows it keeps are its block of
+    the kept rows, else those rows are fetched first (:func:`_strided`). Refused: an
+    integer or an index tensor along a spatial dimension, or any index into a fold (a
+    window partition's, a token dimension) but one that keeps all of it (``:``, ``0:``).
+    ``size``: ``x``'s whole spatial size."""
     entries = list(index) if isinstance(index, tuple) else [index]
     width = [
         0 if e is None else e.dim() if isinstance(e, Tensor) and e.dtype == torch.bool else 1
@@ -617,6 +619,7 @@ def _indexed(
     shape, new_size = whole_shape(g, x, size), list(size)
     lo, hi = min(spatial), max(spatial)
     first, out, local, crops = 0, [], [], {}  # out: the input dimension of each output one
+    moves: dict[int, tuple] = {}
     for e, n in zip(entries, width, strict=True):
         consumed = range(first, first + n)
         if first in folded and n == 1 and e is not Ellipsis:
@@ -634,7 +637,9 @@ def _indexed(
                 raise g.refuse("indexing", f"the index {index!r} keeps no row of a spatial "
                                "dimension")  # fmt: skip
             if rows.step != 1:
-                e = _strided(g, x, k, rows)
+                e, move = _strided(g, x, k, rows)
+                if move is not None:
+                    moves[k] = (first, *move)
                 new_size[k] = len(rows)
             else:
                 if len(rows) != shape[first]:
@@ -659,26 +664,31 @@ def _indexed(
         raise g.refuse("indexing", f"the index {index!r} both steps over and cuts spatial "
                        "dimensions")  # fmt: skip
     index = tuple(local) if isinstance(index, tuple) else local[0]
-    return dims, index, crops, tuple(new_size)
+    return dims, index, crops, tuple(new_size), moves
 
 
-def _strided(g: Guard, x: Tensor, k: int, rows: range) -> slice:
+def _strided(g: Guard, x: Tensor, k: int, rows: range) -> tuple[slice, Move | None]:
     """This rank's slice of block ``x`` along spatial dimension ``k`` for the whole sample's
-    ``rows`` (a step > 1), where the rows every rank keeps are its block of them in
-    tensor_split layout (blocks of even sizes for a step of 2 from row 0 or 1)."""
-    n, (_, parts, mine) = whole_size(g, x)[k], g.grid.axes(len(g.places(x)))[k]
+    ``rows`` (a step > 1), and the rows to move first, if any. Where the rows every rank keeps
+    are its block of them in tensor_split layout (blocks of even sizes for a step of 2 from
+    row 0 or 1), none; else each rank first fetches the rows from its first kept row to its
+    last (its block of the kept rows, from the neighbours that hold them) and slices those:
+    ``(have, want)`` row blocks of the dimension over its ranks."""
+    n, axis = whole_size(g, x)[k], g.grid.axes(len(g.places(x)))[k]
+    _, parts, mine = axis
     have, want = tensor_split_sizes(n, parts), tensor_split_sizes(len(rows), parts)
     firsts = [max(0, -(-(a - rows.start) // rows.step)) for a in starts(have)]
     kept = [min(len(rows), max(0, -(-(a + m - rows.start) // rows.step))) - j
             for a, m, j in zip(starts(have), have, firsts, strict=True)]  # fmt: skip
     if kept != want:
-        raise g.refuse("indexing", f"rows {rows.start}::{rows.step} of a dimension of {n} split "
-                       f"into blocks of {have} keep {kept} rows of each, not blocks of "
-                       f"{want} (blocks of multiples of {rows.step} rows would)")  # fmt: skip
+        fetched = [(rows[a], rows[b - 1] + 1) if b > a else (0, 0)
+                   for a, b in _blocks_of(len(rows), axis)]  # fmt: skip
+        return (slice(None, None, rows.step) if want[mine] else slice(0, 0)), (
+            _blocks_of(n, axis), fetched)
     if not kept[mine]:
-        return slice(0, 0)
+        return slice(0, 0), None
     begin = rows.start + firsts[mine] * rows.step - starts(have)[mine]
-    return slice(begin, begin + (kept[mine] - 1) * rows.step + 1, rows.step)
+    return slice(begin, begin + (kept[mine] - 1) * rows.step + 1, rows.step), None
 
 
 @rule(Tensor.__getitem__, params="input, index", prefix=True)
@@ -686,7 +696,8 @@ def getitem(g: Guard, call: Call) -> Any:
     """Local when the spatial dimensions are taken whole (``x[:, :16]``, ``x[:, :16, :, :]``,
     ``x[:, idx]`` with a channel index tensor, ``x[..., :16]`` on a channels-last block);
     index tensors only before the spatial dimensions. A slice with a step is local where the
-    blocks are whole groups of it (patch merging's ``x[..., 0::2, 0::2, :]``). A slice of
+    blocks are whole groups of it (patch merging's ``x[..., 0::2, 0::2, :]``), else each rank
+    fetches the rows from its first kept row to its last first. A slice of
     step 1 along a spatial dimension (Swin's unpad ``x[:, :H, :W, :]``, ``x[..., 1:-1]``) is
     a crop: ``F.pad`` by negative pads, whose rule fetches each rank's new rows. On tokens
     with class tokens before them, ``x[:, 0]`` (``x[:, :2]``) is whole, all-reduced from the
@@ -695,7 +706,10 @@ def getitem(g: Guard, call: Call) -> Any:
     if prefixed(g.folds(x)) and (y := _prefix_index(g, x, call["index"])) is not None:
         return y
     size = whole_size(g, x)
-    dims, index, crops, new_size = _indexed(g, x, call["index"], size)
+    dims, index, crops, new_size, moves = _indexed(g, x, call["index"], size)
+    axes = g.grid.axes(len(size))
+    for k, (dim, have, want) in moves.items():
+        x = _rows_moved(x, dim, axes[k], have, want)
     y = g.marked(x[index], dims, new_size)
     if not crops:
         return y
@@ -722,9 +736,10 @@ def setitem(g: Guard, call: Call) -> None:
         if found is not None:
             _write_after_prefix(g, x, found, value)
             return
-    dims, index, crops, _ = _indexed(g, x, index, whole_size(g, x))
-    if crops:
-        raise g.refuse("indexing", "it writes to part of a spatial dimension")
+    dims, index, crops, _, moves = _indexed(g, x, index, whole_size(g, x))
+    if crops or moves:
+        raise g.refuse("indexing", "it writes to part of a spatial dimension, or to rows with "
+                       "a step that the blocks do not hold in tensor_split layout")  # fmt: skip
     if g.is_split(value) and g.form(value) != (dims, g.folds(x)):
         raise g.refuse(call.name, "it writes a block of another layout")
     if isinstance(value, Tensor) and not g.is_split(value):
