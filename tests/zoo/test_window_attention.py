@@ -14,7 +14,9 @@ import pytest
 from zoo_parity import largest_saved
 from zoo_run import CASE_TIMEOUT_S
 
-WINDOWED = {"tv swin": "rows", "tv swin3d": "depth", "monai SwinUNETR 2-D": "rows"}
+# tv swin 40: blocks that are not whole windows, so rows move to whole windows and back
+WINDOWED = {"tv swin": "rows", "tv swin3d": "depth", "monai SwinUNETR 2-D": "rows",
+            "tv swin 40": "rows"}  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", list(WINDOWED))

@@ -490,6 +490,11 @@ ARCHS: dict[str, Arch] = {
         "torchvision", _tv_swin, what="shifted-window attention: windows folded into the "
         "batch, a cyclic roll, the attention mask, strided patch merging",
     ),
+    "tv swin 40": Arch(
+        "torchvision", _tv_swin, (3, 40, 40),
+        what="the same at 40 x 40: 10 rows padded to 12, 3 windows of 4 on blocks of 6 (rows "
+        "move to 8 + 4 and back), patch merging's 1::2 on blocks of 5 (rows fetched first)",
+    ),
     "tv maxvit": Arch(
         "torchvision", _tv_maxvit,
         what="hybrid: window and grid attention (partition reshapes), relative position bias",
@@ -937,7 +942,7 @@ COLS = (
     "timm tf_efficientnet_lite0",  # 'same' padding computed per dimension from the size
     "timm resnetblur18",  # F.pad in reflect mode, then a strided blur
     # window attention on blocks: the window grid of columns folded into the batch
-    "tv swin",
+    "tv swin", "tv swin 40",
     # hybrids and a ViT: attention over the flattened tokens, patch reshapes
     "tv maxvit", "timm maxvit", "timm coatnet", "timm mobilevit_xxs", "timm mobilevitv2_050",
     "timm edgenext_xx_small", "timm efficientformerv2_s0", "smp Segformer mit_b0",
@@ -1153,6 +1158,10 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('tv swin', 'data'): (
+        'exact',
+        '',
+    ),
+    ('tv swin 40', 'data'): (
         'exact',
         '',
     ),
@@ -1524,6 +1533,10 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
+    ('tv swin 40', 'rows'): (
+        'exact',
+        '',
+    ),
     ('tv maxvit', 'rows'): (
         'exact',
         '',
@@ -1776,6 +1789,10 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
+    ('tv swin 40', 'cols'): (
+        'exact',
+        '',
+    ),
     ('tv maxvit', 'cols'): (
         'exact',
         '',
@@ -1997,6 +2014,10 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('tv swin', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('tv swin 40', 'channel'): (
         'exact',
         '',
     ),
