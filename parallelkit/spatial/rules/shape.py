@@ -223,7 +223,8 @@ def _regroup(
     next ones whose product it is. A spatial factor may be split into (outer, inner): the
     outer part stays spatial, its blocks in tensor_split layout, every block whole groups of
     the inner size (space-to-depth, a window partition's ``(H / ws, ws)``; where the
-    dimension's blocks are not, its rows move first, and each rank needs one group at least).
+    dimension's blocks are not, its rows move first, some ranks holding none if the groups
+    are fewer than they).
     A dimension that takes one spatial factor and others after it is that spatial dimension
     again, in tensor_split layout of the product (depth-to-space, a window reverse; rows move
     back where the groups' blocks are not that layout); any other with a spatial factor is a
@@ -276,18 +277,16 @@ def _group(
     grids are spatial."""
     i, groups, partition, cuts = 0, [], False, []
 
-    def cut(m: int, k: int | None, outer: int) -> str | None:
-        if k is None or in_whole_groups(outer, m // outer, parts[k]):
-            return None
-        cuts.append((k, m, m // outer))
-        return None
+    def cut(m: int, k: int | None, outer: int) -> None:
+        """Note a cut of spatial dimension ``k`` whose blocks are not whole groups."""
+        if k is not None and not in_whole_groups(outer, m // outer, parts[k]):
+            cuts.append((k, m, m // outer))
 
     for at, n in enumerate(b):
         group, prod = [], 1
         if (ones and n == 1 and i < len(flat) and flat[i][1] is not None
                 and at + 1 < len(b) and b[at + 1] == flat[i][0] > 1):  # fmt: skip
-            if why := cut(*flat[i], 1):
-                return why
+            cut(*flat[i], 1)
             group, flat[i] = [(1, flat[i][1])], (flat[i][0], None)
         while prod < n:
             m, k = flat[i]
@@ -299,8 +298,7 @@ def _group(
             if n % prod or m % outer:
                 return "regroups across a spatial dimension" if k is not None or any(
                     f[1] is not None for f in group) else "regroups dimensions unevenly"
-            if why := cut(m, k, outer):
-                return why
+            cut(m, k, outer)
             partition |= k is not None and outer > 1
             group.append((outer, k))
             flat[i] = (m // outer, None)
