@@ -344,8 +344,8 @@ class SpatialGuard(TorchFunctionMode):
 
     def _scan(self, args: tuple, kwargs: dict) -> tuple[list[Tensor], bool]:
         """The blocks among the arguments (:meth:`_blocks_in`), and whether the arguments are
-        bare: blocks and values without a tensor in them, so that a rule
-        has nothing whole to cut (a pytree walk costs tens of microseconds, more than the
+        bare: blocks and values without a tensor in them, so that a rule has nothing whole to
+        cut and walks no tree (a pytree walk costs tens of microseconds, more than the
         operation on a fast device)."""
         found, bare, record = [], True, self._blocks
         for a in (*args, *kwargs.values()) if kwargs else args:
