@@ -189,6 +189,8 @@ class ForwardCodeNet(nn.Module):
             self.rel = nn.Parameter(torch.randn(ws * ws, ws * ws) / 4)
         if kind == "coordinates":  # a positional embedding of the whole size, a parameter
             self.pos = nn.Parameter(torch.randn(1, 6, 12, 10) / 4 + 1)
+        if kind == "patches in the batch":  # TNT: a convolution over each patch's pixels
+            self.inner = nn.Conv2d(6, 6, 3, padding=1)
         if kind == "space to depth":  # mixes the 4 pixels of each 2 x 2 cell
             self.mix = nn.Conv2d(24, 24, 1)
         if kind == "functional conv":  # weight standardization (timm's StdConv2d, BiT)
@@ -297,6 +299,12 @@ class ForwardCodeNet(nn.Module):
             # keep 2 and 3 of 1::2, not 3 and 2; each rank fetches its 3 and 2 first
             y = torch.cat([x[..., 0::2, 0::2], x[..., 1::2, 1::2], x[..., 0::2, 1::2]], 1)
             return y[:, :6] * y[:, 6:12] + y[:, 12:] - x[..., 1::2, 0::2]  # (N, 6, 6, 5)
+        if k == "patches in the batch":  # TNT: 4 x 5 patches of 12 x 10 folded into the batch
+            # (rows move to whole patches on blocks of 6), a 3 x 3 convolution inside each
+            n, c, h, w = x.shape
+            p = x.view(n, c, h // 4, 4, w // 5, 5).permute(0, 2, 4, 1, 3, 5)
+            y = self.inner(p.reshape(-1, c, 4, 5)).view(n, h // 4, w // 5, c, 4, 5)
+            return x + y.permute(0, 3, 1, 4, 2, 5).reshape(n, c, h, w)
         if k == "whole-size constants":  # made from x.shape: this rank's block of each
             mask = torch.ones(x.shape[0], 1, *x.shape[2:], dtype=x.dtype)
             return x * mask + x.new_full(x.shape, 0.5) + torch.zeros_like(x)
@@ -414,6 +422,7 @@ FORWARD_CODE = {
         "windows across blocks",
         "space to depth by 4 along H",
         "strides across blocks",
+        "patches in the batch",
         "whole-size constants",
         "coordinates",
         "channels-last ops",

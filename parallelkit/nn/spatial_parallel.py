@@ -107,8 +107,8 @@ class _SpatialConv(SpatialLayer):
             )
         weight = layout.replicated(self.weight, self.comm)
         bias = None if self.bias is None else layout.replicated(self.bias, self.comm)
-        if self.pointwise:  # F.conv refuses an empty block; the parameters stay in the graph
-            if 0 in x_blk.shape[2:]:
+        if self.pointwise or layout.batched(x_blk):  # no halo: the convolution as it is
+            if 0 in x_blk.shape[2:]:  # F.conv refuses an empty block; the parameters stay
                 return empty_output(x_blk, self.out_channels, x_blk.shape[2:], x_blk, weight, bias)
             return self._conv_forward(x_blk, weight, bias)
         size = size or self.grid.global_size(x_blk, type(self).__name__)

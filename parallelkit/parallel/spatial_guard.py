@@ -112,6 +112,11 @@ class SpatialGuard(TorchFunctionMode):
         window partition), each fold's factors outermost first; () for none."""
         return self._blocks[id(t)][3] if self.is_split(t) else ()
 
+    def batched(self, t: Tensor) -> bool:
+        """Whether block ``t``'s spatial dimensions are all folded into its first dimension,
+        the batch (``layout.batched``)."""
+        return self.is_split(t) and all(t.dim() + d == 0 for d in self.places(t))
+
     def form(self, t: Tensor) -> tuple[Places, tuple[Fold, ...]]:
         """Where block ``t``'s spatial dimensions are and how they are folded: two blocks of
         one form line up element for element, so an operation between them is local."""
@@ -252,15 +257,18 @@ class SpatialGuard(TorchFunctionMode):
     def _layer_form(self, module: nn.Module, blocks: list[Tensor]) -> Any:
         """None for (N, C, *spatial) blocks, which every layer that takes blocks takes; the
         form of one block in another form (its output keeps it) that a pointwise convolution
-        is given with the spatial dimensions after the channels, or a norm with none in the
-        channels (LeViT's BatchNorm1d over (N * L, C): a per-channel statistic over every other
-        dimension, merged over the ranks as for an image); otherwise the refusal."""
+        is given with the spatial dimensions after the channels, any convolution with all of
+        them folded into the batch (TNT's patches: it convolves each patch's own pixels, as
+        dense), or a norm with none in the channels (LeViT's BatchNorm1d over (N * L, C): a
+        per-channel statistic over every other dimension, merged over the ranks as for an
+        image); otherwise the refusal."""
         if all(self.places(b) == standard(b) and not self.folds(b) for b in blocks):
             return None
         places = [blocks[0].dim() + d for d in self.places(blocks[0])]
         pointwise = getattr(module, "pointwise", False) and all(p >= 2 for p in places)
         norm = takes_blocks(module) == "norm" and blocks[0].dim() >= 2 and 1 not in places
-        if len(blocks) != 1 or not (pointwise or norm):
+        batched = hasattr(module, "pointwise") and self.batched(blocks[0])  # convolutions
+        if len(blocks) != 1 or not (pointwise or norm or batched):
             raise self.refuse(type(module).__name__, "it wants (N, C, *spatial) blocks", module)
         return self.form(blocks[0])
 

@@ -39,6 +39,8 @@ class SplitRecord(Protocol):
 
     def size_of(self, t: torch.Tensor) -> tuple[int, int] | None: ...
 
+    def batched(self, t: torch.Tensor) -> bool: ...
+
 
 _active = threading.local()
 
@@ -47,6 +49,14 @@ def is_split(t: torch.Tensor) -> bool:
     """Whether ``t`` is a block of split images (always, outside a spatial region)."""
     records = getattr(_active, "records", None)
     return not records or records[-1].is_split(t)
+
+
+def batched(t: torch.Tensor) -> bool:
+    """Whether block ``t`` holds all its spatial dimensions folded into its batch dimension
+    (TNT's patches in the batch, each patch's own pixels after the channels): a layer's window
+    over the dimensions after the channels then reads nothing of another rank's."""
+    records = getattr(_active, "records", None)
+    return bool(records) and records[-1].batched(t)
 
 
 def size_of(t: torch.Tensor) -> tuple[int, int] | None:

@@ -574,6 +574,14 @@ ARCHS: dict[str, Arch] = {
         what="PiT: the tokens after the class token read back as a map and pooled by a "
         "strided depthwise convolution, the class token by a Linear, joined again",
     ),
+    "timm tnt": Arch(
+        "timm", _timm("tnt_s_patch16_224", img_size=40, patch_size=8, embed_dim=32,
+                      inner_dim=8, depth=2, num_heads_outer=2, num_heads_inner=2),
+        (3, 40, 40),
+        what="Transformer in Transformer: 5 x 5 patches of 8 x 8 pixels folded into the batch "
+        "(rows move to whole patches), a convolution inside each patch, attention over each "
+        "patch's pixels and over the patches with a class token",
+    ),
     "timm convit_tiny": Arch(
         "timm", _timm("convit_tiny", img_size=64, patch_size=8, depth=2, local_up_to_layer=1),
         what="ConViT: gated positional self-attention with whole (L, L, 3) relative "
@@ -943,6 +951,8 @@ COLS = (
     "timm resnetblur18",  # F.pad in reflect mode, then a strided blur
     # window attention on blocks: the window grid of columns folded into the batch
     "tv swin", "tv swin 40",
+    # patches folded into the batch, a convolution inside each (5 patches over 2 ranks)
+    "timm tnt",
     # hybrids and a ViT: attention over the flattened tokens, patch reshapes
     "tv maxvit", "timm maxvit", "timm coatnet", "timm mobilevit_xxs", "timm mobilevitv2_050",
     "timm edgenext_xx_small", "timm efficientformerv2_s0", "smp Segformer mit_b0",
@@ -1230,6 +1240,10 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('timm pit_ti', 'data'): (
+        'exact',
+        '',
+    ),
+    ('timm tnt', 'data'): (
         'exact',
         '',
     ),
@@ -1605,6 +1619,10 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
+    ('timm tnt', 'rows'): (
+        'exact',
+        '',
+    ),
     ('timm convit_tiny', 'rows'): (
         'exact',
         '',
@@ -1830,6 +1848,10 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('timm deit_tiny distilled', 'cols'): (
+        'exact',
+        '',
+    ),
+    ('timm tnt', 'cols'): (
         'exact',
         '',
     ),
@@ -2086,6 +2108,10 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('timm pit_ti', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('timm tnt', 'channel'): (
         'exact',
         '',
     ),
