@@ -579,8 +579,8 @@ ARCHS: dict[str, Arch] = {
                       inner_dim=8, depth=2, num_heads_outer=2, num_heads_inner=2),
         (3, 40, 40),
         what="Transformer in Transformer: 5 x 5 patches of 8 x 8 pixels folded into the batch "
-        "(rows move to whole patches), a convolution inside each patch, attention over each "
-        "patch's pixels and over the patches with a class token",
+        "(F.unfold fetches each rank's whole patches), a convolution inside each patch, "
+        "attention over each patch's pixels and over the patches with a class token",
     ),
     "timm convit_tiny": Arch(
         "timm", _timm("convit_tiny", img_size=64, patch_size=8, depth=2, local_up_to_layer=1),
