@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_map
 
 import parallelkit.functional as pkf
-from parallelkit.geometry import in_whole_groups, starts, tensor_split_sizes
+from parallelkit.geometry import blocks, in_whole_groups, starts, tensor_split_sizes
 from parallelkit.spatial import layout, relayout
 from parallelkit.spatial.grid import Axis
 from parallelkit.spatial.rules.registry import (
@@ -118,12 +118,12 @@ def reshape(g: Guard, call: Call) -> Any:
     shape, out_dims, size, folds, moves = regrouped
     axes = g.grid.axes(len(dims))
     for k, m, inner in moves.into_groups:
-        x = _rows_moved(x, x.dim() + dims[k], axes[k], _blocks_of(m, axes[k]),
+        x = _rows_moved(x, x.dim() + dims[k], axes[k], blocks(m, axes[k][1]),
                         _grouped(m, inner, axes[k]))  # fmt: skip
     y = x.view(shape) if call.func in _VIEWS else x.reshape(shape)
     for at, k, groups, inner in moves.out_of_groups:
         m = groups * inner
-        y = _rows_moved(y, at, axes[k], _grouped(m, inner, axes[k]), _blocks_of(m, axes[k]))
+        y = _rows_moved(y, at, axes[k], _grouped(m, inner, axes[k]), blocks(m, axes[k][1]))
     return g.marked(y, out_dims, size, folds)
 
 
@@ -145,15 +145,10 @@ class _Moves:
     out_of_groups: tuple[tuple[int, int, int, int], ...] = ()
 
 
-def _blocks_of(m: int, axis: Axis) -> list[tuple[int, int]]:
-    """The tensor_split blocks of ``m`` rows over the ranks along ``axis``."""
-    sizes = tensor_split_sizes(m, axis[1])
-    return [(a, a + n) for a, n in zip(starts(sizes), sizes, strict=True)]
-
-
 def _grouped(m: int, inner: int, axis: Axis) -> list[tuple[int, int]]:
-    """The blocks of ``m`` rows in whole groups of ``inner``: the groups' tensor_split."""
-    return [(a * inner, b * inner) for a, b in _blocks_of(m // inner, axis)]
+    """The blocks of ``m`` rows in whole groups of ``inner`` over the ranks along ``axis``:
+    the groups' tensor_split."""
+    return [(a * inner, b * inner) for a, b in blocks(m // inner, axis[1])]
 
 
 def _rows_moved(x: Tensor, dim: int, axis: Axis, have: list[tuple[int, int]],
@@ -680,9 +675,9 @@ def _strided(g: Guard, x: Tensor, k: int, rows: range) -> tuple[slice, Move | No
             for a, m, j in zip(starts(have), have, firsts, strict=True)]  # fmt: skip
     if kept != want:
         fetched = [(rows[a], rows[b - 1] + 1) if b > a else (0, 0)
-                   for a, b in _blocks_of(len(rows), axis)]  # fmt: skip
+                   for a, b in blocks(len(rows), parts)]  # fmt: skip
         return (slice(None, None, rows.step) if want[mine] else slice(0, 0)), (
-            _blocks_of(n, axis), fetched)
+            blocks(n, parts), fetched)
     if not kept[mine]:
         return slice(0, 0), None
     begin = rows.start + firsts[mine] * rows.step - starts(have)[mine]
