@@ -291,7 +291,7 @@ class ForwardCodeNet(nn.Module):
             y = torch.cat([y[:, 0::2, 0::2], y[:, 1::2, 1::2]], -1).permute(0, 3, 1, 2)
             return y[:, :6] * y[:, 6:]  # (N, 6, 6, 6)
         if k == "windows across blocks":  # windows of 4 on 12 x 12: blocks of 6 rows (and
-            # columns) are not whole windows, so rows move to 8 + 4 and back; on 3 ranks 3 each
+            # columns) are not whole windows, so rows move to 8 + 4 and back
             y = F.pad(x, (0, -x.shape[-1] % 4)).permute(0, 2, 3, 1)
             y = y + shifted_window_attention(y, self.qkv, self.rel, 4, 2)
             return y.permute(0, 3, 1, 2)
