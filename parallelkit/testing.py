@@ -162,6 +162,8 @@ class Ranks:
                     inbox.put(None)
         deadline = time.monotonic() + 5
         for p in self._procs:
+            if p.pid is None:  # never started: a start before it failed
+                continue
             p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()

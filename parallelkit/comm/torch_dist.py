@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import gc
 import inspect
 import os
 import sys
@@ -372,3 +373,9 @@ def _destroy_default_group() -> None:
         if dist.get_backend() == "gloo":
             dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
         dist.destroy_process_group()
+    # The world communicator still holds its groups; freed here, their threads are joined
+    # while the interpreter is whole, not left to the C++ exit where a running one aborts.
+    import parallelkit.comm
+
+    parallelkit.comm._WORLD = None
+    gc.collect()
