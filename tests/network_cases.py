@@ -187,6 +187,9 @@ class ForwardCodeNet(nn.Module):
             ws = 3 if kind == "window attention" else 4
             self.qkv = nn.Parameter(torch.randn(18, 6) / 3)
             self.rel = nn.Parameter(torch.randn(ws * ws, ws * ws) / 4)
+        if kind == "halo attention":  # HaloNet: queries, keys with a halo, relative logits
+            self.rel_w = nn.Parameter(torch.randn(2 * 7 - 1, 6) / 3)  # key windows 8 x 7
+            self.rel_h = nn.Parameter(torch.randn(2 * 8 - 1, 6) / 3)
         if kind == "coordinates":  # a positional embedding of the whole size, a parameter
             self.pos = nn.Parameter(torch.randn(1, 6, 12, 10) / 4 + 1)
         if kind == "patches in the batch":  # TNT: a convolution over each patch's pixels
@@ -305,6 +308,24 @@ class ForwardCodeNet(nn.Module):
             p = x.view(n, c, h // 4, 4, w // 5, 5).permute(0, 2, 4, 1, 3, 5)
             y = self.inner(p.reshape(-1, c, 4, 5)).view(n, h // 4, w // 5, c, 4, 5)
             return x + y.permute(0, 3, 1, 4, 2, 5).reshape(n, c, h, w)
+        if k == "halo attention":  # HaloNet's blocked attention on 12 x 10: blocks of 6 x 5
+            # (whole ones on every grid), keys from windows of 8 x 7 (a halo of 1) with
+            # relative logits (timm's skew and expand); then one block of the whole map, whose
+            # single key window one rank holds
+            n, c, h, w = x.shape
+            q = x.view(n, c, 2, 6, 2, 5).permute(0, 2, 4, 3, 5, 1).reshape(n, 4, 30, c)
+            kv = F.pad(x, (1, 1, 1, 1)).unfold(2, 8, 6).unfold(3, 7, 5)  # (n, c, 2, 2, 8, 7)
+            k = kv.permute(0, 2, 3, 4, 5, 1).reshape(n, 4, 56, c)
+            blocks = q.reshape(-1, 6, 5, c)
+            rel = halo_logits(blocks, self.rel_w, 8).permute(0, 1, 3, 2, 4)  # (., 6, 5, 8, 7)
+            rel = rel + halo_logits(blocks.transpose(1, 2), self.rel_h, 7).permute(0, 3, 1, 4, 2)
+            attn = (q @ k.transpose(-1, -2) + rel.reshape(n, 4, 30, 56)).softmax(-1)
+            y = (attn @ k).view(n, 2, 2, 6, 5, c).permute(0, 5, 1, 3, 2, 4).reshape(n, c, h, w)
+            q = y.reshape(n, c, 1, h * w).permute(0, 2, 3, 1)  # one block: tokens split
+            k = F.pad(y, (1, 1, 1, 1)).unfold(2, h + 2, h).unfold(3, w + 2, w)
+            k = k.reshape(n, c, 1, -1).permute(0, 2, 3, 1)  # (n, 1, 168, c): one window
+            y2 = (q @ k.transpose(-1, -2)).softmax(-1) @ k
+            return x + y2.permute(0, 3, 1, 2).reshape(n, c, h, w)
         if k == "whole-size constants":  # made from x.shape: this rank's block of each
             mask = torch.ones(x.shape[0], 1, *x.shape[2:], dtype=x.dtype)
             return x * mask + x.new_full(x.shape, 0.5) + torch.zeros_like(x)
@@ -349,6 +370,18 @@ def _forward_code_loss(out, t):
     if isinstance(out, dict):  # per-pixel map and logits, both in the loss
         return F.cross_entropy(out["logits"], t % 5, reduction="sum") + out["out"].square().sum()
     return F.cross_entropy(out, t % 5, reduction="sum")
+
+
+def halo_logits(q: torch.Tensor, rel: torch.Tensor, other: int) -> torch.Tensor:
+    """timm's ``rel_logits_1d`` of HaloNet: queries (B, H, W, C) of a block against keys of a
+    window of ``(len(rel) + 1) // 2`` along W, relative to absolute positions by its pad,
+    flatten and reshape; (B, H, other, W, win), expanded over the window's other side."""
+    b, h, w, _ = q.shape
+    size = rel.shape[0]
+    win = (size + 1) // 2
+    x = (q @ rel.transpose(-1, -2)).reshape(-1, w, size)
+    x = F.pad(F.pad(x, [0, 1]).flatten(1), [0, size - w]).reshape(-1, w + 1, size)
+    return x[:, :w, win - 1 :].reshape(b, h, 1, w, win).expand(-1, -1, other, -1, -1)
 
 
 def shifted_window_attention(
@@ -423,6 +456,7 @@ FORWARD_CODE = {
         "space to depth by 4 along H",
         "strides across blocks",
         "patches in the batch",
+        "halo attention",
         "whole-size constants",
         "coordinates",
         "channels-last ops",

@@ -359,6 +359,22 @@ def repeat(g: Guard, call: Call) -> Any:
     return g.marked(call.run(), dims)
 
 
+@rule(*ops("expand", Tensor), params="input, *sizes", folds=True)
+def expand(g: Guard, call: Call) -> Any:
+    """Local where every dimension holding spatial ones keeps its size (-1, or the whole size
+    read from ``x.shape``): size-1 dimensions and new leading ones expand (the relative
+    position logits of HaloNet and BotNet, ``(B, H, 1, W, W).expand(-1, -1, H, -1, -1)``)."""
+    x, sizes = call["input"], call["sizes"]
+    if len(sizes) == 1 and not isinstance(sizes[0], int):
+        sizes = tuple(sizes[0])
+    sizes, whole = [int(n) for n in sizes], whole_shape(g, x)
+    for d in set(g.places(x)):
+        if sizes[len(sizes) + d] not in (-1, whole[d]):
+            raise g.refuse(call.name, f"it expands a spatial dimension (sizes {tuple(sizes)})")
+        sizes[len(sizes) + d] = -1
+    return g.marked(x.expand(*sizes), g.places(x))
+
+
 @rule(*ops("expand_as", Tensor), params="input, other", prefix=True)
 def expand_as(g: Guard, call: Call) -> Any:
     """Local: a block expanded along non-spatial dimensions of size 1, or a whole tensor of

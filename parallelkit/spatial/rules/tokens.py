@@ -17,7 +17,9 @@ partition. Each rank holds a box of the whole token index space
   mask or bias cut to this rank's query rows. Otherwise (the explicit pattern, keys and values
   of another map, such as Segformer's pooled ones, or whole queries) the keys and values are
   all-gathered and put in the whole order: the scores' columns are then the whole samples'
-  keys, so a whole mask or bias needs only its rows cut.
+  keys, so a whole mask or bias needs only its rows cut. Keys of a single window (HaloNet's
+  blocked attention on a map no larger than its block: the window's rank holds it, the others
+  none) are gathered alike.
 - **Contractions over tokens** (``k.transpose(-2, -1) @ v`` of linear attention,
   cross-covariance ``q.transpose(-2, -1) @ k``, a whole (M, L) matrix times a block): a local
   product of this rank's tokens, all-reduced; the result is whole.
@@ -180,8 +182,9 @@ def matmul(g: Guard, x: Any, w: Any) -> Tensor | None:
     tx, tw = token_dim(g, x), token_dim(g, w)
     if not isinstance(x, Tensor) or not isinstance(w, Tensor) or min(x.dim(), w.dim()) < 2:
         return None
-    if tx == -2 and tw in (-1, -2):  # q @ k^T; attn @ v
-        return _like(g, x @ whole_tokens(g, w), x)
+    if tx == -2 and (tw in (-1, -2) or (tw is not None and count(g, w) == 1)):  # q @ k^T;
+        return _like(g, x @ whole_tokens(g, w), x)  # attn @ v; keys of one window (HaloNet's
+    # on a map no larger than its block: the window's rank holds them, the others none)
     if tx == -1 and tw == -1 and w.shape[-2] == count(g, x):  # v @ attn^T (SHViT): its
         return _like(g, whole_tokens(g, x) @ w, w)  # rows are every key, in the whole order
     if tx == -2 and not g.is_split(w):  # q @ (k^T v), whole matrices by batch: rows local
