@@ -190,6 +190,9 @@ class ForwardCodeNet(nn.Module):
         if kind == "halo attention":  # HaloNet: queries, keys with a halo, relative logits
             self.rel_w = nn.Parameter(torch.randn(2 * 7 - 1, 6) / 3)  # key windows 8 x 7
             self.rel_h = nn.Parameter(torch.randn(2 * 8 - 1, 6) / 3)
+        if kind == "relative logits":  # BotNet: the tables of relative positions along W, H
+            self.rel_w = nn.Parameter(torch.randn(2 * 10 - 1, 6) / 3)
+            self.rel_h = nn.Parameter(torch.randn(2 * 12 - 1, 6) / 3)
         if kind == "coordinates":  # a positional embedding of the whole size, a parameter
             self.pos = nn.Parameter(torch.randn(1, 6, 12, 10) / 4 + 1)
         if kind == "patches in the batch":  # TNT: a convolution over each patch's pixels
@@ -326,6 +329,15 @@ class ForwardCodeNet(nn.Module):
             k = k.reshape(n, c, 1, -1).permute(0, 2, 3, 1)  # (n, 1, 168, c): one window
             y2 = (q @ k.transpose(-1, -2)).softmax(-1) @ k
             return x + y2.permute(0, 3, 1, 2).reshape(n, c, h, w)
+        if k == "relative logits":  # BotNet: attention over all 120 tokens, relative logits
+            # skewed to absolute positions along the split dimensions (whole on every rank)
+            n, c, h, w = x.shape
+            q = x.permute(0, 2, 3, 1)
+            rel = halo_logits(q, self.rel_w, h).permute(0, 1, 3, 2, 4)  # (n, h, w, h, w)
+            rel = rel + halo_logits(q.transpose(1, 2), self.rel_h, w).permute(0, 3, 1, 4, 2)
+            t = q.reshape(n, h * w, c)
+            attn = (t @ t.transpose(-1, -2) + rel.reshape(n, h * w, h * w)).softmax(-1)
+            return x + (attn @ t).transpose(1, 2).reshape(n, c, h, w)
         if k == "whole-size constants":  # made from x.shape: this rank's block of each
             mask = torch.ones(x.shape[0], 1, *x.shape[2:], dtype=x.dtype)
             return x * mask + x.new_full(x.shape, 0.5) + torch.zeros_like(x)
@@ -375,7 +387,8 @@ def _forward_code_loss(out, t):
 def halo_logits(q: torch.Tensor, rel: torch.Tensor, other: int) -> torch.Tensor:
     """timm's ``rel_logits_1d`` of HaloNet: queries (B, H, W, C) of a block against keys of a
     window of ``(len(rel) + 1) // 2`` along W, relative to absolute positions by its pad,
-    flatten and reshape; (B, H, other, W, win), expanded over the window's other side."""
+    flatten and reshape; (B, H, other, W, win), expanded over the window's other side.
+    BotNet's is the same with the window the whole map (``len(rel) == 2 * W - 1``)."""
     b, h, w, _ = q.shape
     size = rel.shape[0]
     win = (size + 1) // 2
@@ -457,6 +470,7 @@ FORWARD_CODE = {
         "strides across blocks",
         "patches in the batch",
         "halo attention",
+        "relative logits",
         "whole-size constants",
         "coordinates",
         "channels-last ops",

@@ -582,6 +582,12 @@ ARCHS: dict[str, Arch] = {
         "(F.unfold fetches each rank's whole patches), a convolution inside each patch, "
         "attention over each patch's pixels and over the patches with a class token",
     ),
+    "timm botnet26t": Arch(
+        "timm", _timm("botnet26t_256", img_size=128), (3, 128, 128),
+        what="BotNet: attention over every token of 8 x 8 and 4 x 4 maps, relative position "
+        "logits skewed to absolute positions (a pad, flatten and reshape across rows) along "
+        "the split dimension, then expanded",
+    ),
     "timm convit_tiny": Arch(
         "timm", _timm("convit_tiny", img_size=64, patch_size=8, depth=2, local_up_to_layer=1),
         what="ConViT: gated positional self-attention with whole (L, L, 3) relative "
@@ -953,6 +959,8 @@ COLS = (
     "tv swin", "tv swin 40",
     # patches folded into the batch, a convolution inside each (5 patches over 2 ranks)
     "timm tnt",
+    # relative logits skewed along the split dimension: all-gathered, cut at the scores
+    "timm botnet26t",
     # hybrids and a ViT: attention over the flattened tokens, patch reshapes
     "tv maxvit", "timm maxvit", "timm coatnet", "timm mobilevit_xxs", "timm mobilevitv2_050",
     "timm edgenext_xx_small", "timm efficientformerv2_s0", "smp Segformer mit_b0",
@@ -1244,6 +1252,10 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('timm tnt', 'data'): (
+        'exact',
+        '',
+    ),
+    ('timm botnet26t', 'data'): (
         'exact',
         '',
     ),
@@ -1623,6 +1635,10 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
+    ('timm botnet26t', 'rows'): (
+        'exact',
+        '',
+    ),
     ('timm convit_tiny', 'rows'): (
         'exact',
         '',
@@ -1852,6 +1868,10 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('timm tnt', 'cols'): (
+        'exact',
+        '',
+    ),
+    ('timm botnet26t', 'cols'): (
         'exact',
         '',
     ),
@@ -2112,6 +2132,10 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('timm tnt', 'channel'): (
+        'exact',
+        '',
+    ),
+    ('timm botnet26t', 'channel'): (
         'exact',
         '',
     ),

@@ -45,7 +45,16 @@ from parallelkit.spatial.rules.registry import (
     whole_size,
 )
 from parallelkit.spatial.rules.tokens import token_dim
-from parallelkit.spatial.token_comm import box, fold_count, prefix_of, prefixed, with_prefix
+from parallelkit.spatial.token_comm import (
+    box,
+    fold_count,
+    gather_tokens,
+    prefix_of,
+    prefixed,
+    token_orders,
+    whole_order,
+    with_prefix,
+)
 
 
 def _positions(g: Guard, x: Tensor) -> tuple[int, ...]:
@@ -467,6 +476,26 @@ def to_form(g: Guard, t: Tensor, like: Tensor) -> Tensor | None:
         return None
     target = _factors(g, like, shape)
     return _moved(g, t, target, like.shape, g.places(like), g.size_of(like), g.folds(like))
+
+
+def gathered_whole(g: Guard, t: Tensor) -> Tensor | None:
+    """Block ``t``, of any layout, whole on every rank (not marked): one all-gather of every
+    rank's elements, put in the whole order; backward sums each rank's share of the gradient
+    (a reduce-scatter). None for a block with a class token's prefix."""
+    shape = tuple(whole_shape(g, t))
+    if prefixed(g.folds(t)):
+        return None
+    source = _factors(g, t, shape)
+    batch = source[0][0] if source[0][1] is None else 1
+    if batch != 1:  # a whole outermost dimension (the batch): the same per sample
+        source = source[1:]
+    key = ("whole", tuple(source), len(g.places(t)), str(t.device))
+    if key not in g.weights:
+        orders = token_orders(g.grid, tuple(source), len(g.places(t)))
+        where = whole_order(orders)
+        g.weights[key] = ([len(o) for o in orders], None if where is None else where.to(t.device))
+    sizes, where = g.weights[key]
+    return gather_tokens(t.reshape(batch, -1), g.grid.comm, 1, sizes, where).view(shape)
 
 
 def _moved(

@@ -44,6 +44,7 @@ from parallelkit.spatial.rules.registry import (
     rule,
     whole_size,
 )
+from parallelkit.spatial.rules.shape import gathered_whole
 from parallelkit.spatial.rules.tokens import token_dim
 from parallelkit.spatial.token_comm import prefix_of, with_prefix
 
@@ -414,7 +415,11 @@ def pad(g: Guard, call: Call) -> Tensor:
     of a patch size, MONAI's pad to a skip connection's size). Pads of other dimensions only
     are local, on any block (EfficientViT pads its tokens' value vectors with a 1). A
     constant pad before a token dimension only (CoaT's zero row in the class token's place)
-    is a prefix of that constant, as a class token (``shape._class_tokens``)."""
+    is a prefix of that constant, as a class token (``shape._class_tokens``). Any other pad
+    of a dimension holding folded spatial ones (BotNet's and HaloNet's relative logits,
+    skewed to absolute positions by a pad, a flatten and a reshape across rows) runs on the
+    whole tensor, all-gathered (``shape.gathered_whole``): what follows is whole, and is cut
+    to the blocks where it meets them (the attention scores)."""
     x, pads = call["input"], list(call["pad"])
     mode, value = call["mode"], call["value"] or 0.0
     padded = {x.dim() - 1 - i for i in range(len(pads) // 2) if pads[2 * i] or pads[2 * i + 1]}
@@ -423,7 +428,9 @@ def pad(g: Guard, call: Call) -> Tensor:
     if g.folds(x):
         if (y := _token_pad(g, x, pads, mode, value)) is not None:
             return y
-        raise g.refuse(call.name, "it pads a dimension that holds folded spatial ones")
+        if (whole := gathered_whole(g, x)) is None:
+            raise g.refuse(call.name, "it pads a dimension that holds folded spatial ones")
+        return F.pad(whole, pads, mode, call["value"])  # a relative-to-absolute skew: whole
     last = tuple(range(-len(g.places(x)), 0))
     if g.places(x) != last:  # channels last (Swin's pads): the same on (N, C, *spatial)
         return _pad_moved(g, x, pads, mode, call["value"])
