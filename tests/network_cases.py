@@ -193,6 +193,9 @@ class ForwardCodeNet(nn.Module):
         if kind == "relative logits":  # BotNet: the tables of relative positions along W, H
             self.rel_w = nn.Parameter(torch.randn(2 * 10 - 1, 6) / 3)
             self.rel_h = nn.Parameter(torch.randn(2 * 12 - 1, 6) / 3)
+        if kind == "token pooling":  # Next-ViT: keys pooled over the flattened tokens
+            self.sr, self.sr2 = nn.AvgPool1d(16), nn.AvgPool1d(12, 8)
+            self.norm = nn.BatchNorm1d(6)
         if kind == "coordinates":  # a positional embedding of the whole size, a parameter
             self.pos = nn.Parameter(torch.randn(1, 6, 12, 10) / 4 + 1)
         if kind == "patches in the batch":  # TNT: a convolution over each patch's pixels
@@ -338,6 +341,13 @@ class ForwardCodeNet(nn.Module):
             t = q.reshape(n, h * w, c)
             attn = (t @ t.transpose(-1, -2) + rel.reshape(n, h * w, h * w)).softmax(-1)
             return x + (attn @ t).transpose(1, 2).reshape(n, c, h, w)
+        if k == "token pooling":  # Next-ViT: windows of 16 of the 120 flattened tokens (across
+            # rows of 10, the last 8 tokens left out) and overlapping ones of 12 by 8: whole
+            n, c, h, w = x.shape
+            t = x.flatten(2)
+            k = self.norm(torch.cat([self.sr(t), self.sr2(t)], -1)).transpose(1, 2)  # (n, 21, c)
+            y = (t.transpose(1, 2) @ k.transpose(-1, -2)).softmax(-1) @ k
+            return x + y.transpose(1, 2).reshape(n, c, h, w)
         if k == "whole-size constants":  # made from x.shape: this rank's block of each
             mask = torch.ones(x.shape[0], 1, *x.shape[2:], dtype=x.dtype)
             return x * mask + x.new_full(x.shape, 0.5) + torch.zeros_like(x)
@@ -471,6 +481,7 @@ FORWARD_CODE = {
         "patches in the batch",
         "halo attention",
         "relative logits",
+        "token pooling",
         "whole-size constants",
         "coordinates",
         "channels-last ops",

@@ -919,6 +919,28 @@ def test_the_walk_reads_tokens_after_class_tokens_as_the_maps():
     assert (rec.kind, rec.tokens, rec.heads) == ("attention", (4, 4), 2)
 
 
+def test_the_walk_reads_a_pooling_over_tokens_as_a_reduction():
+    """Next-ViT's keys: AvgPool1d over a map's flattened tokens is a sum all-reduced (its
+    whole result), not a pooling of a 1-D map with a halo."""
+
+    class PooledKeys(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.sr = nn.Conv2d(3, 8, 3, padding=1), nn.AvgPool1d(16)
+
+        def forward(self, x):
+            t = self.conv(x).flatten(2)  # (N, 8, 64)
+            k = self.sr(t).transpose(1, 2)  # (N, 4, 8): whole
+            return (t.transpose(1, 2) @ k.transpose(1, 2)).mean()
+
+    net = walk(PooledKeys(), (3, 8, 8))
+    assert [(r.kind, r.tokens, r.numel) for r in net.mixing] == [("reduce", (8, 8), (32,))]
+    sr = next(layer for layer in net.layers if layer.name == "sr")
+    assert (sr.kind, sr.tokens, sr.window) == ("other", (8, 8), ())
+    plain = walk(nn.Sequential(nn.Conv1d(3, 8, 3, padding=1), nn.AvgPool1d(2)), (3, 64))
+    assert plain.mixing == () and plain.layers[-1].kind == "pool"  # a signal's own pooling
+
+
 def test_no_attention_no_token_cost():
     """The negative control: the same convolutions without the attention block."""
     net = walk(hybrid(attention=False), (3, 32, 32))

@@ -23,6 +23,7 @@ from parallelkit.spatial import layout
 from parallelkit.spatial.grid import SpatialGrid, grid_of
 from parallelkit.spatial.pool import (
     avg_pool_blocks,
+    avg_pool_tokens,
     max_pool_blocks,
     pool_windows,
 )
@@ -161,7 +162,22 @@ class SpatialAvgPool2d(_SpatialPool):
 
 
 class SpatialAvgPool1d(SpatialAvgPool2d):
+    """Also over a block's flattened tokens, ``(N, C, H * W)`` (Next-ViT's keys): windows of
+    the whole token order, the result whole (:func:`parallelkit.spatial.pool.avg_pool_tokens`)."""
+
     spatial_dims, dense = 1, nn.AvgPool1d
+
+    @property
+    def over_tokens(self) -> bool:
+        """Whether the guard may give it a block's tokens: windows without padding."""
+        return self.padding == (0,) and not self.ceil_mode and self.divisor_override is None
+
+    def forward(self, x_blk: torch.Tensor, size: Sequence[int] | None = None) -> torch.Tensor:
+        if (tokens := layout.tokens(x_blk)) is not None and self.over_tokens:
+            index, count = tokens
+            return avg_pool_tokens(x_blk, index, count, self.kernel_size[0], self.stride[0],
+                                   self.grid.comm)  # fmt: skip
+        return super().forward(x_blk, size)
 
 
 class SpatialAvgPool3d(SpatialAvgPool2d):

@@ -53,7 +53,11 @@ from parallelkit.spatial import layout
 from parallelkit.spatial.grid import SpatialGrid, grid_of
 from parallelkit.spatial.rules import Call, lookup, op_name
 from parallelkit.spatial.rules.registry import Fold, Places, standard
+from parallelkit.spatial.rules.tokens import count, own_tokens, token_dim
 from parallelkit.spatial.token_comm import prefixed
+
+WHOLE = ("whole",)
+"""A layer's form whose output is whole (a pooling over a block's tokens)."""
 
 Size = tuple[int, ...]
 
@@ -116,6 +120,13 @@ class SpatialGuard(TorchFunctionMode):
         """Whether block ``t``'s spatial dimensions are all folded into its first dimension,
         the batch (``layout.batched``)."""
         return self.is_split(t) and all(t.dim() + d == 0 for d in self.places(t))
+
+    def tokens(self, t: Tensor) -> tuple[Tensor, int] | None:
+        """This rank's whole token indices and the whole count of block ``t``, where its last
+        dimension holds all its spatial dimensions (``layout.tokens``)."""
+        if token_dim(self, t) != -1:
+            return None
+        return own_tokens(self, t), count(self, t)
 
     def form(self, t: Tensor) -> tuple[Places, tuple[Fold, ...]]:
         """Where block ``t``'s spatial dimensions are and how they are folded: two blocks of
@@ -268,6 +279,8 @@ class SpatialGuard(TorchFunctionMode):
         pointwise = getattr(module, "pointwise", False) and all(p >= 2 for p in places)
         norm = takes_blocks(module) == "norm" and blocks[0].dim() >= 2 and 1 not in places
         batched = hasattr(module, "pointwise") and self.batched(blocks[0])  # convolutions
+        if len(blocks) == 1 and getattr(module, "over_tokens", False) and self.tokens(blocks[0]):
+            return WHOLE  # a pooling over the flattened tokens: its output is whole
         if len(blocks) != 1 or not (pointwise or norm or batched):
             raise self.refuse(type(module).__name__, "it wants (N, C, *spatial) blocks", module)
         return self.form(blocks[0])
@@ -280,7 +293,9 @@ class SpatialGuard(TorchFunctionMode):
         if id(module) in self._restore:
             module.use_communicators(*self._restore.pop(id(module)))
         if trusted:  # marked while no rule runs (still trusted, or stepped aside)
-            if form is not None:
+            if form is WHOLE:
+                pass
+            elif form is not None:
                 self.mark(out, places=form[0], size=size, folds=form[1])
             elif blocks_out:  # a spatial layer's output size from its geometry; norms keep it
                 out_size = module.out_size(size) if size and hasattr(module, "out_size") else size

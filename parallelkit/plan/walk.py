@@ -131,8 +131,9 @@ class Mixing:
                    ranks decides; numel (q, k, v, output)
         gather     keys or values (of another map, or of the explicit ``q @ k^T``, ``@ v``)
                    all-gathered whole; numel of each gathered tensor
-        reduce     a contraction over tokens or a linear map over the token axis: its small
-                   result all-reduced; numel (result,)
+        reduce     a contraction over tokens, a linear map over the token axis or an
+                   ``AvgPool1d`` over the flattened tokens: its small result all-reduced;
+                   numel (result,)
 
     ``tokens``: the map flattened into the queries' (attention) or the gathered tensors' token
     dimension, whose block a rank holds. ``heads``: the attention's heads; ``masked``: a mask,
@@ -250,7 +251,11 @@ def walk(model: nn.Module, input_shape: Shape, name: str = "model", **net: Any) 
                 seen.spatial = False  # the region ends
             split = seen.spatial and 3 <= out.dim() <= 5  # (N, C, L) to (N, C, D, H, W)
             layer = _record(mod_name, m, args[0], out, split)
-            if split and layer.kind in MAP_KINDS:
+            tokens = seen.tokens_at(args[0], -1) if isinstance(m, nn.AvgPool1d) else None
+            if split and tokens and len(tokens) > 1:  # over a map's flattened tokens (Next-ViT)
+                seen.add("reduce", tokens, out)  # its small result all-reduced, whole
+                layer = replace(layer, kind="other", window=(), tokens=tokens)
+            elif split and layer.kind in MAP_KINDS:
                 seen.add_map(layer.in_shape[1:])
                 seen.add_map(layer.out_shape[1:])
             elif split and (layer.kind == "linear" or out.dim() != len(input_shape) + 1):

@@ -41,6 +41,8 @@ class SplitRecord(Protocol):
 
     def batched(self, t: torch.Tensor) -> bool: ...
 
+    def tokens(self, t: torch.Tensor) -> tuple[torch.Tensor, int] | None: ...
+
 
 _active = threading.local()
 
@@ -57,6 +59,14 @@ def batched(t: torch.Tensor) -> bool:
     over the dimensions after the channels then reads nothing of another rank's."""
     records = getattr(_active, "records", None)
     return bool(records) and records[-1].batched(t)
+
+
+def tokens(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """For block ``t`` whose last dimension holds all its spatial dimensions (the flattened
+    tokens of a map, ``x.flatten(2)``): the whole token indices of its tokens, in its order,
+    and the whole token count; None otherwise (and outside a region)."""
+    records = getattr(_active, "records", None)
+    return records[-1].tokens(t) if records else None
 
 
 def size_of(t: torch.Tensor) -> tuple[int, int] | None:

@@ -19,7 +19,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from parallelkit.comm import Communicator
 from parallelkit.geometry import Window, per_dim, starts, transposed_needs
+from parallelkit.spatial import layout
 from parallelkit.spatial.fetch import crop, empty_output, fetch, fetch_ranges
 from parallelkit.spatial.grid import SpatialGrid
 
@@ -206,6 +208,22 @@ def _avg_pool(x: torch.Tensor, kernel, stride, padding, divisor_override=None) -
         return y.squeeze(-1)
     avg = F.avg_pool2d if ndim == 2 else F.avg_pool3d
     return avg(x, kernel, stride, padding, divisor_override=divisor_override)
+
+
+def avg_pool_tokens(x: torch.Tensor, index: torch.Tensor, count: int, kernel: int, stride: int,
+                    comm: Communicator) -> torch.Tensor:  # fmt: skip
+    """``F.avg_pool1d`` without padding over the whole order of a block's flattened tokens
+    (``index``: the whole indices of its tokens, of ``count``), whole on every rank: each
+    rank sums its tokens into the windows they fall in, then one all-reduce. Next-ViT reduces
+    its keys so, in windows of k * k consecutive tokens that cross the map's rows."""
+    windows = (count - kernel) // stride + 1
+    y = x.new_zeros((*x.shape[:-1], windows))
+    for offset in [index % stride] if kernel == stride else range(kernel):
+        start = index - offset
+        win = torch.div(start, stride, rounding_mode="floor")
+        ok = (start >= 0) & (start % stride == 0) & (win < windows)
+        y = y.index_add(-1, win[ok], x[..., ok])
+    return layout.summed(y, comm) / kernel
 
 
 def avg_pool_blocks(
