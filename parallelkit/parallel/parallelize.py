@@ -73,7 +73,8 @@ def parallelize(
     backend: None (layers over ``comm``) or "xla-spmd": the same strategies as XLA sharding
         annotations (:func:`parallelkit.xla.parallelize`); ``comm`` is then a grid spec
         (``parallelkit.xla.SpmdGrid``, a dict such as ``{"data": 2, "rows": 2}``, or None).
-    spatial_output: "whole" (every rank gets the whole output) or "blocks": under spatial
+    spatial_output: "whole" (every rank gets the whole output, wherever its spatial
+        dimensions are: a flatten, a ViT's hidden tokens) or "blocks": under spatial
         parallelism outputs that are still split come back as this rank's block, as
         ``pk.spatial.scatter(output, grid.spatial_comm, grid.spatial)`` would cut them, for a
         loss computed on blocks and reduced exactly (segmentation at full resolution).

@@ -30,6 +30,7 @@ from parallelkit.parallel.spatial_fallback import check_fallback, forward_with_f
 from parallelkit.parallel.spatial_guard import SpatialGuard, install_hooks
 from parallelkit.spatial import layout
 from parallelkit.spatial.grid import gather, grid_of, scatter
+from parallelkit.spatial.rules.shape import gathered_whole
 
 
 def check_whole_or_blocks(name: str, **given: str) -> None:
@@ -116,9 +117,13 @@ class SpatialRegion(nn.Module):
             guard, y = attempt()
 
         def out(t: Any) -> Any:
-            if guard.is_split(t) and guard.folds(t):
-                raise guard.refuse("the output", "it has spatial dimensions folded with others "
-                                   "into one (a flatten, a window partition)", self.module)
+            if guard.is_split(t) and guard.folds(t):  # tokens (a ViT's hidden states): whole
+                whole = None if self.output == "blocks" else gathered_whole(guard, t, full=True)
+                if whole is None:
+                    raise guard.refuse("the output", "it has spatial dimensions folded with "
+                                       "others into one (a flatten, a window partition)",
+                                       self.module)  # fmt: skip
+                return whole
             if guard.is_split(t):
                 if self.output == "blocks":
                     return t

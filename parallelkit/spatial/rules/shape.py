@@ -478,10 +478,11 @@ def to_form(g: Guard, t: Tensor, like: Tensor) -> Tensor | None:
     return _moved(g, t, target, like.shape, g.places(like), g.size_of(like), g.folds(like))
 
 
-def gathered_whole(g: Guard, t: Tensor) -> Tensor | None:
+def gathered_whole(g: Guard, t: Tensor, full: bool = False) -> Tensor | None:
     """Block ``t``, of any layout, whole on every rank (not marked): one all-gather of every
     rank's elements, put in the whole order; backward sums each rank's share of the gradient
-    (a reduce-scatter). None for a block with a class token's prefix."""
+    (a reduce-scatter), or with ``full`` (every rank holds the whole gradient: a model's
+    output) keeps this rank's part. None for a block with a class token's prefix."""
     shape = tuple(whole_shape(g, t))
     if prefixed(g.folds(t)):
         return None
@@ -495,7 +496,7 @@ def gathered_whole(g: Guard, t: Tensor) -> Tensor | None:
         where = whole_order(orders)
         g.weights[key] = ([len(o) for o in orders], None if where is None else where.to(t.device))
     sizes, where = g.weights[key]
-    return gather_tokens(t.reshape(batch, -1), g.grid.comm, 1, sizes, where).view(shape)
+    return gather_tokens(t.reshape(batch, -1), g.grid.comm, 1, sizes, where, full).view(shape)
 
 
 def _moved(
