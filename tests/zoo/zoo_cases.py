@@ -803,6 +803,15 @@ ARCHS: dict[str, Arch] = {
         what="transformer hybrid: 16^3 patch embedding, ViT encoder (attention over every "
         "patch), token maps reshaped back to volumes for a convolutional decoder",
     ),
+    "monai ViTAutoEnc": Arch(
+        "monai",
+        _monai("ViTAutoEnc", in_channels=1, img_size=16, patch_size=4, hidden_size=32,
+               mlp_dim=64, num_layers=2, num_heads=2, spatial_dims=3),
+        (1, 16, 16, 16),
+        what="a ViT autoencoder: attention over every 4^3 patch, transposed convolutions back "
+        "to the volume, and its hidden tokens returned beside it (an output whose spatial "
+        "dimensions are folded into tokens: gathered whole in the whole order)",
+    ),
     "monai HighResNet": Arch(
         "monai", _monai_highresnet, (1, 16, 16, 16),
         what="dilated convolutions (1, 2, 4), BatchNorm3d, shortcuts zero-padded in channels",
@@ -1398,6 +1407,14 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         ' use every parameter in every step, or reduce_over={name: None} to leave'
         ' a parame...',
     ),
+    ('monai ViTAutoEnc', 'data'): (
+        'refused',
+        "DataParallel: parameters ['blocks.0.norm_cross_attn.weight', 'blocks.0.n"
+        "orm_cross_attn.bias', 'block ... norm_cross_attn.bias'] got no gradient "
+        'in this backward. Pass find_unused_parameters=True if the model does not'
+        ' use every parameter in every step, or reduce_over={name: None} to leave'
+        ' a parame...',
+    ),
     ('monai HighResNet', 'data'): (
         'exact',
         '',
@@ -1763,6 +1780,10 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('monai UNETR', 'rows'): (
+        'exact',
+        '',
+    ),
+    ('monai ViTAutoEnc', 'rows'): (
         'exact',
         '',
     ),
@@ -2266,6 +2287,10 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
+    ('monai ViTAutoEnc', 'channel'): (
+        'exact',
+        '',
+    ),
     ('monai HighResNet', 'channel'): (
         'exact',
         '',
@@ -2338,6 +2363,10 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         'exact',
         '',
     ),
+    ('monai ViTAutoEnc', 'depth'): (
+        'exact',
+        '',
+    ),
     ('monai HighResNet', 'depth'): (
         'exact',
         '',
@@ -2395,6 +2424,10 @@ EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
         '',
     ),
     ('monai UNETR', 'depth x cols'): (
+        'exact',
+        '',
+    ),
+    ('monai ViTAutoEnc', 'depth x cols'): (
         'exact',
         '',
     ),
