@@ -196,6 +196,9 @@ class ForwardCodeNet(nn.Module):
         if kind == "token pooling":  # Next-ViT: keys pooled over the flattened tokens
             self.sr, self.sr2 = nn.AvgPool1d(16), nn.AvgPool1d(12, 8)
             self.norm = nn.BatchNorm1d(6)
+        if kind == "lambda positions":  # LambdaNet: Conv3d over (N, 1, H, W, V), window 1 on V
+            self.lam = nn.Conv3d(1, 4, (3, 3, 1), padding=(1, 1, 0))
+            self.down = nn.Conv3d(1, 2, (3, 3, 1), stride=(2, 2, 1), padding=(1, 1, 0))
         if kind == "coordinates":  # a positional embedding of the whole size, a parameter
             self.pos = nn.Parameter(torch.randn(1, 6, 12, 10) / 4 + 1)
         if kind == "patches in the batch":  # TNT: a convolution over each patch's pixels
@@ -348,6 +351,12 @@ class ForwardCodeNet(nn.Module):
             k = self.norm(torch.cat([self.sr(t), self.sr2(t)], -1)).transpose(1, 2)  # (n, 21, c)
             y = (t.transpose(1, 2) @ k.transpose(-1, -2)).softmax(-1) @ k
             return x + y.transpose(1, 2).reshape(n, c, h, w)
+        if k == "lambda positions":  # LambdaNet's position lambdas: the values' V after H, W
+            n, c, h, w = x.shape
+            v = x.permute(0, 2, 3, 1).reshape(n, 1, h, w, c)
+            y = (self.lam(v) * x[:, :4].unsqueeze(-1)).sum(1).permute(0, 3, 1, 2)  # (n, c, h, w)
+            down = self.down(v).sum(-1)  # (n, 2, 6, 5): strided, its size from the windows
+            return y + F.interpolate(down, scale_factor=2).repeat(1, 3, 1, 1)
         if k == "whole-size constants":  # made from x.shape: this rank's block of each
             mask = torch.ones(x.shape[0], 1, *x.shape[2:], dtype=x.dtype)
             return x * mask + x.new_full(x.shape, 0.5) + torch.zeros_like(x)
@@ -483,6 +492,7 @@ FORWARD_CODE = {
         "relative logits",
         "token pooling",
         "flatten",  # the output (N, C * H * W) gathered whole in the whole order
+        "lambda positions",
         "whole-size constants",
         "coordinates",
         "channels-last ops",

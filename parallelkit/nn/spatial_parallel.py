@@ -97,6 +97,27 @@ class _SpatialConv(SpatialLayer):
         no_padding = self.padding in ("same", "valid") or not any(self.padding)
         return no_padding and set(self.kernel_size) == {1} and set(self.stride) == {1}
 
+    def over_trailing(self, n: int) -> bool:
+        """Whether it may take blocks with ``n`` non-spatial dimensions after the spatial ones:
+        its window along them is 1 (stride 1, no padding), so it convolves each of their
+        places alone (LambdaNet's position lambdas: a Conv3d with a kernel (r, r, 1) over
+        values (N, 1, H, W, V))."""
+        return 0 < n < len(self.windows) and all(
+            (w.kernel, w.stride, w.pad_lo, w.pad_hi) == (1, 1, 0, 0) for w in self.windows[-n:]
+        )
+
+    def _over_trailing(self, x_blk: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor | None, n: int) -> torch.Tensor:  # fmt: skip
+        """The spatial convolution of each place of the ``n`` trailing dimensions, folded into
+        the batch, with the kernel's spatial part."""
+        s, rest = x_blk.dim() - 2 - n, x_blk.shape[-n:]
+        ahead, after = tuple(range(-n, 0)), tuple(range(1, n + 1))
+        y = x_blk.movedim(ahead, after).reshape(-1, *x_blk.shape[1 : 2 + s])
+        size = layout.size_of(x_blk) or self.grid.global_size(y, type(self).__name__)
+        y = conv_blocks(y, weight.reshape(weight.shape[: 2 + s]), bias, self.windows[:s],
+                        self.groups, self.grid, size, self.overlap)  # fmt: skip
+        return y.reshape(x_blk.shape[0], *rest, *y.shape[1:]).movedim(after, ahead)
+
     def forward(self, x_blk: torch.Tensor, size: Sequence[int] | None = None) -> torch.Tensor:
         if not layout.is_split(x_blk):  # a whole tensor inside a spatial region
             return self.to_dense()(x_blk)
@@ -111,6 +132,8 @@ class _SpatialConv(SpatialLayer):
             if 0 in x_blk.shape[2:]:  # F.conv refuses an empty block; the parameters stay
                 return empty_output(x_blk, self.out_channels, x_blk.shape[2:], x_blk, weight, bias)
             return self._conv_forward(x_blk, weight, bias)
+        if self.over_trailing(n := layout.trailing(x_blk)):
+            return self._over_trailing(x_blk, weight, bias, n)
         size = size or self.grid.global_size(x_blk, type(self).__name__)
         return conv_blocks(
             x_blk, weight, bias, self.windows, self.groups, self.grid, size, self.overlap

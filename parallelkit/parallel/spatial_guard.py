@@ -58,6 +58,9 @@ from parallelkit.spatial.token_comm import prefixed
 
 WHOLE = ("whole",)
 """A layer's form whose output is whole (a pooling over a block's tokens)."""
+TRAILING = "trailing"
+"""In a layer's form: a convolution over the spatial dimensions of a block that has others
+after them (its output's spatial size from its windows)."""
 
 Size = tuple[int, ...]
 
@@ -120,6 +123,17 @@ class SpatialGuard(TorchFunctionMode):
         """Whether block ``t``'s spatial dimensions are all folded into its first dimension,
         the batch (``layout.batched``)."""
         return self.is_split(t) and all(t.dim() + d == 0 for d in self.places(t))
+
+    def trailing(self, t: Tensor) -> int:
+        """How many dimensions follow block ``t``'s spatial ones, which come right after
+        (N, C) (``layout.trailing``)."""
+        if not self.is_split(t) or self.folds(t):
+            return 0
+        places = self.places(t)
+        first, last = min(places), max(places)
+        if last == -1 or t.dim() + first != 2 or places != tuple(range(first, last + 1)):
+            return 0
+        return -last - 1
 
     def tokens(self, t: Tensor) -> tuple[Tensor, int] | None:
         """This rank's whole token indices and the whole count of block ``t``, where its last
@@ -281,6 +295,9 @@ class SpatialGuard(TorchFunctionMode):
         batched = hasattr(module, "pointwise") and self.batched(blocks[0])  # convolutions
         if len(blocks) == 1 and getattr(module, "over_tokens", False) and self.tokens(blocks[0]):
             return WHOLE  # a pooling over the flattened tokens: its output is whole
+        over = getattr(module, "over_trailing", None)
+        if len(blocks) == 1 and over is not None and over(self.trailing(blocks[0])):
+            return (*self.form(blocks[0]), TRAILING)  # a window of 1 after the spatial ones
         if len(blocks) != 1 or not (pointwise or norm or batched):
             raise self.refuse(type(module).__name__, "it wants (N, C, *spatial) blocks", module)
         return self.form(blocks[0])
@@ -295,7 +312,9 @@ class SpatialGuard(TorchFunctionMode):
         if trusted:  # marked while no rule runs (still trusted, or stepped aside)
             if form is WHOLE:
                 pass
-            elif form is not None:
+            elif form is not None:  # the spatial size a convolution's windows make of it
+                if TRAILING in form and size:
+                    size = tuple(w.out_size(n) for w, n in zip(module.windows, size, strict=False))
                 self.mark(out, places=form[0], size=size, folds=form[1])
             elif blocks_out:  # a spatial layer's output size from its geometry; norms keep it
                 out_size = module.out_size(size) if size and hasattr(module, "out_size") else size

@@ -43,6 +43,8 @@ class SplitRecord(Protocol):
 
     def tokens(self, t: torch.Tensor) -> tuple[torch.Tensor, int] | None: ...
 
+    def trailing(self, t: torch.Tensor) -> int: ...
+
 
 _active = threading.local()
 
@@ -67,6 +69,14 @@ def tokens(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     and the whole token count; None otherwise (and outside a region)."""
     records = getattr(_active, "records", None)
     return records[-1].tokens(t) if records else None
+
+
+def trailing(t: torch.Tensor) -> int:
+    """How many dimensions follow block ``t``'s spatial ones, which come right after (N, C)
+    (LambdaNet's values, (N, 1, H, W, V), for a Conv3d whose window is 1 along V); 0 for none,
+    and for any other layout."""
+    records = getattr(_active, "records", None)
+    return records[-1].trailing(t) if records else 0
 
 
 def size_of(t: torch.Tensor) -> tuple[int, int] | None:

@@ -907,9 +907,12 @@ SWEEP_ARCHS: dict[str, Arch] = {
         "monai", _monai("LocalNet", spatial_dims=3, in_channels=1, num_channel_initial=4,
                         extract_levels=(0, 1, 2), out_channels=3), (1, 16, 16, 16), what="sweep",
     ),
-    # Blocked attention with a halo and relative logits; keys pooled over flattened tokens.
+    # Blocked attention with a halo and relative logits; keys pooled over flattened tokens;
+    # position lambdas by a Conv3d over (N, 1, H, W, V).
     "timm halonet26t": Arch("timm", _timm("halonet26t"), (3, 256, 256), what="sweep"),
     "timm nextvit_small": Arch("timm", _timm("nextvit_small"), what="sweep"),
+    "timm lambda_resnet26t": Arch("timm", _timm("lambda_resnet26t"), (3, 128, 128),
+                                  what="sweep"),
 }  # fmt: skip
 ARCHS.update(SWEEP_ARCHS)
 
