@@ -199,6 +199,8 @@ class ForwardCodeNet(nn.Module):
         if kind == "lambda positions":  # LambdaNet: Conv3d over (N, 1, H, W, V), window 1 on V
             self.lam = nn.Conv3d(1, 4, (3, 3, 1), padding=(1, 1, 0))
             self.down = nn.Conv3d(1, 2, (3, 3, 1), stride=(2, 2, 1), padding=(1, 1, 0))
+        if kind == "global query":  # GCViT: keys and values of each window
+            self.kv = nn.Linear(6, 12)
         if kind == "coordinates":  # a positional embedding of the whole size, a parameter
             self.pos = nn.Parameter(torch.randn(1, 6, 12, 10) / 4 + 1)
         if kind == "patches in the batch":  # TNT: a convolution over each patch's pixels
@@ -357,6 +359,16 @@ class ForwardCodeNet(nn.Module):
             y = (self.lam(v) * x[:, :4].unsqueeze(-1)).sum(1).permute(0, 3, 1, 2)  # (n, c, h, w)
             down = self.down(v).sum(-1)  # (n, 2, 6, 5): strided, its size from the windows
             return y + F.interpolate(down, scale_factor=2).repeat(1, 3, 1, 1)
+        if k == "global query":  # GCViT: a map pooled to one window's size, its tokens the
+            # queries of every window of 4 x 5 (rows move to whole windows on blocks of 6)
+            n, c, h, w = x.shape
+            g = F.avg_pool2d(x, (3, 2)).permute(0, 2, 3, 1)  # (n, 4, 5, c): split too
+            y = x.permute(0, 2, 3, 1).reshape(n, 3, 4, 2, 5, c).permute(0, 1, 3, 2, 4, 5)
+            y = y.reshape(-1, 20, c)  # (n * 6, 20, c)
+            k, v = self.kv(y).view(-1, 20, 2, c).unbind(2)
+            q = g.repeat_interleave(y.shape[0] // g.shape[0], dim=0).reshape(-1, 20, c)
+            y = ((q @ k.transpose(-1, -2)).softmax(-1) @ v).view(n, 3, 2, 4, 5, c)
+            return x + y.permute(0, 5, 1, 3, 2, 4).reshape(n, c, h, w)
         if k == "whole-size constants":  # made from x.shape: this rank's block of each
             mask = torch.ones(x.shape[0], 1, *x.shape[2:], dtype=x.dtype)
             return x * mask + x.new_full(x.shape, 0.5) + torch.zeros_like(x)
@@ -493,6 +505,7 @@ FORWARD_CODE = {
         "token pooling",
         "flatten",  # the output (N, C * H * W) gathered whole in the whole order
         "lambda positions",
+        "global query",
         "whole-size constants",
         "coordinates",
         "channels-last ops",

@@ -31,6 +31,7 @@ a place, and the record keeps the fold's factors (``folds``;
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -123,6 +124,20 @@ class SpatialGuard(TorchFunctionMode):
         """Whether block ``t``'s spatial dimensions are all folded into its first dimension,
         the batch (``layout.batched``)."""
         return self.is_split(t) and all(t.dim() + d == 0 for d in self.places(t))
+
+    def batch_fold(self, batch: int, count: int) -> tuple[Tensor, Fold] | None:
+        """The newest live block whose first dimension is a fold of the batch (``batch``) and
+        spatial factors of ``count`` whole places (a window partition's windows), and that
+        fold; None if there is none."""
+        for ref, places, _, folds in reversed(self._blocks.values()):
+            t = ref()
+            for fold in folds if t is not None else ():
+                spatial = [k for _, k in fold[1:]]
+                if (fold[0] == (batch, None) and spatial and None not in spatial
+                        and math.prod(n for n, _ in fold[1:]) == count
+                        and places[spatial[0]] == -t.dim()):  # fmt: skip
+                    return t, fold
+        return None
 
     def trailing(self, t: Tensor) -> int:
         """How many dimensions follow block ``t``'s spatial ones, which come right after

@@ -368,6 +368,28 @@ def repeat(g: Guard, call: Call) -> Any:
     return g.marked(call.run(), dims)
 
 
+@rule(Tensor.repeat_interleave, torch.repeat_interleave,
+      params="input, repeats=None, dim=None, *, output_size=None", folds=True)  # fmt: skip
+def repeat_interleave(g: Guard, call: Call) -> Tensor:
+    """Along a dimension that is not spatial: local. A small map repeated along its batch
+    once per window of a window partition (GCViT's global query, given to every window of its
+    image: ``q.repeat_interleave(B_ // B, 0)``, the count read whole): the map gathered whole,
+    repeated for the windows this rank's partition holds, and the result folded as that
+    partition is, so that it meets the windows' keys element for element."""
+    x, r, dim = call["input"], call["repeats"], call["dim"]
+    if not isinstance(r, int) or dim is None or dim % x.dim() - x.dim() in g.places(x):
+        raise g.refuse(call.name, "it repeats along a spatial dimension, or flattens")
+    found = None
+    if dim % x.dim() == 0 and r > 1 and not g.folds(x):
+        found = g.batch_fold(x.shape[0], r)
+    whole = gathered_whole(g, x) if found is not None else None
+    if whole is None:
+        return g.marked(call.run(), g.places(x))
+    like, fold = found
+    y = whole.repeat_interleave(like.shape[0] // x.shape[0], dim=0)
+    return g.marked(y, (-y.dim(),) * len(g.places(like)), g.size_of(like), (fold,))
+
+
 @rule(*ops("expand", Tensor), params="input, *sizes", folds=True)
 def expand(g: Guard, call: Call) -> Any:
     """Local where every dimension holding spatial ones keeps its size (-1, or the whole size
