@@ -15,6 +15,9 @@ GUARD_RULES = [
     for kind in (
         "se pool", "global max", "padding modes", "functional conv", "same padding",
         "pyramid pooling", "unet up",
+        # token mixing and windows: keys of one window, a whole gather, sums over tokens
+        "halo attention", "relative logits", "token pooling", "flatten", "lambda positions",
+        "global query",
     )
 ]  # fmt: skip
 assert set(GUARD_RULES) <= set(FORWARD_CODE)
