@@ -347,10 +347,12 @@ class ForwardCodeNet(nn.Module):
             attn = (t @ t.transpose(-1, -2) + rel.reshape(n, h * w, h * w)).softmax(-1)
             return x + (attn @ t).transpose(1, 2).reshape(n, c, h, w)
         if k == "token pooling":  # Next-ViT: windows of 16 of the 120 flattened tokens (across
-            # rows of 10, the last 8 tokens left out) and overlapping ones of 12 by 8: whole
+            # rows of 10, the last 8 tokens left out) and overlapping ones of 12 by 8: whole;
+            # and functionally, windows of 25 by 20
             n, c, h, w = x.shape
             t = x.flatten(2)
-            k = self.norm(torch.cat([self.sr(t), self.sr2(t)], -1)).transpose(1, 2)  # (n, 21, c)
+            k = torch.cat([self.sr(t), self.sr2(t), F.avg_pool1d(t, 25, 20)], -1)
+            k = self.norm(k).transpose(1, 2)  # (n, 26, c)
             y = (t.transpose(1, 2) @ k.transpose(-1, -2)).softmax(-1) @ k
             return x + y.transpose(1, 2).reshape(n, c, h, w)
         if k == "lambda positions":  # LambdaNet's position lambdas: the values' V after H, W

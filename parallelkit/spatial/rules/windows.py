@@ -29,6 +29,7 @@ from parallelkit.spatial.fetch import empty_output, fetch
 from parallelkit.spatial.grid import gather
 from parallelkit.spatial.pool import (
     avg_pool_blocks,
+    avg_pool_tokens,
     max_pool_blocks,
     max_pool_indices_blocks,
     max_unpool_blocks,
@@ -335,13 +336,29 @@ def _unpool_size(call: Call, windows: tuple, size: tuple) -> tuple[int, ...]:
 
 @rule(*AVG_POOLS,
       params="input, kernel_size, stride=None, padding=0, ceil_mode=False, "
-      "count_include_pad=True, divisor_override=None")  # fmt: skip
+      "count_include_pad=True, divisor_override=None", folds=True)  # fmt: skip
 def avg_pool(g: Guard, call: Call) -> Tensor:
-    """As ``F.max_pool2d`` (``count_include_pad`` and ``divisor_override`` kept)."""
+    """As ``F.max_pool2d`` (``count_include_pad`` and ``divisor_override`` kept). A 1-D pool
+    over a block's flattened tokens, without padding, pools the whole token order and gives
+    it whole, as ``nn.AvgPool1d`` does there (:func:`avg_pool_tokens`)."""
+    if AVG_POOLS[call.func] == 1 and (tokens := g.tokens(call["input"])) is not None:
+        return _avg_pool_tokens(g, call, *tokens)
+    if g.folds(call["input"]):
+        raise g.refuse(call.name, "it is given a window partition (spatial dimensions folded "
+                       "into one) that is not a block's flattened tokens")  # fmt: skip
     x, windows, size = _pool(g, call, AVG_POOLS[call.func])
     y = avg_pool_blocks(x, windows, g.grid, size, call["count_include_pad"],
                         call["divisor_override"])  # fmt: skip
     return _marked(g, y, windows, size)
+
+
+def _avg_pool_tokens(g: Guard, call: Call, index: Tensor, count: int) -> Tensor:
+    (kernel,) = per_dim(call["kernel_size"], 1)
+    (stride,) = per_dim(call["stride"] or kernel, 1)
+    if per_dim(call["padding"], 1) != (0,) or call["ceil_mode"] or call["divisor_override"]:
+        raise g.refuse(call.name, "a pooling over a block's tokens takes windows without "
+                       "padding, ceil_mode or divisor_override")  # fmt: skip
+    return avg_pool_tokens(call["input"], index, count, kernel, stride, g.grid.comm)
 
 
 LP_POOLS = {F.lp_pool1d: (1, F.avg_pool1d, F.max_pool1d),
