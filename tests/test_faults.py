@@ -194,7 +194,7 @@ def test_overwrite_never_follows_a_link_out_of_the_run(first_run, tmp_path):
 
 
 def test_two_runs_started_at_once_into_one_new_directory(tmp_path):
-    # Issue 23, item 6: both pass the launcher's check (nothing there yet); the one whose
+    # Both pass the launcher's check (nothing there yet); the one whose
     # rank 0 does not get the lock stops with one line, like a run started later.
     run_dir = tmp_path / "run"
     command = [*CLI, f"train.run_dir={run_dir}", *TINY, *CONSTANT, "train.max_steps=8"]

@@ -311,8 +311,8 @@ def test_files_no_library_can_read_are_named_with_the_librarys_message(fmt, tmp_
     ids=["nii", "nii.gz", "tiff-striped", "tiff-tiled", "tiff-zlib"],
 )
 def test_a_file_cut_off_in_its_data_is_refused_with_its_header(name, write, tmp_path):
-    """Issue 31: a NIfTI or TIFF file cut short after its header passed the launcher's checks
-    and failed on the ranks. Its header now says where its data end: a ``.nii`` file's size, a
+    """A NIfTI or TIFF file cut short after its header would pass the launcher's checks
+    and fail on the ranks. Its header says where its data end: a ``.nii`` file's size, a
     ``.nii.gz`` stream's length, a TIFF's strip and tile offsets."""
     path = tmp_path / name
     rng = np.random.default_rng(0)
