@@ -941,6 +941,56 @@ def test_the_walk_reads_a_pooling_over_tokens_as_a_reduction():
     assert plain.mixing == () and plain.layers[-1].kind == "pool"  # a signal's own pooling
 
 
+class WindowPartition(nn.Module):
+    """Swin's windows of 7 x 7 over a 35 x 28 map, channels last: partitioned, mapped, and
+    merged back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.lin = nn.Conv2d(3, 8, 3, padding=1), nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = self.conv(x).permute(0, 2, 3, 1)  # (N, 35, 28, 8)
+        n, h, w, c = x.shape
+        t = x.view(n, h // 7, 7, w // 7, 7, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, 49, c)
+        y = self.lin(t).view(n, h // 7, w // 7, 7, 7, c).permute(0, 1, 3, 2, 4, 5)
+        return y.reshape(n, h, w, c).mean()
+
+
+@pytest.mark.parametrize(
+    ("grid", "rows"),
+    [
+        # 35 rows in blocks of 18 + 17, in whole windows 21 + 14: rank 1 sends 3 rows
+        (Option(rows=2), 3),
+        # blocks of 9, 9, 9, 8 and windows 14, 7, 7, 7: rank 1 sends 5 (rows 9 to 14)
+        (Option(rows=4), 5),
+        (Option(cols=2), 0),  # 28 columns: blocks of 14 are whole windows
+    ],
+)
+def test_the_walk_counts_the_rows_a_window_partition_moves(grid, rows):
+    """The partition and the merge back each move the rows past a block's last whole window
+    to the neighbour, forward and (their gradient) backward: 35 x 28 x 8 values of 4 B."""
+    net = walk(WindowPartition(), (3, 35, 28))
+    assert [(r.kind, r.tokens, r.numel, r.groups) for r in net.mixing] == [
+        ("move", (35, 28), (7840,), (7, 7))] * 2  # fmt: skip
+    t = mixing_traffic(net.mixing[0], grid, 1)
+    assert (t.nbytes, t.messages) == (2 * rows / 35 * 7840 * 4, 2 if rows else 0)
+
+
+def test_a_reshape_that_keeps_the_map_whole_moves_nothing():
+    class Flat(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+        def forward(self, x):
+            y = self.conv(x)  # (N, 8, 10, 10)
+            n = y.shape[0]
+            return y.reshape(n, 8, 100).view(n, 2, 4, 10, 10).sum()  # the channels regrouped
+
+    assert walk(Flat(), (3, 10, 10)).mixing == ()
+
+
 def test_no_attention_no_token_cost():
     """The negative control: the same convolutions without the attention block."""
     net = walk(hybrid(attention=False), (3, 32, 32))

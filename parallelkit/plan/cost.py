@@ -37,6 +37,9 @@ Token mixing (the walk's :class:`~parallelkit.plan.walk.Mixing` records; a colum
     the explicit q @ k^T     keys and values held
     contractions, maps over  an all-reduce of the (small) result, forward
     the token axis
+    a map cut into groups    where a rank's block is not whole groups (windows of 7 on blocks
+    (window partitions)      of 18 + 17 rows), the rows past the last whole group go to the
+                             neighbour, forward and (their gradient) back
 
 A sample has 1, 2 or 3 spatial dimensions; a spatial grid splits a volume's D by ``depth``, H
 by ``rows`` and W by ``cols`` (an image's H and W by rows and cols, a signal's L by rows), as
@@ -373,7 +376,7 @@ class Traffic:
 def mixing_pattern(m: Mixing, s: int) -> str:
     """The collective ``m`` uses on ``s`` spatial ranks, as the library's rule picks it:
     "heads" (the head all-to-all) where the heads divide among the ranks and nothing masks,
-    "ring" for other self-attention, else the record's kind ("gather", "reduce")."""
+    "ring" for other self-attention, else the record's kind ("gather", "reduce", "move")."""
     if m.kind != "attention":
         return m.kind
     return "heads" if not m.masked and m.heads >= s and m.heads % s == 0 else "ring"
@@ -394,9 +397,28 @@ def mixing_traffic(m: Mixing, opt: Option, images: float) -> Traffic:
     if pattern == "ring":
         kv = (whole[1] + whole[2]) * share
         return Traffic(kv * (3 * s - 2), 2 * s - 1, 2 * kv, False)
+    if pattern == "move":
+        return _moved(m, opt, whole[0])
     if pattern == "gather":  # each tensor: all-gather forward, reduce-scatter backward
         return Traffic(2 * (s - 1) / s * sum(whole), 2 * (s - 1) * len(whole), sum(whole), True)
     return Traffic(2 * (s - 1) / s * whole[0], 2 * (s - 1), whole[0], True)  # all-reduce
+
+
+def _moved(m: Mixing, opt: Option, nbytes: float) -> Traffic:
+    """A reshape into groups (see :class:`Mixing`): along each split dimension of the map
+    that it cuts, the rows the busiest rank sends to reach whole groups of the groups'
+    tensor_split, of a tensor of ``nbytes``; once forward, once backward (the gradient)."""
+    parts = opt.parts(len(m.tokens))
+    sent, messages = 0.0, 0
+    for d, (n, p, g) in enumerate(zip(m.tokens, parts, m.groups, strict=True)):
+        have, want = blocks(n, p), [(a * g, b * g) for a, b in blocks(n // g, p)]
+        rows = max(h1 - h0 - max(0, min(h1, w1) - max(h0, w0))
+                   for (h0, h1), (w0, w1) in zip(have, want, strict=True))  # fmt: skip
+        if rows:
+            share = block_share(m.tokens[:d] + m.tokens[d + 1 :], parts[:d] + parts[d + 1 :])
+            sent += 2 * rows / n * share * nbytes
+            messages += 2
+    return Traffic(sent, messages, sent / 2, False)
 
 
 def mixing_seconds(net: Net, opt: Option, batch: int, link: Network) -> float:

@@ -134,6 +134,10 @@ class Mixing:
         reduce     a contraction over tokens, a linear map over the token axis or an
                    ``AvgPool1d`` over the flattened tokens: its small result all-reduced;
                    numel (result,)
+        move       a view or reshape that cuts the map's dimensions into groups of ``groups``
+                   rows (Swin's window partition, a space-to-depth) or merges them back:
+                   where a rank's block is not whole groups, rows move to a neighbour first;
+                   numel (the tensor,)
 
     ``tokens``: the map flattened into the queries' (attention) or the gathered tensors' token
     dimension, whose block a rank holds. ``heads``: the attention's heads; ``masked``: a mask,
@@ -146,6 +150,7 @@ class Mixing:
     numel: tuple[int, ...]
     heads: int = 0
     masked: bool = False
+    groups: Shape = ()  # move: the group size along each of the map's dimensions (1: uncut)
 
 
 @dataclass(frozen=True)
@@ -293,6 +298,7 @@ def walk(model: nn.Module, input_shape: Shape, name: str = "model", **net: Any) 
 
 MAP_KINDS = ("conv", "convT", "norm", "sample_norm", "pool")  # (C, *spatial) in and out
 MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm)
+RESHAPES = (torch.Tensor.view, torch.Tensor.reshape, torch.reshape)
 
 
 CLASS_TOKENS = 8
@@ -362,7 +368,22 @@ class _Mixings(TorchFunctionMode):
                 self._product(*args, out)
             elif func is F.linear:
                 self._linear(_arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight"), out)
+            elif func in RESHAPES and isinstance(args[0], torch.Tensor):
+                self._regroup(args[0], out)
         return out
+
+    def _regroup(self, x: torch.Tensor, out: Any) -> None:
+        """A reshape that cuts a map's dimensions into (groups, rows of a group), or merges
+        such groups back into the map: the rows ``parallelkit/spatial/rules/shape.py`` moves
+        between neighbours where blocks are not whole groups. Seen where the map itself is
+        in the tensor (a padded map of another size is not)."""
+        if not isinstance(out, torch.Tensor) or out.shape == x.shape:
+            return
+        for whole, cut in ((x.shape, out.shape), (out.shape, x.shape)):
+            for m in self.maps.values():
+                if len(m) > 1 and (groups := _groups(tuple(whole), tuple(cut), m)):
+                    self.add("move", m, x, groups=groups)
+                    return
 
     def _attention(self, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
         """The rule's choice: self-attention (queries, keys and values of one map, alike)
@@ -417,6 +438,37 @@ class _Mixings(TorchFunctionMode):
             return
         if (t := self.tokens_at(x, -1)) and weight.shape[1] == x.shape[-1]:
             self.add("reduce", t, out)
+
+
+def _groups(whole: Shape, cut: Shape, m: Shape) -> Shape | None:
+    """The group size along each dimension of map ``m`` where shape ``whole`` holds ``m`` and
+    shape ``cut`` holds, at the same place, each of its sizes whole or as (groups, rows), at
+    least one cut; None otherwise."""
+    k = len(m)
+    for i in range(len(whole) - k + 1):
+        if tuple(whole[i : i + k]) != m:
+            continue
+        lead = math.prod(whole[:i])
+        for j in range(len(cut)):
+            if math.prod(cut[:j]) == lead and (groups := _cut_at(cut, j, m)):
+                return groups
+    return None
+
+
+def _cut_at(cut: Shape, j: int, m: Shape) -> Shape | None:
+    """The group sizes where ``cut`` holds map ``m`` from place ``j`` on, each size whole or
+    as (groups, rows), at least one cut; None otherwise."""
+    groups = []
+    for n in m:
+        if j < len(cut) and cut[j] == n:
+            groups.append(1)
+            j += 1
+        elif j + 1 < len(cut) and cut[j] * cut[j + 1] == n and cut[j] < n:
+            groups.append(cut[j + 1])
+            j += 2
+        else:
+            return None
+    return tuple(groups) if max(groups) > 1 else None
 
 
 def _output_shape(out: Any) -> Shape:
