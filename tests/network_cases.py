@@ -284,6 +284,9 @@ class ForwardCodeNet(nn.Module):
             return x + F.interpolate(small, size=x.shape[-2:], mode="bilinear", align_corners=True)
         if k == "dropout":
             return F.dropout(x, 0.2, self.training)
+        if k == "sampling":  # a VAE's latent, mu + sigma * noise; noise in channels-last memory
+            z = x[:, :3] + torch.exp(0.5 * x[:, 3:]) * torch.randn_like(x[:, :3])
+            return torch.cat([z, z], 1) + torch.rand_like(x.to(memory_format=torch.channels_last))
         if k == "mean by hand":  # sums over H * W and numel() read from x.shape
             mean = x.sum((2, 3), keepdim=True) / (x.shape[2] * x.shape[3])
             return x - mean + x.sum((2, 3), keepdim=True) / x[0, 0].numel()
@@ -513,15 +516,13 @@ FORWARD_CODE = {
         "channels-last ops",
     )
 }
-# Exact under model parallelism without a data dimension: dropout's masks are drawn for the
-# whole batch as the dense model draws them (a data rank draws for its slice only).
+# Exact under model parallelism without a data dimension: dropout's masks and sampling noise
+# are drawn for the whole batch as the dense model draws them (a data rank draws for its slice
+# only).
 DROPOUT = {
-    "forward code: dropout": (
-        lambda: ForwardCodeNet("dropout"),
-        (3, 12, 10),
-        _forward_code_loss,
-        (),
-    )
+    f"forward code: {kind}": (lambda kind=kind: ForwardCodeNet(kind), (3, 12, 10),
+                              _forward_code_loss, ())
+    for kind in ("dropout", "sampling")
 }
 class SwapNet(nn.Module):
     """Every layer ``pk.parallelize`` swaps for a spatial one, in ``dims`` spatial dimensions:

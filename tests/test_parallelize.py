@@ -202,9 +202,10 @@ def test_forward_code_without_an_exact_rule_is_refused(ranks, kind, op, grid):
     ("size", "strategy", "grid"),
     [(2, "spatial", None), (4, "spatial", dict(rows=2, cols=2)), (2, "channel", None)],
 )
-def test_dropout_masks_are_the_dense_models(ranks, size, strategy, grid):
+@pytest.mark.parametrize("kind", ["dropout", "sampling"])
+def test_dropout_masks_and_noise_are_the_dense_models(ranks, size, strategy, grid, kind):
     for triples in ranks(size).run(
-        network_parity, "forward code: dropout", strategy, grid, steps=2
+        network_parity, f"forward code: {kind}", strategy, grid, steps=2
     ):
         assert_triples(triples)
 
