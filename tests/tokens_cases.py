@@ -155,6 +155,9 @@ class TokenNet(nn.Module):
             d = c // h
             q, k, v = self.qkv(self.norm(u)).reshape(n, L + 2, 3, h, d).permute(2, 0, 3, 1, 4)
             a = F.scaled_dot_product_attention(q, k, v)  # (N, h, 2 + L, d)
+            # MONAI's SABlock on a ViT with a class token: the same attention by einsum
+            attn = torch.einsum("bhxd,bhyd->bhxy", q, k).mul(d**-0.5).softmax(-1)
+            a = a + 0.5 * torch.einsum("bhxy,bhyd->bhxd", attn, v)
             # CaiT's class attention: the class token's query over every token, written out
             attn_cls = ((q[:, :, 0:1] @ k.transpose(-2, -1)) * d**-0.5).softmax(-1) @ v
             a = a + F.pad(v[:, :, 2:] * 0.5, (0, 0, 2, 0))  # CoaT: zeros in the tokens' place

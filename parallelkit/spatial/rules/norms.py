@@ -195,14 +195,15 @@ def attention(g: Guard, call: Call) -> Tensor:
     return g.marked(y, form[0])
 
 
-@rule(torch.einsum, params="equation, *operands", folds=True)
+@rule(torch.einsum, params="equation, *operands", folds=True, prefix=True)
 def einsum(g: Guard, call: Call) -> Tensor:
     """Local where every spatial dimension's letter is in the output and only in blocks of
     one layout, at their own spatial dimension (``"nchw,dc->ndhw"``: a map over channels),
     or in whole operands of the whole size there, cut to the block's rows (MViTv2's
     relative positions, ``"byhwc,hkc->byhwk"``); whole operands' gradients summed. Blocks
     that hold their tokens in one letter
-    (``"bhid,bhjd->bhij"``, ``"bhij,bhjd->bhid"``, ``"bhdn,bhen->bhde"``): ``tokens``."""
+    (``"bhid,bhjd->bhij"``, ``"bhij,bhjd->bhid"``, ``"bhdn,bhen->bhde"``): ``tokens``, class
+    tokens before them too (MONAI's ViT)."""
     equation, operands = call["equation"], call["operands"]
     if len(operands) == 1 and isinstance(operands[0], list | tuple):
         operands = tuple(operands[0])
