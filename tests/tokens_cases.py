@@ -31,6 +31,7 @@ from parallelkit.nn import SyncBatchNorm
 from parallelkit.spatial import pool, relayout
 from parallelkit.spatial import ring_attention as ring
 from parallelkit.spatial.conv import transposed_out_size
+from parallelkit.spatial.rules import shape as shape_rules
 from parallelkit.spatial.rules import tokens, windows
 
 Triple = tuple[str, torch.Tensor, torch.Tensor]
@@ -88,6 +89,9 @@ class TokenNet(nn.Module):
         L, h = t.shape[1], self.heads
         if self.kind == "flatten linear":  # a classifier head over the flattened features
             return self.fc(F.relu(x).flatten(1))
+        if self.kind == "class token output":  # a ViT's hidden states returned, class tokens
+            u = torch.cat((self.cls.expand(n, -1, -1), t), 1) + self.pos  # first: whole
+            return self.qkv(self.norm(u))
         if self.kind == "token pool":  # reductions over the flattened tokens: a whole head
             # (t[:, 0:] as timm's ViT pools past its prefix tokens, of which it has none here)
             f = F.gelu(x).flatten(2)  # (N, C, L)
@@ -242,6 +246,7 @@ def token_parity(
     with ExitStack() as stack:
         if broken:
             stack.enter_context(mock.patch.object(tokens, "whole_tokens", _own_tokens))
+            stack.enter_context(mock.patch.object(shape_rules, "gathered_tokens", _own_tokens))
             stack.enter_context(mock.patch.object(tokens, "_by_heads", _own_heads))
             stack.enter_context(mock.patch.object(tokens.layout, "summed", lambda t, _: t))
             stack.enter_context(mock.patch.object(windows, "fetch", _halo_off_by_one))

@@ -44,7 +44,7 @@ from parallelkit.spatial.rules.registry import (
     whole_shape,
     whole_size,
 )
-from parallelkit.spatial.rules.tokens import token_dim
+from parallelkit.spatial.rules.tokens import gathered_tokens, token_dim
 from parallelkit.spatial.token_comm import (
     box,
     fold_count,
@@ -504,10 +504,12 @@ def gathered_whole(g: Guard, t: Tensor, full: bool = False) -> Tensor | None:
     """Block ``t``, of any layout, whole on every rank (not marked): one all-gather of every
     rank's elements, put in the whole order; backward sums each rank's share of the gradient
     (a reduce-scatter), or with ``full`` (every rank holds the whole gradient: a model's
-    output) keeps this rank's part. None for a block with a class token's prefix."""
-    shape = tuple(whole_shape(g, t))
+    output) keeps this rank's part. Tokens with class tokens before them (a ViT's hidden
+    states): the token dimension gathered, the class tokens first; None for another layout
+    with such a prefix."""
     if prefixed(g.folds(t)):
-        return None
+        return None if token_dim(g, t) is None else gathered_tokens(g, t, full)
+    shape = tuple(whole_shape(g, t))
     source = _factors(g, t, shape)
     batch = source[0][0] if source[0][1] is None else 1
     if batch != 1:  # a whole outermost dimension (the batch): the same per sample

@@ -93,9 +93,14 @@ def whole_tokens(g: Guard, t: Tensor, whole_out: bool = False) -> Tensor:
     """Block ``t`` with every rank's tokens, in the whole order (a whole tensor, not marked).
     ``whole_out``: what it feeds is whole (not a block), so under the "full" convention its
     gradient is every rank's in full."""
+    return gathered_tokens(g, t, whole_out and not layout.shares())
+
+
+def gathered_tokens(g: Guard, t: Tensor, full: bool) -> Tensor:
+    """:func:`whole_tokens`; ``full``: every rank holds the whole gradient (a model's output),
+    so backward keeps this rank's part, rather than summing each rank's share."""
     orders, where = _orders(g, t)
     sizes = [len(o) for o in orders]
-    full = whole_out and not layout.shares()
     return token_comm.gather_tokens(t, g.grid.comm, token_dim(g, t), sizes, where, full)
 
 
