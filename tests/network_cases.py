@@ -196,6 +196,8 @@ class ForwardCodeNet(nn.Module):
         if kind == "token pooling":  # Next-ViT: keys pooled over the flattened tokens
             self.sr, self.sr2 = nn.AvgPool1d(16), nn.AvgPool1d(12, 8)
             self.norm = nn.BatchNorm1d(6)
+        if kind == "recurrent":  # Sequencer: an LSTM along each row
+            self.rnn = nn.LSTM(6, 6, batch_first=True)
         if kind == "lambda positions":  # LambdaNet: Conv3d over (N, 1, H, W, V), window 1 on V
             self.lam = nn.Conv3d(1, 4, (3, 3, 1), padding=(1, 1, 0))
             self.down = nn.Conv3d(1, 2, (3, 3, 1), stride=(2, 2, 1), padding=(1, 1, 0))
@@ -358,6 +360,10 @@ class ForwardCodeNet(nn.Module):
             k = self.norm(k).transpose(1, 2)  # (n, 26, c)
             y = (t.transpose(1, 2) @ k.transpose(-1, -2)).softmax(-1) @ k
             return x + y.transpose(1, 2).reshape(n, c, h, w)
+        if k == "recurrent":
+            n, c, h, w = x.shape
+            y, _ = self.rnn(x.permute(0, 2, 3, 1).reshape(n * h, w, c))
+            return x + y.reshape(n, h, w, c).permute(0, 3, 1, 2)
         if k == "lambda positions":  # LambdaNet's position lambdas: the values' V after H, W
             n, c, h, w = x.shape
             v = x.permute(0, 2, 3, 1).reshape(n, 1, h, w, c)
@@ -566,6 +572,7 @@ SWAPS = {
 # names); with the default "whole" they run (the forward-code kinds).
 REFUSED = {
     "flatten": "the output",  # (N, C * H * W): no block of a sample, as the loader cuts one
+    "recurrent": "torch.lstm",  # Sequencer: a scan along the tokens needs the whole sequence
 }
 
 

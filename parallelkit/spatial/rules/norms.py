@@ -252,3 +252,15 @@ def _rows_of(g: Guard, block: Tensor, letters: list[str], sub: str, t: Tensor) -
                 return None
             index[at] = rows[k]
     return g.summed(t)[tuple(index)]
+
+
+@rule(torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu, exact="refused", folds=True,
+      prefix=True)  # fmt: skip
+def recurrent(g: Guard, call: Call) -> Any:
+    """Refused: a recurrent layer (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``: Sequencer's LSTMs
+    along H and W) is a scan, each position's state made from the one before it, so a
+    sequence split over ranks runs one rank after another; and its states are not
+    blocks of any layout."""
+    raise g.refuse(call.name, "it is a recurrent scan: each position's state is made from the "
+                   "one before it, so it needs the whole sequence on one rank (a split one "
+                   "would run one rank after another)")  # fmt: skip
