@@ -913,6 +913,18 @@ SWEEP_ARCHS: dict[str, Arch] = {
     "timm nextvit_small": Arch("timm", _timm("nextvit_small"), what="sweep"),
     "timm lambda_resnet26t": Arch("timm", _timm("lambda_resnet26t"), (3, 128, 128),
                                   what="sweep"),
+    # A ViT classifier: einsum attention and hidden states with a class token before the
+    # tokens, returned; a VAE whose latent is sampled (mu + sigma * randn_like) on blocks.
+    "monai ViT classification": Arch(
+        "monai", _monai("ViT", in_channels=1, img_size=32, patch_size=8, hidden_size=32,
+                        mlp_dim=64, num_layers=2, num_heads=2, classification=True,
+                        num_classes=3, spatial_dims=3), (1, 32, 32, 32), what="sweep",
+    ),
+    "monai AutoencoderKL": Arch(
+        "monai", _monai("AutoencoderKL", spatial_dims=2, in_channels=3, out_channels=3,
+                        channels=(8, 16), latent_channels=4, num_res_blocks=1,
+                        norm_num_groups=4, attention_levels=(False, True)), what="sweep",
+    ),
 }  # fmt: skip
 ARCHS.update(SWEEP_ARCHS)
 
