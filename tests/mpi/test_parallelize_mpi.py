@@ -38,3 +38,9 @@ def test_data_times_spatial(comm):
 @pytest.mark.parametrize("name", GUARD_RULES)
 def test_forward_code_matches_dense(comm, name):
     assert_triples(network_parity(comm, name, "spatial", steps=2))
+
+
+def test_sampling_noise_is_the_dense_models(comm):
+    """A VAE's ``randn_like`` on blocks: each rank's block of the dense model's noise, on
+    uneven blocks too."""
+    assert_triples(network_parity(comm, "forward code: sampling", "spatial", steps=2))
