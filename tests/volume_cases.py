@@ -62,11 +62,12 @@ class Signal(nn.Module):
             nn.Conv1d(4, 4, 3, padding=1, padding_mode="reflect"),
             nn.AvgPool1d(3, 1, 1, count_include_pad=False),
         )  # fmt: skip
+        self.pool = nn.AvgPool1d(2)  # DenseNet's transition: no padding, a signal's own
         self.up = nn.Upsample(scale_factor=2, mode="linear")
         self.head = nn.Conv1d(4, 3, 3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.up(self.b(self.a(x))))
+        return self.head(F.avg_pool1d(self.up(self.pool(self.b(self.a(x)))), 2, 1))
 
 
 # name -> (network, sample shape without the batch)

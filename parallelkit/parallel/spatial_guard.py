@@ -152,8 +152,9 @@ class SpatialGuard(TorchFunctionMode):
 
     def tokens(self, t: Tensor) -> tuple[Tensor, int] | None:
         """This rank's whole token indices and the whole count of block ``t``, where its last
-        dimension holds all its spatial dimensions (``layout.tokens``)."""
-        if token_dim(self, t) != -1:
+        dimension holds all its spatial dimensions (``layout.tokens``); None for a signal's
+        own (N, C, L) block, whose last dimension is its one spatial dimension as it is."""
+        if token_dim(self, t) != -1 or (not self.folds(t) and self.places(t) == standard(t)):
             return None
         return own_tokens(self, t), count(self, t)
 
