@@ -18,6 +18,9 @@ alternating rounds:
     plain        the plain model on a batch of ``--batch`` on every rank, no communication
     data         pk.parallelize(model, comm, "data"): DataParallel + SyncBatchNorm, each rank
                  its own batch of ``--batch`` (its ceiling: plain)
+    data, local BatchNorm
+                 the same with each SyncBatchNorm put back to torch's BatchNorm (statistics of
+                 the rank's own batch: not the dense numbers): what DataParallel alone costs
     channel      pk.parallelize(model, comm, "channel"): every convolution split by channels,
                  the same whole batch on every rank (reported against plain)
     spatial      pk.parallelize(model, comm, "spatial"): the batch's images split by rows
@@ -63,7 +66,7 @@ from _common import (
 )
 
 CEILING_HALO = 3  # rows the stem (7x7, stride 2, padding 3) reads past a block
-VARIANTS = ("plain", "data", "channel", "spatial", "spatial ceiling")
+VARIANTS = ("plain", "data", "data, local BatchNorm", "channel", "spatial", "spatial ceiling")
 STRATEGIES = ("data", "channel", "spatial")
 WORKER_TIMEOUT_S = 1800.0
 
@@ -116,6 +119,17 @@ def _step(model: torch.nn.Module, x: torch.Tensor, labels: torch.Tensor,
     return step
 
 
+def _local_norms(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with each SyncBatchNorm replaced by the torch BatchNorm holding its state."""
+    from parallelkit.nn import SyncBatchNorm
+
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, SyncBatchNorm):
+                setattr(parent, name, child.to_dense())
+    return model
+
+
 def _operators(step: Callable[[], object]) -> int:
     counter = _Count()
     with counter:
@@ -135,6 +149,8 @@ def rank_job(comm: Any, cfg: Config, widths: tuple[int, ...], size: int) -> dict
     steps = {
         "plain": _step(copy.deepcopy(base), x, labels),
         "data": _step(pk.parallelize(copy.deepcopy(base), comm, "data"), x, labels),
+        "data, local BatchNorm": _step(
+            _local_norms(pk.parallelize(copy.deepcopy(base), comm, "data")), x, labels),
         "channel": _step(pk.parallelize(copy.deepcopy(base), comm, "channel"), x, labels),
         "spatial": _step(pk.parallelize(copy.deepcopy(base), comm, "spatial"), x, labels),
         "spatial ceiling": _step(copy.deepcopy(base), x[:, :, rows].contiguous(), labels),
@@ -269,7 +285,8 @@ def report(cfg: Config, rows: list[dict[str, Any]], guard: dict[str, float],
     ]  # fmt: skip
     for r in rows:
         ms, calls = r["ms"], r["calls"]
-        ceiling = {"plain": ms["plain"], "data": ms["plain"], "channel": ms["plain"],
+        ceiling = {"plain": ms["plain"], "data": ms["plain"],
+                   "data, local BatchNorm": ms["plain"], "channel": ms["plain"],
                    "spatial": ms["spatial ceiling"], "spatial ceiling": ms["spatial ceiling"]}
         lines += [f"## {r['case']}", "",
                   f"{calls} operators in the plain step; other processes' load "
