@@ -262,6 +262,50 @@ def test_zarrs_threads_stopped_after_the_checks_let_the_ranks_be_forks(tmp_path)
     assert proc.stdout.split()[3:] == ["0", "100.0"]
 
 
+_OPENBLAS_THEN_FORK = """
+import os, sys
+import numpy as np
+import torch  # noqa: F401 (as the launcher imports it)
+from parallelkit.train import launch, openblas
+from parallelkit.train.rankproc import Child, Forked, other_threads
+a = np.random.default_rng(0).random((300, 300))
+want = a @ a  # on OpenBLAS's pool
+started = other_threads()
+launch.stop_library_threads()
+print(started, other_threads(), launch.how_ranks_start("gloo", False)[0])
+
+def rank():  # the launcher's count, or the one its OMP_NUM_THREADS asks for
+    same = np.allclose(a @ a, want, rtol=1e-12, atol=0)  # maybe summed in another order
+    return (10 + openblas.threads()[0]) if same else 1
+
+env = {**os.environ, **({"OMP_NUM_THREADS": sys.argv[1]} if sys.argv[1:] else {})}
+print(Forked(Child([], env, "rank 0", forked=rank)).wait(60), np.array_equal(a @ a, want))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks are forked on Linux")
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: OpenBLAS starts no pool")
+def test_numpys_openblas_pool_stopped_lets_the_ranks_be_forks():
+    # With OMP_NUM_THREADS and OPENBLAS_NUM_THREADS unset (a user's usual environment), numpy's
+    # OpenBLAS starts a pool of threads when torch imports it, and every rank was a new
+    # process. The launcher stops the pool, as OpenBLAS does before a fork; a BLAS call starts
+    # it again, in the fork and in the launcher, with the same results; a forked rank whose
+    # OMP_NUM_THREADS is 1 (the ranks' default) computes on one, as a new process would.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")}  # fmt: skip
+    results = {}
+    for asked in (["1"], []):
+        proc = subprocess.run([sys.executable, "-c", _OPENBLAS_THEN_FORK, *asked],
+                              capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        threads, after, forked, *results[len(asked)] = proc.stdout.split()
+        assert int(threads) > 0  # not vacuous: OpenBLAS did start its pool
+        assert (int(after), forked) == (0, "True")
+    assert results[1] == ["11", "True"]  # the fork's OpenBLAS on 1 thread, its results right
+    # not vacuous: without it, the launcher's count (its pool's threads and the calling one)
+    assert results[0] == [str(10 + int(threads) + 1), "True"]
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks are forked on Linux")
 def test_a_launcher_running_threads_starts_new_processes(monkeypatch):
     # A fork copies only the thread that forks: with any other thread running (OpenMP's pool,

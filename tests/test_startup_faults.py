@@ -39,17 +39,20 @@ def finished(job: Job, bound: float = BOUND_S) -> str:
     return job.output()
 
 
-@pytest.mark.parametrize("threads", ["2"])
+@pytest.mark.parametrize("threads", ["2", None])
 def test_openmp_threads_do_not_hang_the_ranks(tmp_path, threads):
     # OMP_NUM_THREADS=2 made the launcher's checks start OpenMP's pool; the forked ranks then
     # waited for its threads for ever in the data set's setup (gomp_team_barrier_wait_end).
     # Passive waiting keeps the pool and its threads (what a fork loses) but not their spinning
-    # on the 2 cores that the ranks share, which only made the test slow.
-    command = ["env", f"OMP_NUM_THREADS={threads}", "OMP_WAIT_POLICY=PASSIVE", *CLI,
+    # on the 2 cores that the ranks share, which only made the test slow. With it 2 or unset
+    # (a user's usual environment), numpy's OpenBLAS pool ran in the launcher and the ranks
+    # were new processes; the launcher now stops that pool, and they are forks.
+    given = ["-u", "OMP_NUM_THREADS"] if threads is None else [f"OMP_NUM_THREADS={threads}"]
+    command = ["env", "-u", "OPENBLAS_NUM_THREADS", *given, "OMP_WAIT_POLICY=PASSIVE", *CLI,
                f"train.run_dir={tmp_path / 'run'}"]  # fmt: skip
     with Job(tmp_path / "run", command=[*command, *ONE_STEP]) as job:  # env: after Job's own
         out = finished(job)
-    assert "2 local ranks started by parallelkit (" in out
+    assert "2 local ranks started by parallelkit (forked processes)" in out, out[-3000:]
 
 
 def test_a_data_set_that_runs_threads_on_import(tmp_path):

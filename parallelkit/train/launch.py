@@ -53,6 +53,7 @@ from pathlib import Path
 import yaml
 
 from parallelkit.comm import detect_backend, launcher
+from parallelkit.train import openblas
 from parallelkit.train.config import Config
 from parallelkit.train.pmi import PmiServer
 from parallelkit.train.procs import LAUNCHER_PID, Child, supervise
@@ -267,9 +268,11 @@ def how_ranks_start(backend: str, cuda: bool) -> tuple[bool, str]:
 
 
 def stop_library_threads() -> None:
-    """Stop the threads that the launcher's checks started in a library that can stop them, so
-    that the ranks can be forks: zarr's IO loop and its executor (the checks read the data's
-    stores; zarr starts them again when it next needs them, in the launcher or a rank)."""
+    """Stop the threads that the launcher started in a library that can stop them, so that the
+    ranks can be forks: numpy's OpenBLAS pool (:mod:`parallelkit.train.openblas`), and zarr's
+    IO loop and its executor (the checks read the data's stores; zarr starts them again when it
+    next needs them, in the launcher or a rank)."""
+    openblas.stop_pool()
     sync = sys.modules.get("zarr.core.sync")
     running = sync is not None and getattr(sync, "loop", [None])[0] is not None
     if not running or not hasattr(sync, "cleanup_resources"):

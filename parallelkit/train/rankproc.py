@@ -173,7 +173,10 @@ def _forked_main(child: Child, tell: int, launcher: int) -> NoReturn:
         if threads.isdigit() and int(threads) > 0:
             import torch  # OpenMP read OMP_NUM_THREADS when the launcher started, not now
 
+            from parallelkit.train import openblas  # and numpy's OpenBLAS did too
+
             torch.set_num_threads(int(threads))
+            openblas.set_threads(int(threads))
         assert child.forked is not None
         code = child.forked()
     except SystemExit as e:
