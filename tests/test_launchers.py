@@ -278,7 +278,7 @@ def rank():  # the launcher's count, or the one its OMP_NUM_THREADS asks for
     same = np.allclose(a @ a, want, rtol=1e-12, atol=0)  # maybe summed in another order
     return (10 + openblas.threads()[0]) if same else 1
 
-env = {**os.environ, **({"OMP_NUM_THREADS": sys.argv[1]} if sys.argv[1:] else {})}
+env = {**os.environ, **dict(kv.split("=") for kv in sys.argv[1:])}
 print(Forked(Child([], env, "rank 0", forked=rank)).wait(60), np.array_equal(a @ a, want))
 """
 
@@ -293,17 +293,20 @@ def test_numpys_openblas_pool_stopped_lets_the_ranks_be_forks():
     # OMP_NUM_THREADS is 1 (the ranks' default) computes on one, as a new process would.
     env = {k: v for k, v in os.environ.items()
            if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")}  # fmt: skip
+    asked = {"rank's": ["OMP_NUM_THREADS=1"], "OpenBLAS's own": ["OMP_NUM_THREADS=2",
+             "OPENBLAS_NUM_THREADS=1"], "none": []}  # fmt: skip
     results = {}
-    for asked in (["1"], []):
-        proc = subprocess.run([sys.executable, "-c", _OPENBLAS_THEN_FORK, *asked],
+    for name, variables in asked.items():
+        proc = subprocess.run([sys.executable, "-c", _OPENBLAS_THEN_FORK, *variables],
                               capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]
-        threads, after, forked, *results[len(asked)] = proc.stdout.split()
+        threads, after, forked, *results[name] = proc.stdout.split()
         assert int(threads) > 0  # not vacuous: OpenBLAS did start its pool
         assert (int(after), forked) == (0, "True")
-    assert results[1] == ["11", "True"]  # the fork's OpenBLAS on 1 thread, its results right
-    # not vacuous: without it, the launcher's count (its pool's threads and the calling one)
-    assert results[0] == [str(10 + int(threads) + 1), "True"]
+    # the fork's OpenBLAS on 1 thread, its results right; OPENBLAS_NUM_THREADS first
+    assert results["rank's"] == results["OpenBLAS's own"] == ["11", "True"]
+    # not vacuous: none asked, the launcher's count (its pool's threads and the calling one)
+    assert results["none"] == [str(10 + int(threads) + 1), "True"]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks are forked on Linux")

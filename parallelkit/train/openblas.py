@@ -8,7 +8,8 @@ other (:mod:`parallelkit.train.rankproc`): a running pool made every rank a new 
 user's usual environment. OpenBLAS stops the pool itself before every fork (its
 ``pthread_atfork`` handler calls ``blas_thread_shutdown_``) and starts it again at its next call;
 here the launcher stops it before it counts its threads. The count OpenBLAS read at load is
-the launcher's, so a fork sets its own, as a new process would read it from its environment.
+the launcher's, so a fork sets its own, as a new process would read it from its environment
+(:func:`threads_asked`).
 The functions are found in the libraries this process has mapped (Linux), under the names
 numpy's builds give them (``scipy_`` before, ``64_`` after, for its 64-bit integer build).
 """
@@ -45,6 +46,16 @@ def set_threads(n: int) -> None:
     for lib in _libraries():
         for set_num_threads in _named(lib, "openblas_set_num_threads"):
             set_num_threads(ctypes.c_int(n))
+
+
+def threads_asked(env: dict[str, str]) -> int | None:
+    """The thread count OpenBLAS reads from environment ``env`` when it loads, if one is set:
+    ``OPENBLAS_NUM_THREADS``, else ``GOTO_NUM_THREADS``, else ``OMP_NUM_THREADS``."""
+    for key in ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS"):
+        value = env.get(key, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return None
 
 
 def threads() -> list[int]:

@@ -173,10 +173,11 @@ def _forked_main(child: Child, tell: int, launcher: int) -> NoReturn:
         if threads.isdigit() and int(threads) > 0:
             import torch  # OpenMP read OMP_NUM_THREADS when the launcher started, not now
 
-            from parallelkit.train import openblas  # and numpy's OpenBLAS did too
-
             torch.set_num_threads(int(threads))
-            openblas.set_threads(int(threads))
+        from parallelkit.train import openblas  # numpy's OpenBLAS read its count then too
+
+        if (blas := openblas.threads_asked(child.env)) is not None:
+            openblas.set_threads(blas)
         assert child.forked is not None
         code = child.forked()
     except SystemExit as e:
