@@ -311,9 +311,9 @@ def test_numpys_openblas_pool_stopped_lets_the_ranks_be_forks():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks are forked on Linux")
 def test_a_launcher_running_threads_starts_new_processes(monkeypatch):
-    # A fork copies only the thread that forks: with any other thread running (OpenMP's pool,
-    # numpy's OpenBLAS, a data set's executor) the ranks are new processes, and the header
-    # says why.
+    # A fork copies only the thread that forks: with any other thread running that no library
+    # can stop (OpenMP's pool, a data set's executor) the ranks are new processes, and the
+    # header says why.
     from parallelkit.train import launch
 
     monkeypatch.delenv(launch.FORK_RANKS, raising=False)

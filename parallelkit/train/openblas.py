@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+from collections.abc import Callable
+from typing import Any
 
 
 def _libraries() -> list[ctypes.CDLL]:
@@ -44,7 +46,7 @@ def stop_pool() -> None:
 def set_threads(n: int) -> None:
     """Let every loaded OpenBLAS compute on ``n`` threads (``openblas_set_num_threads``)."""
     for lib in _libraries():
-        for set_num_threads in _named(lib, "openblas_set_num_threads"):
+        if (set_num_threads := _named(lib, "openblas_set_num_threads")) is not None:
             set_num_threads(ctypes.c_int(n))
 
 
@@ -60,14 +62,15 @@ def threads_asked(env: dict[str, str]) -> int | None:
 
 def threads() -> list[int]:
     """The thread count each loaded OpenBLAS computes on (``openblas_get_num_threads``)."""
-    return [int(get()) for lib in _libraries() for get in _named(lib, "openblas_get_num_threads")]
+    getters = (_named(lib, "openblas_get_num_threads") for lib in _libraries())
+    return [int(get()) for get in getters if get is not None]
 
 
-def _named(lib: ctypes.CDLL, name: str) -> list:
-    """``lib``'s function ``name``, under the names numpy's builds give it (one at most)."""
-    found = []
+def _named(lib: ctypes.CDLL, name: str) -> Callable[..., Any] | None:
+    """``lib``'s function ``name``, under the first of the names numpy's builds give it that
+    ``lib`` has; None if it has none."""
     for prefix in ("", "scipy_"):
         for suffix in ("", "64_", "_64"):
             with contextlib.suppress(AttributeError):
-                found.append(getattr(lib, f"{prefix}{name}{suffix}"))
-    return found[:1]
+                return getattr(lib, f"{prefix}{name}{suffix}")
+    return None
