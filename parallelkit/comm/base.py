@@ -169,7 +169,15 @@ class Communicator(ABC):
             return _copy_into(out, t)
         if dim == 0:
             return self._all_gather(t, sizes, out)
-        # Gather in dim-0 layout, then one copy into place.
+        if sizes.count(sizes[0]) == len(sizes):
+            # Equal blocks: gathered as they are, stacked (P, ..., n, ...), then one copy puts
+            # each in place (no copy of the input into dim-0 layout first).
+            n = t.shape[0]
+            stacked = self._all_gather(t, [n] * self.size, t.new_empty(self.size * n, *t.shape[1:]))
+            blocks = stacked.view(self.size, *t.shape).movedim(0, dim)
+            out.view(blocks.shape).copy_(blocks)
+            return out
+        # Uneven blocks: gathered in dim-0 layout, then one copy into place.
         moved = t.movedim(dim, 0).contiguous()
         gathered = self._all_gather(moved, sizes, moved.new_empty(sum(sizes), *moved.shape[1:]))
         return out.copy_(gathered.movedim(0, dim))
