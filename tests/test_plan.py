@@ -62,6 +62,8 @@ from parallelkit.plan.cost import (
 from parallelkit.plan.network import from_timings
 from parallelkit.plan.walk import Layer, Mixing, Net, walk
 
+from network_cases import ForwardCodeNet
+
 CPU = Machine(cores=None, baseline_mib=100.0)
 FAST = Network(1e-6, 100e9, "fast")
 
@@ -989,6 +991,26 @@ def test_a_reshape_that_keeps_the_map_whole_moves_nothing():
             return y.reshape(n, 8, 100).view(n, 2, 4, 10, 10).sum()  # the channels regrouped
 
     assert walk(Flat(), (3, 10, 10)).mixing == ()
+
+
+def test_a_dimension_of_one_put_before_the_map_moves_nothing():
+    """CBAM's spatial gate views its (N, H, W) channel mean as (N, 1, H, W), and BotNet's
+    relative logits reshape the whole map's rows into the batch and back: no rows move. (The
+    walk's batch of one once read such a 1 as one window of all the rows.)"""
+
+    class SpatialGate(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.gate = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(1, 1, 7, padding=3)
+
+        def forward(self, x):
+            y = self.conv(x)
+            n, _, h, w = y.shape
+            return (y * self.gate(y.mean(1).view(n, 1, h, w)).sigmoid()).mean()
+
+    assert walk(SpatialGate(), (3, 32, 32)).mixing == ()
+    kinds = [r.kind for r in walk(ForwardCodeNet("relative logits"), (3, 12, 10)).mixing]
+    assert kinds == ["gather", "gather"]  # q @ k^T and @ v; no "move"
 
 
 def test_no_attention_no_token_cost():

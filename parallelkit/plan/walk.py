@@ -457,18 +457,24 @@ def _groups(whole: Shape, cut: Shape, m: Shape) -> Shape | None:
 
 def _cut_at(cut: Shape, j: int, m: Shape) -> Shape | None:
     """The group sizes where ``cut`` holds map ``m`` from place ``j`` on, each size whole or
-    as (groups, rows), at least one cut; None otherwise."""
-    groups = []
+    as (groups, rows), at least one of them in more than one group; None otherwise.
+
+    A size as (1, rows) is one window along that dimension, as the rules read it only beside
+    a real partition (Swin's ``view(B, 2, 7, 1, 7, C)``); alone it is a dimension of one put
+    before the map (``view(n, 1, h, w)`` of an (n, h, w) map, the walk's batch of one), which
+    moves nothing."""
+    groups, partition = [], False
     for n in m:
         if j < len(cut) and cut[j] == n:
             groups.append(1)
             j += 1
         elif j + 1 < len(cut) and cut[j] * cut[j + 1] == n and cut[j] < n:
             groups.append(cut[j + 1])
+            partition = partition or cut[j] > 1
             j += 2
         else:
             return None
-    return tuple(groups) if max(groups) > 1 else None
+    return tuple(groups) if partition else None
 
 
 def _output_shape(out: Any) -> Shape:
