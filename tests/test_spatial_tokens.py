@@ -55,6 +55,7 @@ KINDS = [
     "token batchnorm",  # LeViT: BatchNorm1d over (N * L, C), the batch folded with the tokens
     "class token",  # DeiT, CaiT, CoaT: two tokens before the patch tokens, the first rank's
     "class token output",  # a ViT's hidden states returned: whole, the class tokens first
+    "token selection",  # MAE: x[arange(N)[:, None], ids], whole tokens from their ranks
 ]
 IMAGE = (3, 5, 7)  # (C, H, W): uneven blocks on 2, 3 and 4 ranks
 
@@ -166,7 +167,8 @@ def test_patches_folded_after_the_channels(ranks, size, grid, shape):
                                   "pooling queries",
                                   "token mlp", "flatten linear", "token pool", "gc context",
                                   "xca", "token batchnorm", "relu linear attention",
-                                  "class token", "class token output"])  # fmt: skip
+                                  "class token", "class token output",
+                                  "token selection"])  # fmt: skip
 def test_negative_control_own_tokens_only_do_not_match(ranks, kind):
     results = ranks(4).run(token_parity, kind, dict(rows=2, cols=2), IMAGE, 2, True, timeout=120)
     bad = mismatches([(label, got, want, {}) for label, got, want in results[0]])

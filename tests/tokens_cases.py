@@ -153,6 +153,16 @@ class TokenNet(nn.Module):
                 mixed = mixed.clone()  # x moves to its layout, not it to x's
                 mixed += x
             return self.head(self.pab_out(x + mixed))
+        if self.kind == "token selection":  # MAE: a random third of the tokens kept (whole),
+            # encoded, and put back among mask tokens in their places
+            ids = torch.multinomial(torch.ones(n, L), max(L // 3, 1),
+                                    generator=torch.Generator().manual_seed(3))  # fmt: skip
+            kept = t[torch.arange(n)[:, None], ids]  # (N, k, C)
+            same = t[:, ids[0] - L]  # the first sample's choice for all, negative indices
+            kept = kept + self.proj(self.norm(kept)) + 0.5 * same
+            back = self.cls[:, :1].expand(n, L, c).clone()
+            back[torch.arange(n)[:, None], ids] = kept
+            return self.head((t + back).transpose(1, 2).reshape(n, c, *spatial))
         if self.kind == "class token":  # DeiT: two tokens before the patch tokens
             u = torch.cat((self.cls[:, :1].expand(n, -1, -1), self.cls[:, 1:].expand(n, -1, -1),
                            t), 1) + self.pos  # fmt: skip

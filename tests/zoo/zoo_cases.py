@@ -860,6 +860,18 @@ ARCHS: dict[str, Arch] = {
 # A wider sweep, kept out of the tier (SWEEP): networks of the same libraries that the tier
 # does not hold, each under the spatial strategy a user would pick first (rows for images,
 # depth for volumes), to find what still fails: survey.py --arch NAME --strategy rows.
+class _FirstOutput(nn.Module):
+    """A network's first output only (MONAI's MAE returns its int mask of the kept tokens
+    beside its reconstruction)."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return self.net(x)[0]
+
+
 SWEEP_ARCHS: dict[str, Arch] = {
     **{f"timm {n}": Arch("timm", _timm(n), what="sweep") for n in (
         "resnest14d", "res2net50_14w_8s", "dla34", "hrnet_w18_small", "nf_resnet26",
@@ -924,6 +936,14 @@ SWEEP_ARCHS: dict[str, Arch] = {
         "monai", _monai("AutoencoderKL", spatial_dims=2, in_channels=3, out_channels=3,
                         channels=(8, 16), latent_channels=4, num_res_blocks=1,
                         norm_num_groups=4, attention_levels=(False, True)), what="sweep",
+    ),
+    # A masked autoencoder: a random choice of the tokens kept by an index tensor (whole),
+    # encoded, and put back among mask tokens; its reconstruction of tokens, whole.
+    "monai MaskedAutoEncoderViT": Arch(
+        "monai", lambda: _FirstOutput(_monai(
+            "MaskedAutoEncoderViT", 1, 16, 4, hidden_size=36, mlp_dim=64, num_layers=1,
+            num_heads=2, decoder_hidden_size=12, decoder_mlp_dim=32, decoder_num_layers=1,
+            decoder_num_heads=2, spatial_dims=3)()), (1, 16, 16, 16), what="sweep",
     ),
 }  # fmt: skip
 ARCHS.update(SWEEP_ARCHS)

@@ -44,7 +44,7 @@ from parallelkit.spatial.rules.registry import (
     whole_shape,
     whole_size,
 )
-from parallelkit.spatial.rules.tokens import gathered_tokens, token_dim
+from parallelkit.spatial.rules.tokens import count, gathered_tokens, own_tokens, token_dim
 from parallelkit.spatial.token_comm import (
     box,
     fold_count,
@@ -655,6 +655,39 @@ def _prefix_index(g: Guard, x: Tensor, index: Any) -> Tensor | None:
         return y[tuple(entries)] if isinstance(index, tuple) else y
 
 
+def _token_take(g: Guard, x: Tensor, index: Any) -> Tensor | None:
+    """``x[..., ids, ...]``: whole integer indices into block ``x``'s token dimension (MAE's
+    random choice of the tokens to keep, ``x[arange(B)[:, None], ids]``), with whole index
+    tensors or basic indices elsewhere. The result is whole: each rank takes the tokens it
+    holds and a zero for every other (a zero token after its block, where those point), and
+    the group sums them, each token coming from the one rank that holds it. None for any
+    other index (a boolean mask, a block as the index, tokens with a prefix)."""
+    d = token_dim(g, x)
+    if d is None or prefixed(g.folds(x)):
+        return None
+    entries = list(index) if isinstance(index, tuple) else [index]
+    if any(isinstance(e, Tensor) and (e.dtype == torch.bool or g.is_split(e)) for e in entries):
+        return None
+    t, consumed = x.dim() + d, sum(e is not None and e is not Ellipsis for e in entries)
+    at, pos = None, 0
+    for i, e in enumerate(entries):
+        if e is Ellipsis:
+            pos += x.dim() - consumed
+        elif e is not None:
+            if pos == t:
+                at = i
+            pos += 1
+    ids = entries[at] if at is not None else None
+    if not isinstance(ids, Tensor) or ids.is_floating_point() or ids.is_complex():
+        return None
+    n, have = count(g, x), x.shape[t]
+    where = torch.full((n,), have, dtype=torch.long, device=x.device)  # others': the zero
+    where[own_tokens(g, x)] = torch.arange(have, device=x.device)
+    entries[at] = where[ids.to(x.device) % n]  # negative indices count from the whole end
+    zero = x.new_zeros((*x.shape[:t], 1, *x.shape[t + 1 :]))
+    return layout.summed(torch.cat([x, zero], t)[tuple(entries)], g.comm)
+
+
 def _indexed(
     g: Guard, x: Tensor, index: Any, size: tuple[int, ...]
 ) -> tuple[Places, Any, dict[int, tuple[int, int]], tuple[int, ...], dict[int, tuple]]:
@@ -764,9 +797,13 @@ def getitem(g: Guard, call: Call) -> Any:
     step 1 along a spatial dimension (Swin's unpad ``x[:, :H, :W, :]``, ``x[..., 1:-1]``) is
     a crop: ``F.pad`` by negative pads, whose rule fetches each rank's new rows. On tokens
     with class tokens before them, ``x[:, 0]`` (``x[:, :2]``) is whole, all-reduced from the
-    first rank, and ``x[:, 1:]`` the block of the tokens after them."""
+    first rank, and ``x[:, 1:]`` the block of the tokens after them. Whole integer indices
+    into a token dimension (MAE's ``x[arange(B)[:, None], ids]``) take whole tokens, summed
+    from the ranks that hold them."""
     x = call["input"]
     if prefixed(g.folds(x)) and (y := _prefix_index(g, x, call["index"])) is not None:
+        return y
+    if (y := _token_take(g, x, call["index"])) is not None:
         return y
     size = whole_size(g, x)
     dims, index, crops, new_size, moves = _indexed(g, x, call["index"], size)
