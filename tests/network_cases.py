@@ -207,6 +207,8 @@ class ForwardCodeNet(nn.Module):
             self.pos = nn.Parameter(torch.randn(1, 6, 12, 10) / 4 + 1)
         if kind == "patches in the batch":  # TNT: a convolution over each patch's pixels
             self.inner = nn.Conv2d(6, 6, 3, padding=1)
+        if kind == "pooled windows":  # SAM2's Hiera: each window's queries pooled inside it
+            self.win_max, self.win_avg = nn.MaxPool2d(2), nn.AvgPool2d(2)
         if kind == "space to depth":  # mixes the 4 pixels of each 2 x 2 cell
             self.mix = nn.Conv2d(24, 24, 1)
         if kind == "functional conv":  # weight standardization (timm's StdConv2d, BiT)
@@ -318,6 +320,12 @@ class ForwardCodeNet(nn.Module):
             # keep 2 and 3 of 1::2, not 3 and 2; each rank fetches its 3 and 2 first
             y = torch.cat([x[..., 0::2, 0::2], x[..., 1::2, 1::2], x[..., 0::2, 1::2]], 1)
             return y[:, :6] * y[:, 6:12] + y[:, 12:] - x[..., 1::2, 0::2]  # (N, 6, 6, 5)
+        if k == "pooled windows":  # SAM2: windows of 4 x 2 folded into the batch (rows and
+            # columns move to whole windows), each max- and average-pooled by 2 inside it
+            n, c, h, w = x.shape
+            p = x.view(n, c, h // 4, 4, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(-1, c, 4, 2)
+            q = (self.win_max(p) + self.win_avg(p)).view(n, h // 4, w // 2, c, 2, 1)
+            return q.permute(0, 3, 1, 4, 2, 5).reshape(n, c, h // 2, w // 2)
         if k == "patches in the batch":  # TNT: 4 x 5 patches of 12 x 10 folded into the batch
             # (rows move to whole patches on blocks of 6), a 3 x 3 convolution inside each
             n, c, h, w = x.shape
@@ -511,6 +519,7 @@ FORWARD_CODE = {
         "space to depth by 4 along H",
         "strides across blocks",
         "patches in the batch",
+        "pooled windows",
         "halo attention",
         "relative logits",
         "token pooling",

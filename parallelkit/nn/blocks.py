@@ -14,8 +14,11 @@ class attribute, ``takes_blocks``:
 
 The guard runs such a layer as it is (nothing inside it is checked) and refuses it a block
 whose spatial dimensions are not (N, C, *spatial), except a pointwise convolution's block with
-them anywhere after the channels, and a norm's with none in the channels (LeViT's
-``BatchNorm1d`` over tokens folded into the batch, (N * L, C)): the output keeps that form.
+them anywhere after the channels, a norm's with none in the channels (LeViT's
+``BatchNorm1d`` over tokens folded into the batch, (N * L, C)), and, for a layer whose
+``windows_in_batch`` says so, a block with all of them folded into the batch (TNT's patches,
+SAM2's windows pooled inside): its window then covers each patch's own pixels, as dense. The
+output keeps that form.
 
 A spatial layer (:class:`SpatialLayer`) also names the torch classes it stands for
 (``stands_for``, by default its ``dense`` class) and builds itself from one (``from_dense``,
@@ -40,6 +43,9 @@ class SpatialLayer:
     the torch classes it stands for."""
 
     takes_blocks: ClassVar[TakesBlocks] = "split"
+    windows_in_batch: ClassVar[bool] = False
+    """Given a block whose spatial dimensions are all folded into its batch, it runs as dense
+    (a convolution or pooling over each patch's own pixels, which no other rank holds)."""
     dense: Any  # the torch class it stands for (an instance attribute where it varies)
     stands_for: ClassVar[tuple[type, ...]] = ()
 

@@ -55,6 +55,8 @@ def _same_on_every_rank(layer: nn.Module, comm: Communicator) -> None:
 class _SpatialConv(SpatialLayer):
     """What the spatial convolutions of every dimension share (``dense``: the torch class)."""
 
+    windows_in_batch = True  # parallelkit.nn.blocks
+
     dense: type[nn.Module]
     overlap = False
 

@@ -30,9 +30,12 @@ from parallelkit.spatial.pool import (
 
 
 class _SpatialPool(SpatialLayer, nn.Module):
-    """Common part of max and average pooling: the windows and the whole size."""
+    """Common part of max and average pooling: the windows and the whole size. A block whose
+    spatial dimensions are all folded into its batch (SAM2's windows) is pooled as dense:
+    each window's own pixels, which no other rank holds."""
 
     spatial_dims = 2
+    windows_in_batch = True  # parallelkit.nn.blocks
 
     def __init__(self, kernel_size, stride, padding, dilation, ceil_mode, comm, grid) -> None:
         super().__init__()
@@ -89,7 +92,7 @@ class SpatialMaxPool2d(_SpatialPool):
         super().__init__(kernel_size, stride, padding, dilation, ceil_mode, comm, grid)
 
     def forward(self, x_blk: torch.Tensor, size: Sequence[int] | None = None) -> torch.Tensor:
-        if not layout.is_split(x_blk):  # a whole tensor inside a spatial region
+        if not layout.is_split(x_blk) or layout.batched(x_blk):  # whole, or windows in the batch
             return self.to_dense()(x_blk)
         return max_pool_blocks(x_blk, self.windows, self.grid, self._size(x_blk, size))
 
@@ -141,7 +144,7 @@ class SpatialAvgPool2d(_SpatialPool):
         self.count_include_pad, self.divisor_override = count_include_pad, divisor_override
 
     def forward(self, x_blk: torch.Tensor, size: Sequence[int] | None = None) -> torch.Tensor:
-        if not layout.is_split(x_blk):  # a whole tensor inside a spatial region
+        if not layout.is_split(x_blk) or layout.batched(x_blk):  # whole, or windows in the batch
             return self.to_dense()(x_blk)
         return avg_pool_blocks(x_blk, self.windows, self.grid, self._size(x_blk, size),
                                self.count_include_pad, self.divisor_override)  # fmt: skip

@@ -298,17 +298,18 @@ class SpatialGuard(TorchFunctionMode):
     def _layer_form(self, module: nn.Module, blocks: list[Tensor]) -> Any:
         """None for (N, C, *spatial) blocks, which every layer that takes blocks takes; the
         form of one block in another form (its output keeps it) that a pointwise convolution
-        is given with the spatial dimensions after the channels, any convolution with all of
-        them folded into the batch (TNT's patches: it convolves each patch's own pixels, as
-        dense), or a norm with none in the channels (LeViT's BatchNorm1d over (N * L, C): a
-        per-channel statistic over every other dimension, merged over the ranks as for an
-        image); otherwise the refusal."""
+        is given with the spatial dimensions after the channels, a convolution or pooling
+        with all of them folded into the batch (TNT's patches, SAM2's pooled windows: it
+        covers each patch's own pixels, as dense; ``windows_in_batch``), or a norm with none
+        in the channels (LeViT's BatchNorm1d over (N * L, C): a per-channel statistic over
+        every other dimension, merged over the ranks as for an image); otherwise the
+        refusal."""
         if all(self.places(b) == standard(b) and not self.folds(b) for b in blocks):
             return None
         places = [blocks[0].dim() + d for d in self.places(blocks[0])]
         pointwise = getattr(module, "pointwise", False) and all(p >= 2 for p in places)
         norm = takes_blocks(module) == "norm" and blocks[0].dim() >= 2 and 1 not in places
-        batched = hasattr(module, "pointwise") and self.batched(blocks[0])  # convolutions
+        batched = getattr(module, "windows_in_batch", False) and self.batched(blocks[0])
         if len(blocks) == 1 and getattr(module, "over_tokens", False) and self.tokens(blocks[0]):
             return WHOLE  # a pooling over the flattened tokens: its output is whole
         over = getattr(module, "over_trailing", None)
