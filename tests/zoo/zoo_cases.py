@@ -945,6 +945,9 @@ SWEEP_ARCHS: dict[str, Arch] = {
             num_heads=2, decoder_hidden_size=12, decoder_mlp_dim=32, decoder_num_layers=1,
             decoder_num_heads=2, spatial_dims=3)()), (1, 16, 16, 16), what="sweep",
     ),
+    # SAM2's Hiera: attention in windows folded into the batch, queries max-pooled inside
+    # each window at the stage changes.
+    "timm hieradet_small": Arch("timm", _timm("hieradet_small"), what="sweep"),
 }  # fmt: skip
 ARCHS.update(SWEEP_ARCHS)
 
