@@ -683,7 +683,8 @@ def _token_take(g: Guard, x: Tensor, index: Any) -> Tensor | None:
     n, have = count(g, x), x.shape[t]
     where = torch.full((n,), have, dtype=torch.long, device=x.device)  # others': the zero
     where[own_tokens(g, x)] = torch.arange(have, device=x.device)
-    entries[at] = where[ids.to(x.device) % n]  # negative indices count from the whole end
+    ids = ids.to(x.device)
+    entries[at] = where[torch.where(ids < 0, ids + n, ids)]  # past the whole end: IndexError
     zero = x.new_zeros((*x.shape[:t], 1, *x.shape[t + 1 :]))
     return layout.summed(torch.cat([x, zero], t)[tuple(entries)], g.comm)
 
