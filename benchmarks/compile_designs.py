@@ -402,10 +402,6 @@ def rank_job(comm: Any, cfg: Config) -> dict[str, Any]:
     return result
 
 
-def _job(comm: Any, cfg: Config) -> dict[str, Any]:
-    return rank_job(comm, cfg)
-
-
 # --------------------------------------------------------------- parent
 def report(cfg: Config, res: dict[str, Any], env: dict[str, str]) -> str:
     lines = [
@@ -464,7 +460,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
     env = environment(command=command_line(), backend="gloo")
     with Ranks(2, "gloo", comm_timeout=900) as ranks:
-        res = ranks.run(_job, cfg, timeout=WORKER_TIMEOUT_S)[0]
+        res = ranks.run(rank_job, cfg, timeout=WORKER_TIMEOUT_S)[0]
     markdown = report(cfg, res, env)
     print(markdown)
     default = Path("benchmarks/results/compile_designs.md")
