@@ -320,6 +320,14 @@ class ForwardCodeNet(nn.Module):
             # keep 2 and 3 of 1::2, not 3 and 2; each rank fetches its 3 and 2 first
             y = torch.cat([x[..., 0::2, 0::2], x[..., 1::2, 1::2], x[..., 0::2, 1::2]], 1)
             return y[:, :6] * y[:, 6:12] + y[:, 12:] - x[..., 1::2, 0::2]  # (N, 6, 6, 5)
+        if k == "reference grid":  # MONAI's Warp: a whole grid of coordinates made from the
+            # sample's size, given the block's dtype by .to(x) and type_as: whole, then cut
+            n, c, h, w = x.shape
+            grid = torch.stack(torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij"))
+            grid = grid.to(x)
+            grid.requires_grad = False
+            ramp = torch.linspace(0, 1, w).expand(1, c, h, w).type_as(x)
+            return x * (1 + 0.01 * grid.sum(0)) + ramp
         if k == "pooled windows":  # SAM2: windows of 4 x 2 folded into the batch (rows and
             # columns move to whole windows), each max- and average-pooled by 2 inside it
             n, c, h, w = x.shape
@@ -520,6 +528,7 @@ FORWARD_CODE = {
         "strides across blocks",
         "patches in the batch",
         "pooled windows",
+        "reference grid",
         "halo attention",
         "relative logits",
         "token pooling",

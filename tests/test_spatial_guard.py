@@ -31,8 +31,15 @@ def guarded():
     return guard, x
 
 
+def _flag_unset(x: torch.Tensor) -> torch.Tensor:
+    y = x.detach()
+    y.requires_grad = False
+    return y
+
+
 BLOCKS = {
     "activation": lambda x: F.silu(x).relu_(),
+    "requires_grad set on a detached block": _flag_unset,
     "arithmetic with a whole (1, C, 1, 1) tensor": lambda x: x * torch.ones(1, 4, 1, 1) + 1,
     "arithmetic with a scalar tensor": lambda x: x / torch.tensor(2.0),
     "where": lambda x: torch.where(x > 0, x, 0.1 * x),

@@ -117,8 +117,15 @@ def _one_layout(g: Guard, call: Call) -> Call:
 @rule(*ops(_LOCAL, Tensor), torch.as_tensor, prefix=True)
 def local(g: Guard, call: Call) -> Any:
     """Local: type, device and memory-format changes, copies, detaching; `torch.as_tensor`
-    of a block (MONAI's HighResBlock wraps its branches in it)."""
-    return g.marked(call.run(), g.places(call.blocks[0]))
+    of a block (MONAI's HighResBlock wraps its branches in it). A whole tensor given a
+    block's dtype and device (``grid.to(x)``, ``pos.type_as(x)``: MONAI's reference grids)
+    stays whole; a block copied into a whole tensor is refused."""
+    x = call.args[0]
+    if not g.is_split(x):
+        if call.func is Tensor.copy_:
+            raise g.refuse(call.name, "it writes a block into a whole tensor")
+        return call.run()
+    return g.marked(call.run(), g.places(x))
 
 
 @rule(F.prelu, torch.prelu, params="input, weight")

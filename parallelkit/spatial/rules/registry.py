@@ -206,6 +206,8 @@ def op_name(func: Any) -> str:
         return "other tensor attributes"
     if getattr(func, "__name__", "") == "__get__":
         return f"Tensor.{func.__self__.__name__}"
+    if getattr(func, "__name__", "") == "__set__":
+        return f"setting Tensor.{func.__self__.__name__}"
     name = getattr(func, "__name__", None) or repr(func)
     qualname = getattr(func, "__qualname__", None) or ""
     module = getattr(func, "__module__", None) or ""

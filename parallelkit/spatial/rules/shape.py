@@ -901,6 +901,13 @@ def data(g: Guard, call: Call) -> Any:
     return g.marked(call.run(), g.places(call.blocks[0]))
 
 
+@rule(Tensor.requires_grad.__set__, prefix=True)
+def set_requires_grad(g: Guard, call: Call) -> None:
+    """``x.requires_grad = flag`` on a block (MONAI's cached reference grids): the flag of
+    this rank's block."""
+    call.run()
+
+
 @rule(prop("T"), prop("mT"), prop("H"), prop("mH"), exact="refused")
 def transposed(g: Guard, call: Call) -> Any:
     """Refused: reverses or swaps the last dimensions."""
