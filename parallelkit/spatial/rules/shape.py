@@ -599,6 +599,22 @@ def _token_folds(fold: Fold) -> tuple[Fold, ...]:
     return () if len(fold) == 1 and fold[0][1] == 0 else (fold,)
 
 
+def _entry_at(entries: list, ndim: int, t: int) -> int | None:
+    """Which of the index ``entries`` (one ellipsis at most, ``None`` for new dimensions,
+    one input dimension each otherwise) indexes dimension ``t`` of an ``ndim``-dimensional
+    tensor; None where none does."""
+    consumed = sum(e is not None and e is not Ellipsis for e in entries)
+    pos = 0
+    for i, e in enumerate(entries):
+        if e is Ellipsis:
+            pos += ndim - consumed
+        elif e is not None:
+            if pos == t:
+                return i
+            pos += 1
+    return None
+
+
 def _token_entry(x: Tensor, t: int, index: Any, n: int) -> tuple[list, int, range] | None:
     """The entries of basic ``index`` into ``x``, which of them indexes dimension ``t`` (of
     ``n`` whole tokens) and the tokens it keeps (a step of 1); None where none does, or it
@@ -606,15 +622,7 @@ def _token_entry(x: Tensor, t: int, index: Any, n: int) -> tuple[list, int, rang
     entries = list(index) if isinstance(index, tuple) else [index]
     if any(isinstance(e, Tensor) for e in entries):
         return None
-    consumed = sum(e is not None and e is not Ellipsis for e in entries)
-    at, pos = None, 0
-    for i, e in enumerate(entries):
-        if e is Ellipsis:
-            pos += x.dim() - consumed
-        elif e is not None:
-            if pos == t:
-                at = i
-            pos += 1
+    at = _entry_at(entries, x.dim(), t)
     if at is None:
         return None
     e = entries[at]
@@ -668,15 +676,8 @@ def _token_take(g: Guard, x: Tensor, index: Any) -> Tensor | None:
     entries = list(index) if isinstance(index, tuple) else [index]
     if any(isinstance(e, Tensor) and (e.dtype == torch.bool or g.is_split(e)) for e in entries):
         return None
-    t, consumed = x.dim() + d, sum(e is not None and e is not Ellipsis for e in entries)
-    at, pos = None, 0
-    for i, e in enumerate(entries):
-        if e is Ellipsis:
-            pos += x.dim() - consumed
-        elif e is not None:
-            if pos == t:
-                at = i
-            pos += 1
+    t = x.dim() + d
+    at = _entry_at(entries, x.dim(), t)
     ids = entries[at] if at is not None else None
     if not isinstance(ids, Tensor) or ids.is_floating_point() or ids.is_complex():
         return None
