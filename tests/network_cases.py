@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,7 @@ from torch.utils._pytree import tree_leaves, tree_structure
 
 import parallelkit as pk
 from parallelkit.comm import Communicator
+from parallelkit.geometry import starts
 from parallelkit.models import Bottleneck, Discriminator, Generator, ResNet, resnet18
 
 Triple = tuple[str, torch.Tensor, torch.Tensor]
@@ -328,6 +330,12 @@ class ForwardCodeNet(nn.Module):
             grid.requires_grad = False
             ramp = torch.linspace(0, 1, w).expand(1, c, h, w).type_as(x)
             return x * (1 + 0.01 * grid.sum(0)) + ramp
+        if k == "flips and running sums":  # test-time flips and integral images written into
+            # the forward, on 13 x 11 maps (blocks of 7 + 6 rows and 6 + 5 columns on 2 ranks)
+            y = F.pad(x, (0, 1, 0, 1))
+            y = y.flip(2) * torch.sigmoid(y) + torch.flip(y, dims=(-1, 1))
+            y = y.cumsum(2) / 13 + torch.cumsum(y, dim=-1) / 11 + y.cumsum(1) / 3
+            return (y + (0.5 + y.sigmoid()).cumprod(3))[..., :12, :10]
         if k == "pooled windows":  # SAM2: windows of 4 x 2 folded into the batch (rows and
             # columns move to whole windows), each max- and average-pooled by 2 inside it
             n, c, h, w = x.shape
@@ -529,6 +537,7 @@ FORWARD_CODE = {
         "patches in the batch",
         "pooled windows",
         "reference grid",
+        "flips and running sums",
         "halo attention",
         "relative logits",
         "token pooling",
@@ -764,6 +773,26 @@ def windows_from_the_other_end(comm: Communicator) -> list[str]:
         triples = network_parity(comm, "forward code: windows across blocks", "spatial", steps=1)
     finally:
         shape._grouped = real
+    return [label for label, got, want in triples if not torch.allclose(got.to(want.dtype), want)]
+
+
+def flips_and_scans_on_their_own_blocks(comm: Communicator) -> list[str]:
+    """Negative control: each rank flips its own block in place (no rows fetched from the
+    mirror place) and runs its own scan without the totals of the blocks before it. Returns
+    the mismatching labels."""
+    from parallelkit.spatial.rules import reductions, windows
+
+    real_mirror, real_pkf = windows._mirrored, reductions.pkf
+    windows._mirrored = lambda sizes, n: [
+        (a, a + m) for a, m in zip(starts(sizes), sizes, strict=True)
+    ]
+    reductions.pkf = SimpleNamespace(
+        all_gather=lambda t, comm, d, sizes: torch.cat([torch.zeros_like(t)] * len(sizes), d)
+    )
+    try:
+        triples = network_parity(comm, "forward code: flips and running sums", "spatial", steps=1)
+    finally:
+        windows._mirrored, reductions.pkf = real_mirror, real_pkf
     return [label for label, got, want in triples if not torch.allclose(got.to(want.dtype), want)]
 
 

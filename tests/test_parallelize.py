@@ -26,6 +26,7 @@ from network_cases import (
     block_outputs,
     chained,
     drop_in,
+    flips_and_scans_on_their_own_blocks,
     host_exchanges_per_step,
     keep_dense_way_out,
     network_parity,
@@ -220,6 +221,11 @@ def test_negative_control_se_without_the_gradient_sum(ranks):
 def test_negative_control_windows_moved_to_the_wrong_ranks(ranks):
     for bad in ranks(2).run(windows_from_the_other_end):
         assert any("out" in label for label in bad), bad
+
+
+def test_negative_control_flips_and_scans_on_their_own_blocks(ranks):
+    for bad in ranks(2).run(flips_and_scans_on_their_own_blocks):
+        assert any("out" in label for label in bad) and any("grad" in label for label in bad), bad
 
 
 def test_refusal_names_the_module_and_keep_dense_is_the_way_out(ranks):

@@ -18,6 +18,10 @@ or ``tokens.mean(1)``), and ``F.normalize`` over it is ``x`` over the all-reduce
 block. ``softmax`` over every spatial dimension at once (a 1-D signal's length, a flattened
 token dimension: attention pooling, a global-context block's weights) is the block less the
 all-reduced ``logsumexp``, exponentiated: a block, exact.
+
+A running sum or product along a split dimension (``cumsum``, ``cumprod``: an integral image)
+is each block's own scan with the total of the blocks before it in the sample added
+(multiplied) in, from one all-gather of each block's last row.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+import parallelkit.functional as pkf
 from parallelkit.spatial import layout
 from parallelkit.spatial.rules.pointwise import pointwise
 from parallelkit.spatial.rules.registry import Call, Guard, fold_index, ops, rule, whole_shape
@@ -394,3 +399,28 @@ def normalize(g: Guard, call: Call) -> Tensor:
                        "exact)")  # fmt: skip
     with g.rules():
         return x / torch.norm(x, call["p"], dims, keepdim=True).clamp_min(call["eps"])
+
+
+@rule(*ops("cumsum cumprod", torch, Tensor), params="input, dim, *, dtype=None, out=None")
+def scan(g: Guard, call: Call) -> Tensor:
+    """A running sum or product (an integral image): along other dimensions local; along a
+    split one, each rank's own scan, then the total of the blocks before it in the sample
+    added (multiplied) in: one all-gather of every block's last row, whose backward brings
+    each later position's gradient back to the rows before it."""
+    x, d = call["input"], call["dim"] % call["input"].dim() - call["input"].dim()
+    if call["out"] is not None:
+        raise g.refuse(call.name, "it writes into out=")
+    record = g.places(x)
+    y = call.run()
+    if d not in record:
+        return g.marked(y, record)
+    comm, parts, coord = g.grid.axes(len(record))[record.index(d)]
+    product = call.func.__name__ == "cumprod"
+    if y.shape[d]:
+        last = y.narrow(d, y.shape[d] - 1, 1)
+    else:  # an empty block: nothing to add (multiply), but it joins the all-gather
+        last = y.new_full([1 if i == y.dim() + d else n for i, n in enumerate(y.shape)],
+                          float(product))  # fmt: skip
+    before = pkf.all_gather(last, comm, d, [1] * parts).narrow(d, 0, coord)
+    y = y * before.prod(d, keepdim=True) if product else y + before.sum(d, keepdim=True)
+    return g.marked(y, record)

@@ -443,11 +443,9 @@ def split(g: Guard, call: Call) -> Any:
 
 @rule(*ops("narrow", torch, Tensor), params="input, dim, start, length")
 @rule(*ops("index_select", torch, Tensor), params="input, dim, index, *, out=None")
-@rule(*ops("flip", torch, Tensor), params="input, dims")
-@rule(*ops("cumsum cumprod", torch, Tensor), params="input, dim, *, dtype=None, out=None")
 def along(g: Guard, call: Call) -> Any:
-    """Local along any dimension but the spatial ones (``narrow``, ``index_select``,
-    ``flip``, ``cumsum`` over channels)."""
+    """Local along any dimension but the spatial ones (``narrow`` and ``index_select`` over
+    channels)."""
     dims = call.get("dim", call.get("dims"))
     if dims is None or call.get("out") is not None:
         raise g.refuse(call.name, "it acts on the flattened tensor")

@@ -556,3 +556,32 @@ def roll(g: Guard, call: Call) -> Tensor:
             runs[1].append((0, m - (runs[0][-1][1] - first)))
         y = torch.cat([pkf.gather_rows(y, comm, d, sizes, want) for want in runs], d)
     return g.marked(y, record)
+
+
+@rule(*ops("flip", torch, Tensor), params="input, dims")
+def flip(g: Guard, call: Call) -> Tensor:
+    """A reversal (a flip written into the forward, as test-time flips are): along other
+    dimensions local; along a split one, each rank's new rows are the sample's rows at the
+    mirror of its place, ``n - stop`` to ``n - start``, one row fetch from whoever holds them,
+    then reversed."""
+    x, dims = call["input"], call["dims"]
+    dims = [d % x.dim() - x.dim() for d in (dims if isinstance(dims, tuple | list) else (dims,))]
+    if len(set(dims)) < len(dims):
+        return call.run()  # torch's own error: a dimension named twice
+    record = g.places(x)
+    size, axes = whole_size(g, x), g.grid.axes(len(record))
+    y = x
+    for d in dims:
+        if d not in record:
+            y = y.flip(d)
+            continue
+        k = record.index(d)
+        n, (comm, parts, _) = size[k], axes[k]
+        sizes = tensor_split_sizes(n, parts)
+        y = pkf.gather_rows(y, comm, d, sizes, _mirrored(sizes, n)).flip(d)
+    return g.marked(y, record)
+
+
+def _mirrored(sizes: list[int], n: int) -> list[tuple[int, int]]:
+    """Per block of ``sizes`` (of ``n`` rows), the rows at the mirror of its place."""
+    return [(n - a - m, n - a) for a, m in zip(starts(sizes), sizes, strict=True)]
