@@ -566,9 +566,9 @@ def flip(g: Guard, call: Call) -> Tensor:
     then reversed."""
     x, dims = call["input"], call["dims"]
     dims = [d % x.dim() - x.dim() for d in (dims if isinstance(dims, tuple | list) else (dims,))]
-    if len(set(dims)) < len(dims):
-        return call.run()  # torch's own error: a dimension named twice
     record = g.places(x)
+    if len(set(dims)) < len(dims) or not dims:
+        return g.marked(call.run(), record)  # torch's error for a dimension named twice
     size, axes = whole_size(g, x), g.grid.axes(len(record))
     y = x
     for d in dims:
