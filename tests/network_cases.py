@@ -209,6 +209,9 @@ class ForwardCodeNet(nn.Module):
             self.pos = nn.Parameter(torch.randn(1, 6, 12, 10) / 4 + 1)
         if kind == "patches in the batch":  # TNT: a convolution over each patch's pixels
             self.inner = nn.Conv2d(6, 6, 3, padding=1)
+        if kind == "warp":  # a displacement field; an affine transform's parameters
+            self.flow = nn.Conv2d(6, 2, 3, padding=1)
+            self.theta = nn.Parameter(torch.tensor([[0.9, 0.1, 0.05], [-0.1, 1.0, 0.02]]))
         if kind == "pooled windows":  # SAM2's Hiera: each window's queries pooled inside it
             self.win_max, self.win_avg = nn.MaxPool2d(2), nn.AvgPool2d(2)
         if kind == "space to depth":  # mixes the 4 pixels of each 2 x 2 cell
@@ -330,6 +333,17 @@ class ForwardCodeNet(nn.Module):
             grid.requires_grad = False
             ramp = torch.linspace(0, 1, w).expand(1, c, h, w).type_as(x)
             return x * (1 + 0.01 * grid.sum(0)) + ramp
+        if k == "warp":  # a registration network's spatial transformer (VoxelMorph, MONAI's
+            # Warp): a whole identity grid made from the sample's size plus a displacement of
+            # up to 2 pixels, the input sampled there; then an affine transform's whole grid
+            n, c, h, w = x.shape
+            ys, xs = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+            loc = torch.stack((xs, ys)).to(x) + 2 * torch.tanh(self.flow(x))
+            loc = torch.stack((2 * loc[:, 0] / (w - 1) - 1, 2 * loc[:, 1] / (h - 1) - 1), -1)
+            y = F.grid_sample(x, loc, align_corners=True)
+            grid = F.affine_grid(self.theta.expand(n, 2, 3), [n, c, h, w], align_corners=False)
+            z = F.grid_sample(y, grid, mode="nearest", padding_mode="border", align_corners=False)
+            return y + z + F.grid_sample(y, grid, align_corners=False)
         if k == "flips and running sums":  # test-time flips and integral images written into
             # the forward, on 13 x 11 maps (blocks of 7 + 6 rows and 6 + 5 columns on 2 ranks)
             y = F.pad(x, (0, 1, 0, 1))
@@ -538,6 +552,7 @@ FORWARD_CODE = {
         "pooled windows",
         "reference grid",
         "flips and running sums",
+        "warp",
         "halo attention",
         "relative logits",
         "token pooling",
@@ -793,6 +808,26 @@ def flips_and_scans_on_their_own_blocks(comm: Communicator) -> list[str]:
         triples = network_parity(comm, "forward code: flips and running sums", "spatial", steps=1)
     finally:
         windows._mirrored, reductions.pkf = real_mirror, real_pkf
+    return [label for label, got, want in triples if not torch.allclose(got.to(want.dtype), want)]
+
+
+def warp_without_the_next_row(comm: Communicator) -> list[str]:
+    """Negative control: each rank fetches the input rows its coordinates fall in but not the
+    row after the last of them, which bilinear sampling reads too. Returns the mismatching
+    labels."""
+    from parallelkit.spatial.rules import resize
+
+    real = resize._reach
+
+    def short(c: torch.Tensor, n: int, corners: bool) -> tuple[int, int]:
+        lo, hi = real(c, n, corners)
+        return lo, max(lo + 1, hi - 1)
+
+    resize._reach = short
+    try:
+        triples = network_parity(comm, "forward code: warp", "spatial", steps=1)
+    finally:
+        resize._reach = real
     return [label for label, got, want in triples if not torch.allclose(got.to(want.dtype), want)]
 
 

@@ -32,6 +32,7 @@ from network_cases import (
     network_parity,
     refusal,
     se_without_gradient_sum,
+    warp_without_the_next_row,
     windows_from_the_other_end,
 )
 
@@ -226,6 +227,11 @@ def test_negative_control_windows_moved_to_the_wrong_ranks(ranks):
 def test_negative_control_flips_and_scans_on_their_own_blocks(ranks):
     for bad in ranks(2).run(flips_and_scans_on_their_own_blocks):
         assert any("out" in label for label in bad) and any("grad" in label for label in bad), bad
+
+
+def test_negative_control_warp_without_the_next_row(ranks):
+    for bad in ranks(2).run(warp_without_the_next_row):
+        assert any("out" in label for label in bad), bad
 
 
 def test_refusal_names_the_module_and_keep_dense_is_the_way_out(ranks):
