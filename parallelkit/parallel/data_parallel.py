@@ -14,8 +14,8 @@ order), so a bucket that completes early waits for the ones before it. They star
 parameter order; after the first synchronized backward they are rebuilt in the order the
 gradients really arrived (rank 0's order, broadcast once), as DDP does.
 
-The buckets' all-reduces run on a channel of their own: a copy of the communicator made at
-construction (``split``, every rank in it). The model's own collectives in backward
+The buckets' all-reduces run on a channel of their own: a copy of the communicator (``split``,
+every rank in it), made by the first wrapper over it and shared by the others. The model's own collectives in backward
 (SyncBatchNorm's sums, a spatial layer's halos) run on the model's communicators, and where a
 bucket completes at a different moment on different ranks, they would pair with the wrong
 collective on a shared one: a parameter that gets no gradient where a rank's batch slice or
@@ -124,7 +124,7 @@ class DataParallel(nn.Module):
                 self._params.append(p)
                 self._comms.append(c)
                 if id(c) not in channels:
-                    channels[id(c)] = c.split(0, c.rank)
+                    channels[id(c)] = _channel(c)
                 # Hooks hold the wrapper weakly: a parameter holding it strongly would keep it
                 # (buffers, the model) alive through autograd, out of the garbage collector's
                 # sight, after the wrapper is dropped.
@@ -321,6 +321,19 @@ class DataParallel(nn.Module):
         order = self.comm.all_gather_ints(arrival)[0]  # host metadata: rank 0's order
         if order != list(reversed(range(len(self._params)))):
             self._build_buckets(order)
+
+
+_CHANNELS: weakref.WeakKeyDictionary[Communicator, Communicator] = weakref.WeakKeyDictionary()
+"""Each communicator's copy for buckets, made once and shared by every wrapper over it: a new
+group per wrapper would hold sockets (gloo) or a context id (MPI) for each model wrapped."""
+
+
+def _channel(comm: Communicator) -> Communicator:
+    """The buckets' copy of ``comm`` (``split``, a collective: every rank of ``comm`` wraps its
+    models alike, so every rank makes it at the same wrapper)."""
+    if comm not in _CHANNELS:
+        _CHANNELS[comm] = comm.split(0, comm.rank)
+    return _CHANNELS[comm]
 
 
 def _call(ref: weakref.ref, method: str, *args):  # type: ignore[no-untyped-def]
