@@ -163,16 +163,18 @@ class _Branchy(nn.Module):
 def launch_progress(comm: Communicator) -> list[int]:
     """How many gradients were ready when each bucket's all-reduce started (one per bucket)."""
     model = DataParallel(small_cnn(), comm, bucket_cap_mb=0)
-    (channel,) = set(model._channels)
     seen = []
-    inner = channel.all_reduce_async
+    inner = comm.all_reduce_async
 
     def spy(*args, **kwargs):
         seen.append(sum(model._ready))
         return inner(*args, **kwargs)
 
-    channel.all_reduce_async = spy
-    model(torch.randn(2, 1, 9, 9)).sum().backward()
+    comm.all_reduce_async = spy
+    try:
+        model(torch.randn(2, 1, 9, 9)).sum().backward()
+    finally:
+        del comm.all_reduce_async
     return seen
 
 
@@ -199,42 +201,6 @@ def unused_parameters(comm: Communicator) -> list[tuple[str, torch.Tensor, torch
         local = p.grad if p.grad is not None else torch.zeros_like(p)
         triples.append((name, q.grad, comm.all_reduce(local) / comm.size))
     return triples
-
-
-class _GateWhereSamples(nn.Module):
-    """A SyncBatchNorm over the data group on the input, then a gate in the last layer that
-    only a rank whose batch slice holds samples uses (torch's attention, for one, leaves its
-    mask out of the graph on an empty batch). The gate is registered last, so its bucket is
-    the first: where it is used, that bucket starts at the top of backward, before the norm's
-    all-reduce at its end; on the empty rank it waits for the end of backward, and every
-    later bucket with it."""
-
-    def __init__(self, comm: Communicator | None) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.bn = nn.BatchNorm2d(2) if comm is None else SyncBatchNorm(2, comm=comm)
-        self.conv = nn.Conv2d(2, 3, 3, padding=1)
-        self.gate = nn.Linear(3, 3)  # a module, so that its parameters come last
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.conv(self.bn(x))
-        return self.gate(y.transpose(1, -1)) if len(x) else y
-
-
-def unused_beside_a_collective(comm: Communicator) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """``_GateWhereSamples`` with the last rank's slice empty, against one process on the
-    whole batch: the buckets' all-reduces must not pair with the norm's, whichever comes first
-    on each rank."""
-    sizes = [2] * (comm.size - 1) + [0]
-    x = torch.randn(sum(sizes), 2, 5, 4, generator=torch.Generator().manual_seed(1))
-    plain = _GateWhereSamples(None)
-    plain(x).sum().backward()
-    model = DataParallel(_GateWhereSamples(comm), comm, bucket_cap_mb=0,
-                         find_unused_parameters=True)  # fmt: skip
-    mine = x.split(sizes)[comm.rank].clone().requires_grad_()
-    model(mine).sum().backward()
-    return [(name, q.grad, p.grad / comm.size) for (name, p), q in
-            zip(plain.named_parameters(), model.module.parameters(), strict=True)]  # fmt: skip
 
 
 def globally_unused_keeps_none(comm: Communicator) -> bool:

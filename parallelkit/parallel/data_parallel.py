@@ -13,14 +13,6 @@ Buckets are launched strictly in bucket order on every rank (collectives are mat
 order), so a bucket that completes early waits for the ones before it. They start in reverse
 parameter order; after the first synchronized backward they are rebuilt in the order the
 gradients really arrived (rank 0's order, broadcast once), as DDP does.
-
-The buckets' all-reduces run on a channel of their own: a copy of the communicator (``split``,
-every rank in it), made by the first wrapper over it and shared by the others. The model's own collectives in backward
-(SyncBatchNorm's sums, a spatial layer's halos) run on the model's communicators, and where a
-bucket completes at a different moment on different ranks, they would pair with the wrong
-collective on a shared one: a parameter that gets no gradient where a rank's batch slice or
-block is empty (torch's attention leaves its mask out of the graph on an empty batch) holds
-its bucket back to the end of backward on that rank only.
 """
 
 from __future__ import annotations
@@ -116,15 +108,12 @@ class DataParallel(nn.Module):
 
         # Only gradients averaged over more than one rank go into buckets.
         self._names, self._params, self._comms = [], [], []
-        channels: dict[int, Communicator] = {}  # id of a communicator -> its buckets' copy
         for name, p in module.named_parameters():
             c = reduce_over.get(name, self.comm)
             if p.requires_grad and c is not None and c.size > 1:
                 self._names.append(name)
                 self._params.append(p)
                 self._comms.append(c)
-                if id(c) not in channels:
-                    channels[id(c)] = _channel(c)
                 # Hooks hold the wrapper weakly: a parameter holding it strongly would keep it
                 # (buffers, the model) alive through autograd, out of the garbage collector's
                 # sight, after the wrapper is dropped.
@@ -134,7 +123,6 @@ class DataParallel(nn.Module):
                 )
                 if self.replicas < self.comm.size and c is self.comm:
                     p.register_hook(functools.partial(_call, me, "_grads_to_shares"))
-        self._channels = [channels[id(c)] for c in self._comms]
         self._require_sync = True
         self._whole_grads = False  # replicas span several ranks and .grad holds whole sums
         self._rebuild_pending = True
@@ -267,8 +255,8 @@ class DataParallel(nn.Module):
         while len(self._works) < len(self._buckets) and self._missing[len(self._works)] == 0:
             k = len(self._works)
             self._fill(k)
-            channel = self._channels[self._buckets[k].params[0]]
-            self._works.append(channel.all_reduce_async(self._flat[k], out=self._flat[k]))
+            comm = self._comms[self._buckets[k].params[0]]
+            self._works.append(comm.all_reduce_async(self._flat[k], out=self._flat[k]))
 
     def _finish(self) -> None:
         """End of backward: reduce what is left, wait, and write the means into ``.grad``."""
@@ -321,19 +309,6 @@ class DataParallel(nn.Module):
         order = self.comm.all_gather_ints(arrival)[0]  # host metadata: rank 0's order
         if order != list(reversed(range(len(self._params)))):
             self._build_buckets(order)
-
-
-_CHANNELS: weakref.WeakKeyDictionary[Communicator, Communicator] = weakref.WeakKeyDictionary()
-"""Each communicator's copy for buckets, made once and shared by every wrapper over it: a new
-group per wrapper would hold sockets (gloo) or a context id (MPI) for each model wrapped."""
-
-
-def _channel(comm: Communicator) -> Communicator:
-    """The buckets' copy of ``comm`` (``split``, a collective: every rank of ``comm`` wraps its
-    models alike, so every rank makes it at the same wrapper)."""
-    if comm not in _CHANNELS:
-        _CHANNELS[comm] = comm.split(0, comm.rank)
-    return _CHANNELS[comm]
 
 
 def _call(ref: weakref.ref, method: str, *args):  # type: ignore[no-untyped-def]

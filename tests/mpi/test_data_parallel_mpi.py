@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cases import assert_triples
-from dp_cases import BATCHES, training_parity, unused_beside_a_collective, unused_parameters
+from dp_cases import BATCHES, training_parity, unused_parameters
 
 
 @pytest.mark.parametrize("batches", list(BATCHES))
@@ -31,9 +31,3 @@ def test_bf16_compression(comm):
 
 def test_parameters_unused_on_some_ranks(comm):
     assert_triples(unused_parameters(comm))
-
-
-def test_a_parameter_unused_on_one_rank_beside_the_models_own_collectives(comm):
-    if comm.size == 1:
-        pytest.skip("needs a rank with an empty batch slice beside one with samples")
-    assert_triples(unused_beside_a_collective(comm))

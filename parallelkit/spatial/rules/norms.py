@@ -192,6 +192,12 @@ def attention(g: Guard, call: Call) -> Tensor:
         mask = cut_whole(g, mask, q, call.name)
     y = F.scaled_dot_product_attention(q, k, v, mask, 0.0, call["is_causal"], scale=call["scale"],
                                        enable_gqa=call["enable_gqa"])  # fmt: skip
+    if y.numel() == 0 and isinstance(mask, Tensor) and mask.requires_grad:
+        # No window here: torch's attention leaves the mask out of the graph, so a bias
+        # table behind it would get its gradient on the other ranks only, and their gradient
+        # all-reduces would start at other moments than this rank's (a hang beside the
+        # model's own collectives on one communicator). A zero gradient keeps it in step.
+        y = y + (0 * mask).sum()
     return g.marked(y, form[0])
 
 
