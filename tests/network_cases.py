@@ -831,6 +831,37 @@ def warp_without_the_next_row(comm: Communicator) -> list[str]:
     return [label for label, got, want in triples if not torch.allclose(got.to(want.dtype), want)]
 
 
+class _WindowBias(nn.Module):
+    """Attention inside 2 x 2 windows folded into the batch, with a learned bias, on a 4 x 4
+    map: on 3 ranks the rows (2, 1, 1) move to whole windows (2, 2, 0), and the last rank
+    holds no window."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Conv2d(3, 4, 3, stride=4, padding=1)
+        self.bias = nn.Parameter(torch.randn(1, 1, 4, 4) / 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.stem(x)  # (N, 4, 4, 4) from 16 x 16
+        n, c, h, w = y.shape
+        t = y.view(n, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 3, 5, 1).reshape(-1, 1, 4, c)
+        a = F.scaled_dot_product_attention(t, t, t, attn_mask=self.bias)
+        a = a.view(n, h // 2, w // 2, 2, 2, c).permute(0, 5, 1, 3, 2, 4).reshape(n, c, h, w)
+        return y + a
+
+
+def parameters_reached_without_a_window(comm: Communicator) -> list[str]:
+    """The parameters that get no gradient on this rank (autograd alone, before DataParallel):
+    none may, on a rank that holds no window either, or the gradient all-reduces start at
+    other moments there than on the others."""
+    model = pk.parallelize(_WindowBias().double(), comm, "spatial")
+    out = model(torch.randn(2, 3, 16, 16, dtype=torch.float64))
+    params = dict(model.named_parameters())
+    grads = torch.autograd.grad(out.square().sum(), list(params.values()), allow_unused=True)
+    return [name for name, grad in zip(params, grads, strict=True) if grad is None]
+
+
 class _TokenScan(nn.Module):
     """A running sum over the H x W tokens in raster order: a scan across split tokens is
     refused on blocks."""

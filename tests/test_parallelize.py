@@ -30,6 +30,7 @@ from network_cases import (
     host_exchanges_per_step,
     keep_dense_way_out,
     network_parity,
+    parameters_reached_without_a_window,
     refusal,
     se_without_gradient_sum,
     warp_without_the_next_row,
@@ -232,6 +233,13 @@ def test_negative_control_flips_and_scans_on_their_own_blocks(ranks):
 def test_negative_control_warp_without_the_next_row(ranks):
     for bad in ranks(2).run(warp_without_the_next_row):
         assert any("out" in label for label in bad), bad
+
+
+def test_a_bias_behind_attention_gets_its_gradient_where_a_rank_has_no_window(ranks):
+    """timm's MaxViT on 3 row ranks: torch's attention on an empty batch leaves its mask out
+    of the graph, and the bias table's gradient all-reduce then started at the end of backward
+    on that rank alone, pairing with a row exchange of the others."""
+    assert ranks(3).run(parameters_reached_without_a_window) == [[], [], []]
 
 
 def test_refusal_names_the_module_and_keep_dense_is_the_way_out(ranks):
