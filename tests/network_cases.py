@@ -14,6 +14,8 @@ import contextlib
 import copy
 import math
 from types import SimpleNamespace
+from typing import Any
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -770,6 +772,16 @@ def se_without_gradient_sum(comm: Communicator) -> list[str]:
     return bad
 
 
+def _mismatches(comm: Communicator, kind: str, *patches: tuple[Any, str, Any]) -> list[str]:
+    """Negative controls: the labels that differ from the dense model when forward-code kind
+    ``kind`` runs spatially (one step) with each ``(owner, name, stand-in)`` patched in."""
+    with contextlib.ExitStack() as stack:
+        for owner, name, stand_in in patches:
+            stack.enter_context(mock.patch.object(owner, name, stand_in))
+        triples = network_parity(comm, f"forward code: {kind}", "spatial", steps=1)
+    return [label for label, got, want in triples if not torch.allclose(got.to(want.dtype), want)]
+
+
 def windows_from_the_other_end(comm: Communicator) -> list[str]:
     """Negative control: rows moved to whole windows, each rank as many as it should hold but
     counted from the other end of the dimension (rank 0 the last two windows of three, rank 1
@@ -783,12 +795,7 @@ def windows_from_the_other_end(comm: Communicator) -> list[str]:
         sizes = [b - a for a, b in real(m, inner, axis)]
         return [(sum(sizes[r + 1 :]), sum(sizes[r:])) for r in range(len(sizes))]
 
-    shape._grouped = from_the_end
-    try:
-        triples = network_parity(comm, "forward code: windows across blocks", "spatial", steps=1)
-    finally:
-        shape._grouped = real
-    return [label for label, got, want in triples if not torch.allclose(got.to(want.dtype), want)]
+    return _mismatches(comm, "windows across blocks", (shape, "_grouped", from_the_end))
 
 
 def flips_and_scans_on_their_own_blocks(comm: Communicator) -> list[str]:
@@ -797,18 +804,14 @@ def flips_and_scans_on_their_own_blocks(comm: Communicator) -> list[str]:
     the mismatching labels."""
     from parallelkit.spatial.rules import reductions, windows
 
-    real_mirror, real_pkf = windows._mirrored, reductions.pkf
-    windows._mirrored = lambda sizes, n: [
-        (a, a + m) for a, m in zip(starts(sizes), sizes, strict=True)
-    ]
-    reductions.pkf = SimpleNamespace(
-        all_gather=lambda t, comm, d, sizes: torch.cat([torch.zeros_like(t)] * len(sizes), d)
-    )
-    try:
-        triples = network_parity(comm, "forward code: flips and running sums", "spatial", steps=1)
-    finally:
-        windows._mirrored, reductions.pkf = real_mirror, real_pkf
-    return [label for label, got, want in triples if not torch.allclose(got.to(want.dtype), want)]
+    def own_rows(sizes: list[int], n: int) -> list[tuple[int, int]]:
+        return [(a, a + m) for a, m in zip(starts(sizes), sizes, strict=True)]
+
+    def zero_totals(t: torch.Tensor, comm: Communicator, d: int, sizes: list[int]) -> torch.Tensor:
+        return torch.cat([torch.zeros_like(t)] * len(sizes), d)
+
+    return _mismatches(comm, "flips and running sums", (windows, "_mirrored", own_rows),
+                       (reductions, "pkf", SimpleNamespace(all_gather=zero_totals)))  # fmt: skip
 
 
 def warp_without_the_next_row(comm: Communicator) -> list[str]:
@@ -823,12 +826,7 @@ def warp_without_the_next_row(comm: Communicator) -> list[str]:
         lo, hi = real(c, n, corners)
         return lo, max(lo + 1, hi - 1)
 
-    resize._reach = short
-    try:
-        triples = network_parity(comm, "forward code: warp", "spatial", steps=1)
-    finally:
-        resize._reach = real
-    return [label for label, got, want in triples if not torch.allclose(got.to(want.dtype), want)]
+    return _mismatches(comm, "warp", (resize, "_reach", short))
 
 
 class _WindowBias(nn.Module):
