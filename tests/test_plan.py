@@ -50,6 +50,7 @@ from parallelkit.plan.cost import (
     MIB,
     MIXING,
     SAMPLES,
+    Traffic,
     activation_bytes,
     exchange_seconds,
     halo_bytes,
@@ -1011,6 +1012,27 @@ def test_a_dimension_of_one_put_before_the_map_moves_nothing():
     assert walk(SpatialGate(), (3, 32, 32)).mixing == ()
     kinds = [r.kind for r in walk(ForwardCodeNet("relative logits"), (3, 12, 10)).mixing]
     assert kinds == ["gather", "gather"]  # q @ k^T and @ v; no "move"
+
+
+def test_the_walk_records_the_rows_flips_sums_and_warps_read_of_other_blocks():
+    """A flip or a running sum along a spatial dimension, and a grid_sample, read rows of the
+    other ranks' blocks (``rules/windows.py``, ``reductions.py``, ``resize.py``); along the
+    channels they read nothing, and a flip along columns moves nothing under rows."""
+    flips = walk(ForwardCodeNet("flips and running sums"), (3, 12, 10)).mixing
+    assert [(r.kind, r.tokens, r.numel, r.along) for r in flips] == [
+        ("fetch", (13, 11), (6 * 13 * 11,), (0,)),  # y.flip(2): the mirrored rows
+        ("fetch", (13, 11), (6 * 13 * 11,), (1,)),  # flip(dims=(-1, 1)): columns, channels
+        ("reduce", (13, 11), (6 * 11,), ()),  # y.cumsum(2): each block's last row
+        ("reduce", (13, 11), (6 * 13,), ()),  # cumsum(dim=-1): its last column
+        ("reduce", (13, 11), (6 * 13,), ()),  # cumprod(3); y.cumsum(1), over channels: none
+    ]
+    row_flip, col_flip = flips[:2]
+    block = 7 / 13 * 6 * 13 * 11 * 4  # the larger block of 13 rows on 2 ranks, fp32
+    assert mixing_traffic(row_flip, Option(rows=2), 1) == Traffic(2 * block, 2, block, True)
+    assert mixing_traffic(col_flip, Option(rows=2), 1).nbytes == 0  # the negative control
+    assert mixing_traffic(col_flip, Option(cols=2), 1).nbytes > 0
+    warps = walk(ForwardCodeNet("warp"), (3, 12, 10)).mixing
+    assert [(r.kind, r.tokens, r.along) for r in warps] == [("fetch", (12, 10), (0, 1))] * 3
 
 
 def test_no_attention_no_token_cost():

@@ -37,6 +37,9 @@ Token mixing (the walk's :class:`~parallelkit.plan.walk.Mixing` records; a colum
     the explicit q @ k^T     keys and values held
     contractions, maps over  an all-reduce of the (small) result, forward
     the token axis
+    rows of other blocks     a flip along a split dimension or a grid_sample: a block of rows
+    read (fetch)             fetched forward, its gradient sent home backward; a running sum
+                             along one: each block's last row gathered (as a reduce)
     a map cut into groups    where a rank's block is not whole groups (windows of 7 on blocks
     (window partitions)      of 18 + 17 rows), the rows past the last whole group go to the
                              neighbour, forward and (their gradient) back
@@ -376,7 +379,8 @@ class Traffic:
 def mixing_pattern(m: Mixing, s: int) -> str:
     """The collective ``m`` uses on ``s`` spatial ranks, as the library's rule picks it:
     "heads" (the head all-to-all) where the heads divide among the ranks and nothing masks,
-    "ring" for other self-attention, else the record's kind ("gather", "reduce", "move")."""
+    "ring" for other self-attention, else the record's kind ("gather", "reduce", "fetch",
+    "move")."""
     if m.kind != "attention":
         return m.kind
     return "heads" if not m.masked and m.heads >= s and m.heads % s == 0 else "ring"
@@ -399,6 +403,10 @@ def mixing_traffic(m: Mixing, opt: Option, images: float) -> Traffic:
         return Traffic(kv * (3 * s - 2), 2 * s - 1, 2 * kv, False)
     if pattern == "move":
         return _moved(m, opt, whole[0])
+    if pattern == "fetch":  # a block's rows in, forward; their gradient back
+        split = sum(opt.parts(len(m.tokens))[d] > 1 for d in m.along)
+        fetched = share * whole[0] if split else 0.0
+        return Traffic(2 * fetched, 2 * split, fetched, True)
     if pattern == "gather":  # each tensor: all-gather forward, reduce-scatter backward
         return Traffic(2 * (s - 1) / s * sum(whole), 2 * (s - 1) * len(whole), sum(whole), True)
     return Traffic(2 * (s - 1) / s * whole[0], 2 * (s - 1), whole[0], True)  # all-reduce

@@ -20,7 +20,10 @@ shapes only, not the spatial guard's layouts: a token count that happens to equa
 dimension's size is read as tokens; a square (L x L) product is read with its rows as the
 queries; a count up to ``CLASS_TOKENS`` more than a map's is that map's tokens after class
 tokens; ``einsum``, window attention (tokens in the batch) and keys of a count no map of the
-region has (a text context: whole, no collective) are not recorded. Their compute is not a
+region has (a text context: whole, no collective) are not recorded. Beside token mixing, the
+calls on a map of the sample's dimensions (N, C, *spatial) that read rows of other ranks:
+``flip`` and ``grid_sample`` (a block of rows fetched), ``cumsum``/``cumprod`` along a spatial
+dimension (each block's last row gathered). Their compute is not a
 leaf's: a profile has it in the rest of a pass (``Profile.other_s``; counted, it is left out).
 
 Samples have 1, 2 or 3 spatial dimensions, as in the rest of parallelkit: a signal (C, L), an
@@ -134,6 +137,10 @@ class Mixing:
         reduce     a contraction over tokens, a linear map over the token axis or an
                    ``AvgPool1d`` over the flattened tokens: its small result all-reduced;
                    numel (result,)
+        fetch      rows another rank holds read in place of this rank's own: a ``flip`` along
+                   a spatial dimension (the mirrored rows), a ``grid_sample`` (the rows its
+                   coordinates reach, counted as one block: a smooth warp reads mostly its
+                   own, a rotation another rank's); numel (the tensor read,)
         move       a view or reshape that cuts the map's dimensions into groups of ``groups``
                    rows (Swin's window partition, a space-to-depth) or merges them back:
                    where a rank's block is not whole groups, rows move to a neighbour first;
@@ -145,12 +152,13 @@ class Mixing:
     """
 
     name: str  # the module it ran in
-    kind: str  # attention | gather | reduce
+    kind: str  # attention | gather | reduce | fetch | move
     tokens: Shape
     numel: tuple[int, ...]
     heads: int = 0
     masked: bool = False
     groups: Shape = ()  # move: the group size along each of the map's dimensions (1: uncut)
+    along: Shape = ()  # fetch: the map's dimensions read across (0 for its first)
 
 
 @dataclass(frozen=True)
@@ -238,7 +246,7 @@ def walk(model: nn.Module, input_shape: Shape, name: str = "model", **net: Any) 
     real = dict(model.named_modules())
     meta = _to_meta(model)
     layers: list[Layer] = []
-    seen = _Mixings([name])
+    seen = _Mixings([name], len(input_shape) - 1)
     seen.add_map(tuple(input_shape[1:]))
 
     def hook(mod_name: str):
@@ -299,6 +307,9 @@ def walk(model: nn.Module, input_shape: Shape, name: str = "model", **net: Any) 
 MAP_KINDS = ("conv", "convT", "norm", "sample_norm", "pool")  # (C, *spatial) in and out
 MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm)
 RESHAPES = (torch.Tensor.view, torch.Tensor.reshape, torch.reshape)
+FLIPS = (torch.flip, torch.Tensor.flip)
+ROW_READS = (*FLIPS, torch.cumsum, torch.Tensor.cumsum, torch.cumprod, torch.Tensor.cumprod,
+             F.grid_sample)  # fmt: skip
 
 
 CLASS_TOKENS = 8
@@ -315,9 +326,10 @@ class _Mixings(TorchFunctionMode):
     rules. A call is handled as a whole (its inner calls are not seen): nn.MultiheadAttention
     is one record, as its rule writes it out."""
 
-    def __init__(self, names: list[str]) -> None:
+    def __init__(self, names: list[str], dims: int) -> None:
         super().__init__()
         self.names = names  # the modules running, innermost last
+        self.dims = dims  # the samples' spatial dimensions
         self.maps: dict[int, Shape] = {}  # the region's feature maps by their token count
         self.records: list[Mixing] = []
         self.spatial = True
@@ -370,7 +382,26 @@ class _Mixings(TorchFunctionMode):
                 self._linear(_arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight"), out)
             elif func in RESHAPES and isinstance(args[0], torch.Tensor):
                 self._regroup(args[0], out)
+            elif func in ROW_READS:
+                self._rows(func, args, kwargs)
         return out
+
+    def _rows(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """A flip, a running sum or product along a spatial dimension, or a ``grid_sample`` of
+        a map (N, C, *spatial): the rows each rank reads of the others' blocks."""
+        x = _arg(args, kwargs, 0, "input")
+        if not isinstance(x, torch.Tensor) or x.dim() != self.dims + 2:
+            return
+        spatial = range(2, x.dim())
+        if func is F.grid_sample:
+            self.add("fetch", tuple(x.shape[2:]), x, along=tuple(range(self.dims)))
+        elif func in FLIPS:
+            dims = _arg(args, kwargs, 1, "dims")
+            dims = (dims,) if isinstance(dims, int) else tuple(dims or ())
+            if along := tuple(sorted({d % x.dim() - 2 for d in dims if d % x.dim() in spatial})):
+                self.add("fetch", tuple(x.shape[2:]), x, along=along)
+        elif (d := _arg(args, kwargs, 1, "dim")) is not None and d % x.dim() in spatial:
+            self.add("reduce", tuple(x.shape[2:]), x.select(d, 0))  # each block's last row
 
     def _regroup(self, x: torch.Tensor, out: Any) -> None:
         """A reshape that cuts a map's dimensions into (groups, rows of a group), or merges
