@@ -27,7 +27,7 @@ quote). Each command is one of:
   covers it; only a comment on its own line stops the check.
 
 A command that is neither run nor marked fails the test, which names its file and line.
-docs/design.md ("Commands in the docs") says the same for writers of docs.
+docs/contributing.md ("Commands in the docs") says the same for writers of docs.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import pickle
 import re
 import shlex
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass, field
@@ -486,3 +487,25 @@ def test_train_command_passes_the_check(command, tmp_path, stand_ins, monkeypatc
         status = cli.train(argv)
     assert status == 0, f"{command.where}: {command.text}\n{' '.join(argv)}\n{err.getvalue()}"
     assert not (tmp_path / "run").exists()
+
+
+def test_the_quick_tour_runs_as_written_under_torchrun(tmp_path):
+    """README's quick tour, its Python block as it stands, on 4 ranks started by torchrun (a
+    user's first script): every rank ends, and the logits it printed are the same everywhere."""
+    from parallelkit.testing import free_port
+
+    readme = (ROOT / "README.md").read_text()
+    tour = readme[readme.index("## Quick tour") :]
+    start = tour.index("```python\n") + len("```python\n")
+    code = tour[start : tour.index("\n```", start)]
+    script = tmp_path / "tour.py"
+    shown = "print('logits', comm.rank, logits.sum().item(), dense.fc.out_features)"
+    script.write_text(f"{code}\n{shown}\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+           "--master-port", str(free_port()), str(script)]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", PARALLELKIT_TIMEOUT="120")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line.split() for line in proc.stdout.splitlines() if line.startswith("logits ")]
+    assert sorted(int(w[1]) for w in lines) == [0, 1, 2, 3], proc.stdout
+    assert len({w[2] for w in lines}) == 1 and {w[3] for w in lines} == {"1000"}, lines

@@ -10,6 +10,7 @@ every module (inside functions too) and checks the arrow. Pure: no torch, no pro
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,25 @@ def _upward() -> list[str]:
             if there != here and RANK.get(there, 0) > RANK.get(here, len(LAYERS)):
                 wrong.append(f"{rel} ({here}) imports {target} ({there})")
     return wrong
+
+
+def _design_layers() -> list[set[str]]:
+    """The layers of docs/design.md's table, lowest first: the packages and modules named in
+    each row's ``parallelkit/...`` paths."""
+    text = (PACKAGE.parent / "docs" / "design.md").read_text()
+    table = text[text.index("| layer | where |") :].split("\n\n", 1)[0]
+    layers = []
+    for line in table.splitlines()[2:]:
+        where = line.split("|")[2]
+        names = re.findall(r"`parallelkit/(\w+)", where)
+        if names:
+            layers.append({"parallelkit" if n == "__init__" else n for n in names})
+    return layers
+
+
+def test_the_design_docs_table_is_these_layers() -> None:
+    """docs/design.md's layer table says what this test checks, in the same order."""
+    assert _design_layers() == LAYERS
 
 
 def test_every_package_has_a_layer() -> None:
