@@ -121,12 +121,12 @@ def train(argv: list[str]) -> int:
         return 2
     if args.check:
         if not ranked or job.rank == 0:
-            who = launch.started_by(job) if ranked else f"started here ({job.why})"
+            who = launcher.started_by(job) if ranked else f"started here ({job.why})"
             ranks = f"{world} ranks" if world else "the XLA devices"
             print(f"parallelkit train: check passed for {ranks}; {who}")
         return 0
     if ranked:
-        os.environ[launch.STARTED] = launch.started_by(job)  # read before init adds to it
+        os.environ[launcher.STARTED] = launcher.started_by(job)  # read before init adds to it
         try:
             trainer.run(cfg, startup.join(cfg))
         except Stop as stop:  # every rank stops alike; one of them says why

@@ -4,7 +4,9 @@ geometry and dims (pure arithmetic) < comm < functional (differentiable collecti
 (blocks: the record, the grid, the kernels, the rules) < nn (layers) < parallel (strategies) <
 models, data, inference < train < plan < the command line. A kernel or a rule that reached
 up into a layer would make the two folders a loop again, so this reads every ``import`` of
-every module (inside functions too) and checks the arrow. Pure: no torch, no processes.
+every module (inside functions too) and checks the arrow. Inside a package, the modules'
+own imports at import time (those at module level) form no circle either: a circle makes
+the order of imports decide which names exist. Pure: no torch, no processes.
 """
 
 from __future__ import annotations
@@ -102,3 +104,85 @@ def test_an_upward_import_is_found(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     )
     monkeypatch.setitem(globals(), "PACKAGE", fake)
     assert _upward() == ["parallelkit/spatial/kernel (spatial) imports parallelkit.nn (nn)"]
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _at_import_time(path: Path, modules: set[str]) -> set[str]:
+    """The package's modules that ``path`` imports when it is imported: its module-level
+    imports (not those inside functions or under ``TYPE_CHECKING``); ``from pkg import mod``
+    is the module ``pkg.mod``."""
+    found: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test):
+                continue
+            if isinstance(node, ast.If | ast.Try):
+                visit(node.body + node.orelse)
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    found.add(sub if sub in modules else node.module)
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+
+    visit(ast.parse(path.read_text()).body)
+    return found & modules
+
+
+def _circles() -> list[list[str]]:
+    """Every set of modules that import one another, round, at import time (the strongly
+    connected components of more than one module, by Tarjan's algorithm)."""
+    paths = {_module(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+    graph = {m: _at_import_time(p, set(paths)) - {m} for m, p in paths.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = stack[stack.index(v) :]
+            del stack[stack.index(v) :]
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_no_import_circle() -> None:
+    assert _circles() == []
+
+
+def test_an_import_circle_is_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: three modules of one package importing one another, round, and a
+    fourth importing one of them inside a function only (no circle)."""
+    fake = tmp_path / "parallelkit"
+    (fake / "train").mkdir(parents=True)
+    (fake / "train" / "__init__.py").write_text("")
+    (fake / "train" / "config.py").write_text("from parallelkit.train.tasks import TASKS\n")
+    (fake / "train" / "tasks.py").write_text("from parallelkit.train import rundir\n")
+    (fake / "train" / "rundir.py").write_text("import parallelkit.train.config\n")
+    late = "def run():\n    from parallelkit.train import config\n"
+    (fake / "train" / "launch.py").write_text(late)
+    monkeypatch.setitem(globals(), "PACKAGE", fake)
+    assert _circles() == [
+        ["parallelkit.train.config", "parallelkit.train.rundir", "parallelkit.train.tasks"]
+    ]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import parallelkit as pk
-from parallelkit.comm import detect_backend
+from parallelkit.comm import detect_backend, launcher
 from parallelkit.testing import free_port
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -143,7 +143,7 @@ def test_the_header_names_the_local_ranks_transport(monkeypatch, backend, mpich,
         launch, "supervise", lambda children, **_: seen.update(children[0].env) or 0
     )
     assert launch.launch([*launch.PACKAGE_CLI, "train"], 2, backend) == 0
-    assert seen[launch.STARTED].endswith("are set" + says), seen[launch.STARTED]
+    assert seen[launcher.STARTED].endswith("are set" + says), seen[launcher.STARTED]
     assert ("PMI_RANK" in seen) == bool(says.startswith("; MPI"))
 
 
@@ -161,13 +161,15 @@ def test_auto_keeps_gloo_when_the_ranks_outnumber_the_cores(monkeypatch):
     )
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert launch.launch([*launch.PACKAGE_CLI, "train"], 4, "auto") == 0
-    assert seen[launch.STARTED].endswith("; gloo, which waits without spinning: 4 ranks on 2 cores")
+    started = seen[launcher.STARTED]
+    assert started.endswith("; gloo, which waits without spinning: 4 ranks on 2 cores"), started
     assert "PMI_RANK" not in seen and "MASTER_PORT" in seen
     assert launch.launch([*launch.PACKAGE_CLI, "train"], 4, "mpi") == 0
     assert "PMI_RANK" in seen
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # 2 ranks of 2 threads: 4 cores wanted
     assert launch.launch([*launch.PACKAGE_CLI, "train"], 2, "auto") == 0
-    assert seen[launch.STARTED].endswith("2 ranks of 2 threads on 2 cores"), seen[launch.STARTED]
+    started = seen[launcher.STARTED]
+    assert started.endswith("2 ranks of 2 threads on 2 cores"), started
 
 
 def test_local_mpi_ranks_get_the_launchers_pmi_and_torchruns_numbers(monkeypatch):
@@ -222,7 +224,7 @@ def test_cpu_ranks_are_forks_of_the_launcher(monkeypatch, backend, cuda, variabl
 
     assert launch.launch([*launch.PACKAGE_CLI, "train", "a=1"], 2, backend, entry=entry) == 0
     assert [c.forked is not None for c in seen] == [forked, forked]
-    assert ("(forked processes)" in seen[0].env[launch.STARTED]) == forked
+    assert ("(forked processes)" in seen[0].env[launcher.STARTED]) == forked
     assert [c.env["RANK"] for c in seen] == ["0", "1"]
     if forked:  # a fork runs the command's arguments, as the new process would
         assert seen[1].forked() == 0 and ran == [["train", "a=1"]]
@@ -323,7 +325,7 @@ def test_a_launcher_running_threads_starts_new_processes(monkeypatch):
     monkeypatch.setattr(launch, "supervise", lambda children, **_: seen.extend(children) or 0)
     assert launch.launch([*launch.PACKAGE_CLI, "train"], 2, "auto", entry=lambda a: 0) == 0
     assert [c.forked for c in seen] == [None, None]
-    assert "(processes, not forks: the launcher runs 3 threads" in seen[0].env[launch.STARTED]
+    assert "(processes, not forks: the launcher runs 3 threads" in seen[0].env[launcher.STARTED]
 
 
 @pytest.mark.parametrize(

@@ -53,6 +53,19 @@ class Launcher:
     why: str = "no launcher's variables are set"
 
 
+STARTED = "PARALLELKIT_STARTED"
+"""Set in the ranks that ``parallelkit train`` starts: why it started them, for the header."""
+
+
+def started_by(job: Launcher) -> str:
+    """Who started the ranks, and why it was read so: a line of the run's header."""
+    if STARTED in os.environ:
+        return os.environ[STARTED]
+    if job.name == "none":
+        return f"one rank, in this process ({job.why})"
+    return f"ranks started by {job.name} ({job.why})"
+
+
 def detect(env: dict[str, str] | None = None) -> Launcher:
     """The launcher of this process (``env``: the environment to read, default os.environ)."""
     env = dict(os.environ if env is None else env)

@@ -68,9 +68,6 @@ LOOPBACK = "127.0.0.1"
 FORK_RANKS = "PARALLELKIT_FORK_RANKS"
 """``0``: every local rank is a new Python process, not a fork of the launcher."""
 
-STARTED = "PARALLELKIT_STARTED"
-"""Set in the ranks that ``parallelkit train`` starts: why it started them, for the header."""
-
 
 def under_launcher() -> bool:
     """True when a launcher started this process as one rank of a job
@@ -100,15 +97,6 @@ def check_world(cfg: Config, job: launcher.Launcher, ranks_set: bool) -> None:
             f"parallel.ranks={cfg.parallel.ranks}, but {job.name} started {job.world} ranks "
             f"({job.why}); drop parallel.ranks, or start {cfg.parallel.ranks} with {job.name}"
         )
-
-
-def started_by(job: launcher.Launcher) -> str:
-    """Who started the ranks, and why it was read so: a line of the run's header."""
-    if STARTED in os.environ:
-        return os.environ[STARTED]
-    if job.name == "none":
-        return f"one rank, in this process ({job.why})"
-    return f"ranks started by {job.name} ({job.why})"
 
 
 def local_command(cfg: Config, argv: list[str], command: str = "train") -> list[str] | None:
@@ -206,13 +194,14 @@ def launch(
     crowded = oversubscribed(ranks)
     stop_library_threads()
     fork, how = how_ranks_start(backend, cuda) if processes else (False, "mpiexec")
-    env[STARTED] = f"{ranks} local ranks started by parallelkit ({how}): {launcher.detect().why}"
+    why = launcher.detect().why
+    env[launcher.STARTED] = f"{ranks} local ranks started by parallelkit ({how}): {why}"
     if mpi:
-        env[STARTED] += "; MPI, started by the launcher itself: every socket on loopback"
+        env[launcher.STARTED] += "; MPI, started by the launcher itself: every socket on loopback"
     elif backend == "auto" and processes and not cuda and crowded:
-        env[STARTED] += f"; gloo, which waits without spinning: {crowded}"
+        env[launcher.STARTED] += f"; gloo, which waits without spinning: {crowded}"
     elif backend == "auto" and processes and not cuda:
-        env[STARTED] += "; gloo (pip install mpi4py mpich: MPI is faster on CPUs)"
+        env[launcher.STARTED] += "; gloo (pip install mpi4py mpich: MPI is faster on CPUs)"
     startup = Startup(ranks, timeout) if timeout is not None else None
     env.update(startup.env if startup else {})
     try:

@@ -34,7 +34,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from parallelkit.train import checkpoint
-from parallelkit.train.config import Config
+from parallelkit.train.schema import Config
 
 LOCK = ".lock"
 # Keys that do not change what is trained, so a resumed run may change them. The epoch count

@@ -37,7 +37,7 @@ from parallelkit.data import Loader, RankSampler, build_loader, datalist
 from parallelkit.data.errors import DataError, one_line
 from parallelkit.data.loader import block_layout, share_statistics
 from parallelkit.parallel import Grid
-from parallelkit.train import checkpoint, launch, preflight, rundir, tasks
+from parallelkit.train import checkpoint, preflight, rundir, tasks
 from parallelkit.train.agree import agree, same_everywhere
 from parallelkit.train.allocator import keep_freed_memory
 from parallelkit.train.config import Config, to_yaml
@@ -290,7 +290,7 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
     )
     if note:
         monitor.print(f"parallelkit train: {note}")
-    monitor.print(f"parallelkit train: {launch.started_by(launcher.detect())}")
+    monitor.print(f"parallelkit train: {launcher.started_by(launcher.detect())}")
     if device.type == "cpu" and cfg.parallel.device == "auto" and torch.cuda.is_available():
         monitor.print(
             f"parallelkit train: training on the CPU ({comm.backend} with parallel.device=auto), "
