@@ -56,6 +56,7 @@ from parallelkit.train import checkpoint, predict_level
 from parallelkit.train.agree import agree, same_everywhere
 from parallelkit.train.allocator import keep_freed_memory
 from parallelkit.train.config import Config, grid_dims
+from parallelkit.train.devices import device_for, peak_memory_mib, requested_device
 from parallelkit.train.monitor import table
 from parallelkit.train.predict_folder import (
     finals_of,
@@ -64,9 +65,9 @@ from parallelkit.train.predict_folder import (
     take_output,
     write_summaries,
 )
+from parallelkit.train.rundir import NORMALIZATION
 from parallelkit.train.segment import Segment
 from parallelkit.train.segmetrics import score_block
-from parallelkit.train.trainer import NORMALIZATION, device_for, peak_memory_mib, requested_device
 
 SUMMARY = record.SUMMARY
 DTYPES = ("float16", "float32")

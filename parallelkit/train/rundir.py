@@ -34,6 +34,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from parallelkit.train import checkpoint
+from parallelkit.train.files import atomic_text
 from parallelkit.train.schema import Config
 
 LOCK = ".lock"
@@ -261,3 +262,16 @@ def _read_pid(path: Path) -> str:
     with contextlib.suppress(OSError):
         return path.read_text().strip() or "?"
     return "?"
+
+
+NORMALIZATION = "normalization.json"
+"""The per-channel mean and std that a run's block reader normalizes with (FORMAT:DIR data)."""
+
+
+def save_normalization(run_dir: Path, loader) -> None:
+    """Keep the training data's normalization in the run, so that ``parallelkit predict``
+    normalizes as training did without the training data at hand."""
+    dataset = loader.dataloader.dataset
+    if getattr(dataset, "normalizer", None) is not None:
+        atomic_text(run_dir / NORMALIZATION, json.dumps(dataset.normalizer.spec()))
+        record(run_dir, run_dir / NORMALIZATION)

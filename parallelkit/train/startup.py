@@ -135,7 +135,7 @@ def join(cfg) -> Communicator:
     """The world communicator, as the trainer and predict would make it, after one barrier:
     the end of this rank's start-up (:func:`reached` ``ready``)."""
     import parallelkit as pk
-    from parallelkit.train.trainer import requested_device
+    from parallelkit.train.devices import requested_device
 
     reached("join")
     comm = pk.init(cfg.parallel.backend, timeout=cfg.parallel.timeout,

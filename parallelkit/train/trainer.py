@@ -23,7 +23,6 @@ exception ends the whole job at once (the communicator's exit hook).
 from __future__ import annotations
 
 import itertools
-import json
 import sys
 import time
 from pathlib import Path
@@ -41,6 +40,13 @@ from parallelkit.train import checkpoint, preflight, rundir, tasks
 from parallelkit.train.agree import agree, same_everywhere
 from parallelkit.train.allocator import keep_freed_memory
 from parallelkit.train.config import Config, to_yaml
+from parallelkit.train.devices import (
+    device_for,
+    end_of_step,
+    on_device,
+    peak_memory_mib,
+    requested_device,
+)
 from parallelkit.train.faults import maybe_fail
 from parallelkit.train.files import atomic_text, atomic_torch_save, remove_stale
 from parallelkit.train.monitor import Monitor, table
@@ -48,76 +54,6 @@ from parallelkit.train.plot import plot_run
 from parallelkit.train.protocol import Task
 from parallelkit.train.stopping import StopOnSignal, exit_now
 from parallelkit.train.window import LossWindow
-
-
-def requested_device(name: str) -> torch.device | None:
-    """``parallel.device`` as the device this rank trains on; None leaves it to the backend.
-
-    cuda: the GPU of this rank's local rank under any launcher (torchrun's LOCAL_RANK,
-    srun's SLURM_LOCALID, mpiexec's), modulo the GPUs there are, so several ranks may share one.
-    """
-    if name == "cpu":
-        return torch.device("cpu")
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("parallel.device=cuda: torch sees no CUDA device on this machine")
-        local_rank = launcher.detect().local_rank
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return None
-
-
-def device_for(comm: pk.Communicator) -> torch.device:
-    """Where this rank trains: the communicator's declared device (NCCL: its GPU, chosen by
-    LOCAL_RANK; XLA: its XLA device), else the CPU."""
-    return comm.device if comm.device is not None else torch.device("cpu")
-
-
-def peak_memory_mib(device: torch.device) -> float:
-    """This process's peak memory: device memory on GPUs, the peak resident set on CPUs.
-
-    Linux's VmHWM where there is one: ``ru_maxrss`` keeps the maximum across ``execve``, so a
-    rank that the launcher started (a fork of it until the exec) would report at least the
-    launcher's resident set."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:")) / 1024
-    except (OSError, StopIteration):
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
-def on_device(loader, device: torch.device):
-    """XLA: batches move to the device in a background thread (MpDeviceLoader), so the step
-    graph never waits for a host copy. Elsewhere the loop moves each batch itself."""
-    if device.type != "xla":
-        return loader
-    from torch_xla.distributed.parallel_loader import MpDeviceLoader
-
-    return MpDeviceLoader(loader, device)
-
-
-def end_of_step(device: torch.device) -> None:
-    """Cut the lazy XLA graph after each step, so that every step is the same graph."""
-    if device.type == "xla":
-        import torch_xla
-
-        torch_xla.sync()
-
-
-NORMALIZATION = "normalization.json"
-"""The per-channel mean and std that a run's block reader normalizes with (FORMAT:DIR data)."""
-
-
-def save_normalization(run_dir: Path, loader) -> None:
-    """Keep the training data's normalization in the run, so that ``parallelkit predict``
-    normalizes as training did without the training data at hand."""
-    dataset = loader.dataloader.dataset
-    if getattr(dataset, "normalizer", None) is not None:
-        atomic_text(run_dir / NORMALIZATION, json.dumps(dataset.normalizer.spec()))
-        rundir.record(run_dir, run_dir / NORMALIZATION)
 
 
 def open_run_dir(cfg: Config, comm: pk.Communicator) -> tuple[rundir.Lock | None, str | None]:
@@ -238,23 +174,48 @@ def check_first_batches(loaders: dict[str, Loader], comm: pk.Communicator) -> No
 def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
     """Train as configured; returns the final metrics (the same on every rank)."""
     keep_freed_memory()  # each step reuses the last one's memory: no page faults
-    comm = comm or pk.init(
-        cfg.parallel.backend,
-        timeout=cfg.parallel.timeout,
-        device=requested_device(cfg.parallel.device),
-    )
-    try:  # checked by the launcher already; ranks started by torchrun or mpiexec check here
+    comm = comm or join(cfg)
+    grid = make_grid(cfg, comm)
+    device = device_for(comm)
+    lock, note = open_run_dir(cfg, comm)
+    loaders = make_loaders(cfg, grid, device)
+    if comm.rank == 0:  # what parallelkit predict normalizes whole samples with
+        rundir.save_normalization(Path(cfg.train.run_dir), loaders["train"])
+    torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
+    task = tasks.create(cfg, grid, device, loaders["train"])
+    step, identity = resume(cfg, task, grid, device)
+    monitor = open_monitor(cfg, grid, device, step, note)
+    loop = Loop(cfg, grid, device, task, monitor, identity, step)
+    loop.stop.install()  # until the end of the run: a signal during evaluation or export stops too
+    loop.epochs(loaders)
+    result = loop.finish()
+    loop.stop.uninstall()
+    if lock is not None:
+        lock.release()
+    return result
+
+
+def join(cfg: Config) -> pk.Communicator:
+    """This rank's world communicator, on the configured backend and device."""
+    p = cfg.parallel
+    return pk.init(p.backend, timeout=p.timeout, device=requested_device(p.device))
+
+
+def make_grid(cfg: Config, comm: pk.Communicator) -> Grid:
+    """The configured grid over ``comm``. The launcher checked it already; ranks started by
+    torchrun or mpiexec check here, every rank with the same message."""
+    try:
         dims = preflight.check_grid(cfg, comm.size)
     except ValueError as e:
         raise same_everywhere(str(e), comm) from None
-    grid = Grid(comm, **dims)
-    t = cfg.train
-    device = device_for(comm)
-    run_dir = Path(t.run_dir)
-    lead = comm.rank == 0
-    lock, note = open_run_dir(cfg, comm)
+    return Grid(comm, **dims)
 
-    per_rank = t.batch_size // grid.data
+
+def make_loaders(cfg: Config, grid: Grid, device: torch.device) -> dict[str, Loader]:
+    """The train and test loaders of this rank: its data rank's rows of each global batch,
+    and of per-pixel targets (and a block folder's images) only its block; their first
+    batches read by every rank before training (:func:`check_first_batches`)."""
+    comm = grid.comm
     _, z, row, col, _ = grid.coords
     block = block_layout(cfg.data, grid.spatial, (z, row, col))  # this rank's, made once
     share_statistics(  # a block folder's channel statistics: each rank streams its share
@@ -267,23 +228,24 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
             split,
             rank=grid.data_comm.rank,
             size=grid.data,
-            batch_size=per_rank,
-            seed=t.seed,
-            block=block,  # masks (and a block folder's images): this rank's block only
+            batch_size=cfg.train.batch_size // grid.data,
+            seed=cfg.train.seed,
+            block=block,
         )
         for split in ("train", "test")
     }
     check_first_batches(loaders, comm)
-    train = loaders["train"]
-    if lead:  # what parallelkit predict normalizes whole samples with
-        save_normalization(run_dir, train)
-    torch.manual_seed(t.seed)  # the same initial weights on every rank
-    task = tasks.create(cfg, grid, device, train)
+    return loaders
 
-    step, identity = resume(cfg, task, grid, device)
+
+def open_monitor(
+    cfg: Config, grid: Grid, device: torch.device, step: int, note: str | None
+) -> Monitor:
+    """The run's progress, logs and metrics (rank 0 writes them), and the header lines."""
+    t, comm = cfg.train, grid.comm
     monitor = Monitor(
-        run_dir,
-        lead,
+        Path(t.run_dir),
+        comm.rank == 0,
         progress=t.progress,
         tensorboard=t.tensorboard,
         resume_step=step if t.resume else None,
@@ -303,91 +265,131 @@ def run(cfg: Config, comm: pk.Communicator | None = None) -> dict[str, Any]:
     )
     if split := datalist.split_note(cfg.data.name):  # a dataset.json: which cases are tested
         monitor.print(f"parallelkit train: {split}")
-    total = task.total_steps
-    window = LossWindow(grid.data_comm, t.batch_size)
-    last: dict[str, float] = {}
-    evals: dict[str, Any] = {}
-    started = time.perf_counter()
-    images = 0
+    return monitor
 
-    def log_window() -> None:
-        losses, rate = window.reduce()
-        last.update(losses, img_s=rate, img_s_per_rank=rate / comm.size, lr=task.lr())
-        monitor.log("train", step, epoch=epoch, **last)
-        monitor.advance(0, **losses, **task.headline(evals))
 
-    def save_checkpoint() -> None:
-        state = {"step": step, "task": task.state()}
-        checkpoint.save(run_dir, step, state, grid, t.keep_checkpoints, identity.as_manifest())
+class Loop:
+    """The epochs of one run from ``step`` on, and its end: the losses reduced every
+    ``log_every`` steps, checkpoints, evaluation at epoch ends, a signal's stop, then the
+    dense model(s) exported and the summary."""
 
-    stop = StopOnSignal(comm.rank, t.checkpoint_on_signal)
-    stop.install()  # until the end of the run: a signal during evaluation or export stops too
-    for epoch in range(step // len(train), t.epochs):
-        if step >= total:
-            break
-        done = step - epoch * len(train)
-        train.set_epoch(epoch, start_batch=done)
-        monitor.start_epoch(epoch, t.epochs, min(len(train), total - epoch * len(train)), done)
-        for x, y in on_device(train, device):
-            maybe_fail(t, comm, step, task.nets)  # a testing aid: off unless configured
-            losses = task.step(x.to(device), y.to(device), step)
-            end_of_step(device)
-            step += 1
-            images += len(x)
-            window.add(losses)
-            monitor.advance(1)
-            if step % t.log_every == 0 or step == total:
-                log_window()
-            if t.checkpoint_every and step % t.checkpoint_every == 0:
-                save_checkpoint()
-            if signum := stop.requested(comm, device, step):
-                save_checkpoint()
-                monitor.close()
-                exit_now(128 + signum, f"parallelkit train: stopped at step {step}" * lead)
-            if step >= total:
+    def __init__(
+        self,
+        cfg: Config,
+        grid: Grid,
+        device: torch.device,
+        task: Task,
+        monitor: Monitor,
+        identity: rundir.Identity,
+        step: int,
+    ) -> None:
+        self.cfg, self.t, self.grid, self.comm = cfg, cfg.train, grid, grid.comm
+        self.device, self.task, self.monitor, self.identity = device, task, monitor, identity
+        self.run_dir, self.lead = Path(cfg.train.run_dir), grid.comm.rank == 0
+        self.step, self.epoch, self.images = step, 0, 0
+        self.window = LossWindow(grid.data_comm, cfg.train.batch_size)
+        self.last: dict[str, float] = {}
+        self.evals: dict[str, Any] = {}
+        self.started = time.perf_counter()
+        self.stop = StopOnSignal(self.comm.rank, cfg.train.checkpoint_on_signal)
+
+    def epochs(self, loaders: dict[str, Loader]) -> None:
+        train, total = loaders["train"], self.task.total_steps
+        for epoch in range(self.step // len(train), self.t.epochs):
+            self.epoch = epoch
+            if self.step >= total:
                 break
-        monitor.end_epoch()
-        if window.steps:
-            log_window()
-        if step >= total and t.precise_bn:
-            used = task.precise_bn(train, t.precise_bn)
-            monitor.print(f"parallelkit train: BatchNorm statistics recomputed over {used} "
-                          "training batches for the final weights (train.precise_bn)")
-            if t.checkpoint_every and step % t.checkpoint_every == 0:
-                save_checkpoint()  # the last step's checkpoint again, with them
-        if not t.checkpoint_every and (step == (epoch + 1) * len(train) or step >= total):
-            save_checkpoint()
-        due = (epoch + 1) % t.eval_every == 0 or step >= total
-        if due and (found := task.evaluate(loaders["test"])):
-            evals = found
-            monitor.log("eval", step, epoch=epoch, **evals)
-            monitor.print(f"epoch {epoch + 1}: {task.report(evals)}")
-        task.end_epoch(epoch, run_dir if lead else None)
+            self.steps(train, total)
+            self.monitor.end_epoch()
+            if self.window.steps:
+                self.log_window()
+            self.end_epoch(train, loaders["test"], total)
 
-    seconds = time.perf_counter() - started
-    memory = comm.all_gather(torch.tensor([peak_memory_mib(device)], device=device)).cpu()
-    rate = images * grid.data / max(seconds, 1e-9)  # each data replica saw its own images
-    dense = task.dense_state()
-    if lead:
-        for name, state in dense.items():
-            atomic_torch_save(run_dir / f"{name}.pt", state)
-            rundir.record(run_dir, run_dir / f"{name}.pt")
-    result = {
-        **last,
-        **{f"test_{k}": v for k, v in evals.items() if not isinstance(v, list)},
-        "steps": step,
-        "seconds": seconds,
-        "run_img_s": rate,  # over the whole run, evaluation and checkpoints included
-        "peak_memory_mib": memory.max().item(),
-    }
-    monitor.log("summary", step, **result)
-    monitor.print(summary_table(cfg, comm, grid, result, last, task.summary(evals)))
-    monitor.close()
-    if lead and t.plot:
-        monitor.print(plot_run(run_dir))
-        if (run_dir / "curves.png").is_file():
-            rundir.record(run_dir, run_dir / "curves.png")
-    stop.uninstall()
-    if lock is not None:
-        lock.release()
-    return result
+    def steps(self, train: Loader, total: int) -> None:
+        """The steps of this epoch, from where a resumed run left off."""
+        t, epoch = self.t, self.epoch
+        done = self.step - epoch * len(train)
+        train.set_epoch(epoch, start_batch=done)
+        self.monitor.start_epoch(epoch, t.epochs, min(len(train), total - epoch * len(train)),
+                                 done)  # fmt: skip
+        for x, y in on_device(train, self.device):
+            maybe_fail(t, self.comm, self.step, self.task.nets)  # a testing aid: off unless set
+            losses = self.task.step(x.to(self.device), y.to(self.device), self.step)
+            end_of_step(self.device)
+            self.step += 1
+            self.images += len(x)
+            self.window.add(losses)
+            self.monitor.advance(1)
+            if self.step % t.log_every == 0 or self.step == total:
+                self.log_window()
+            if t.checkpoint_every and self.step % t.checkpoint_every == 0:
+                self.save_checkpoint()
+            if signum := self.stop.requested(self.comm, self.device, self.step):
+                self.save_checkpoint()
+                self.monitor.close()
+                said = f"parallelkit train: stopped at step {self.step}" * self.lead
+                exit_now(128 + signum, said)
+            if self.step >= total:
+                break
+
+    def end_epoch(self, train: Loader, test: Loader, total: int) -> None:
+        """Precise BatchNorm statistics at the end, the epoch's checkpoint, evaluation."""
+        t, step, epoch = self.t, self.step, self.epoch
+        if step >= total and t.precise_bn:
+            used = self.task.precise_bn(train, t.precise_bn)
+            self.monitor.print(
+                f"parallelkit train: BatchNorm statistics recomputed over {used} "
+                "training batches for the final weights (train.precise_bn)"
+            )
+            if t.checkpoint_every and step % t.checkpoint_every == 0:
+                self.save_checkpoint()  # the last step's checkpoint again, with them
+        if not t.checkpoint_every and (step == (epoch + 1) * len(train) or step >= total):
+            self.save_checkpoint()
+        due = (epoch + 1) % t.eval_every == 0 or step >= total
+        if due and (found := self.task.evaluate(test)):
+            self.evals = found
+            self.monitor.log("eval", step, epoch=epoch, **found)
+            self.monitor.print(f"epoch {epoch + 1}: {self.task.report(found)}")
+        self.task.end_epoch(epoch, self.run_dir if self.lead else None)
+
+    def log_window(self) -> None:
+        losses, rate = self.window.reduce()
+        self.last.update(losses, img_s=rate, img_s_per_rank=rate / self.comm.size,
+                         lr=self.task.lr())  # fmt: skip
+        self.monitor.log("train", self.step, epoch=self.epoch, **self.last)
+        self.monitor.advance(0, **losses, **self.task.headline(self.evals))
+
+    def save_checkpoint(self) -> None:
+        state = {"step": self.step, "task": self.task.state()}
+        checkpoint.save(self.run_dir, self.step, state, self.grid, self.t.keep_checkpoints,
+                        self.identity.as_manifest())  # fmt: skip
+
+    def finish(self) -> dict[str, Any]:
+        """The dense model(s) saved, the summary logged and printed, the curves plotted; the
+        final metrics."""
+        comm, grid, device, run_dir = self.comm, self.grid, self.device, self.run_dir
+        seconds = time.perf_counter() - self.started
+        memory = comm.all_gather(torch.tensor([peak_memory_mib(device)], device=device)).cpu()
+        rate = self.images * grid.data / max(seconds, 1e-9)  # each data replica, its images
+        dense = self.task.dense_state()
+        if self.lead:
+            for name, state in dense.items():
+                atomic_torch_save(run_dir / f"{name}.pt", state)
+                rundir.record(run_dir, run_dir / f"{name}.pt")
+        result = {
+            **self.last,
+            **{f"test_{k}": v for k, v in self.evals.items() if not isinstance(v, list)},
+            "steps": self.step,
+            "seconds": seconds,
+            "run_img_s": rate,  # over the whole run, evaluation and checkpoints included
+            "peak_memory_mib": memory.max().item(),
+        }
+        self.monitor.log("summary", self.step, **result)
+        summary = self.task.summary(self.evals)
+        self.monitor.print(summary_table(self.cfg, comm, grid, result, self.last, summary))
+        self.monitor.close()
+        if self.lead and self.t.plot:
+            self.monitor.print(plot_run(run_dir))
+            if (run_dir / "curves.png").is_file():
+                rundir.record(run_dir, run_dir / "curves.png")
+        return result
