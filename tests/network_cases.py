@@ -222,6 +222,9 @@ class ForwardCodeNet(nn.Module):
             self.w, self.b = nn.Parameter(torch.randn(6, 6, 3, 3) / 6), nn.Parameter(torch.zeros(6))
         if kind == "same padding":  # timm's Conv2dSame: F.pad, then a convolution without
             self.strided = nn.Conv2d(6, 6, 3, stride=2)
+        if kind == "rms norms":  # over a token's channels (timm's RmsNorm), over a whole sample
+            self.rms = nn.RMSNorm(6)
+            self.rms_whole = nn.Parameter(torch.randn(6, 12, 10) / 4 + 1)
         if kind == "convnext block":
             self.dw = nn.Conv2d(6, 6, 7, padding=3, groups=6)
             self.ln = nn.LayerNorm(6)
@@ -246,6 +249,9 @@ class ForwardCodeNet(nn.Module):
             return x * torch.sigmoid(y).expand_as(x) + x[:, :3].repeat(1, 2, 1, 1)
         if k == "cat":  # DenseNet's concatenation along channels
             return torch.cat([x, self.side(x)], dim=1)
+        if k == "rms norms":  # RMSNorm over channels last, and over (C, H, W) with its weight
+            y = self.rms(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+            return y + F.rms_norm(x, x.shape[1:], self.rms_whole, eps=1e-4)
         if k == "convnext block":  # channels-last LayerNorm and Linear, layer scale
             y = self.ln(self.dw(x).permute(0, 2, 3, 1))
             return x + (self.gamma * self.mlp(y)).permute(0, 3, 1, 2)
@@ -524,6 +530,7 @@ FORWARD_CODE = {
         "channel shuffle",
         "cat",
         "convnext block",
+        "rms norms",
         "unet up",
         "upsample x2",
         "pyramid pooling",

@@ -100,11 +100,28 @@ def layer_norm(g: Guard, call: Call) -> Tensor:
     summed. Over (C,) and the spatial dimensions (a WGAN-GP critic's
     ``nn.LayerNorm([C, H, W])``): statistics written out as means of the whole samples; the
     affine parameters, shaped for the whole samples, cut to the block."""
+    return _over_last(g, call, centred=True)
+
+
+@rule(F.rms_norm, params="input, normalized_shape, weight=None, eps=None", prefix=True)
+def rms_norm(g: Guard, call: Call) -> Tensor:
+    """As ``F.layer_norm``'s rule, without the mean: over a channels-last block's channels
+    (timm's and torch's ``RMSNorm`` on tokens) local, weights' gradients summed; over (C,) and
+    the spatial dimensions, the mean square written out over the whole samples."""
+    return _over_last(g, call, centred=False)
+
+
+def _over_last(g: Guard, call: Call, centred: bool) -> Tensor:
+    """A layer norm (``centred``) or an RMS norm over the last ``normalized_shape``
+    dimensions of block ``input``: local where they follow its spatial dimensions, written out
+    as means of the whole samples where they end in them."""
     x, shape = call["input"], tuple(call["normalized_shape"])
+    weight, bias, eps = g.summed(call["weight"]), g.summed(call.get("bias")), call["eps"]
     spatial = g.places(x)
     if -len(shape) > max(spatial):  # trailing dimensions after the spatial ones
-        weight, bias = g.summed(call["weight"]), g.summed(call["bias"])
-        return g.marked(F.layer_norm(x, shape, weight, bias, call["eps"]), spatial)
+        if centred:
+            return g.marked(F.layer_norm(x, shape, weight, bias, eps), spatial)
+        return g.marked(F.rms_norm(x, shape, weight, eps), spatial)
     if spatial != tuple(range(-len(spatial), 0)) or g.folds(x):
         raise g.refuse(call.name, "it acts over a spatial dimension of a channels-last block")
     size = whole_size(g, x)
@@ -113,15 +130,17 @@ def layer_norm(g: Guard, call: Call) -> Tensor:
             call.name, f"its normalized_shape {shape} does not end in the whole samples' {size}"
         )
     dims = list(range(x.dim() - len(shape), x.dim()))
+    if eps is None:  # torch's rms_norm: the machine epsilon of the input's dtype
+        eps = torch.finfo(x.dtype).eps
     with g.rules():
-        centred = x - x.mean(dims, keepdim=True)
-        var = centred.square().mean(dims, keepdim=True)
-    y = centred / torch.sqrt(var + call["eps"])
+        y = x - x.mean(dims, keepdim=True) if centred else x
+        square = y.square().mean(dims, keepdim=True)
+    y = y / torch.sqrt(square + eps)
     block = (..., *g.grid.block(*size))
-    if (weight := call["weight"]) is not None:
-        y = y * g.summed(weight)[block]
-    if (bias := call["bias"]) is not None:
-        y = y + g.summed(bias)[block]
+    if weight is not None:
+        y = y * weight[block]
+    if bias is not None:
+        y = y + bias[block]
     return g.marked(y, spatial)
 
 
