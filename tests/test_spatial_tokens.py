@@ -35,6 +35,7 @@ KINDS = [
     "sdpa",  # the head all-to-all where the heads divide among the ranks, else the ring
     "sdpa bias",  # a whole relative-position bias (h, L, L) as a float mask: the ring
     "sdpa causal",  # the ring, with query blocks whose keys in a block are all masked
+    "decomposed relative positions",  # SAM: a mask made from the query block, rows its own
     "explicit",  # q @ k^T * scale + bias, softmax, @ v; v^T @ attn^T (channels first)
     "map softmax",  # one softmax over the whole flattened (h, L, L) map: all-reduced
     "talking heads",  # 1x1 convolutions over the heads of the (h, L, L) map: local
@@ -183,7 +184,8 @@ def test_extremes_over_tokens_with_ties_and_a_nan_are_torchs(ranks, size, grid):
         assert_triples(triples)
 
 
-@pytest.mark.parametrize(("fault", "kind"), [("no shift", "sdpa"), ("no rescale", "sdpa bias")])
+@pytest.mark.parametrize(("fault", "kind"), [("no shift", "sdpa"), ("no rescale", "sdpa bias"),
+                                           ("no rescale", "decomposed relative positions")])
 def test_negative_control_the_ring_needs_its_shifts_and_its_rescaling(ranks, fault, kind):
     """The ring attention (2 heads on 3 ranks) with its key/value blocks never passed on, or
     its partial results added without their log-sum-exp weights, must not match."""

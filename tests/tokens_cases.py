@@ -73,6 +73,9 @@ class TokenNet(nn.Module):
         self.patch_norm, self.patch_qkv = nn.GroupNorm(1, c), nn.Conv2d(c, 1 + 2 * c, 1)
         self.window_w, self.cols_proj = nn.Parameter(torch.randn(3, 4)), nn.Linear(9 * c, c)
         self.rel_h = nn.Parameter(torch.randn(size[0] if size else 1, 3, c))  # (H, K, C)
+        if len(size) == 2:  # SAM's tables of (query row, key row) and (query col, key col)
+            self.rel_rows = nn.Parameter(0.3 * torch.randn(size[0], size[0], c // heads))
+            self.rel_cols = nn.Parameter(0.3 * torch.randn(size[1], size[1], c // heads))
         windows = UNPOOL_WINDOWS.get(kind, (2, 2, 0))  # kernel, stride, padding
         self.pool_i = getattr(nn, f"MaxPool{dims}d")(*windows, return_indices=True)
         self.unpool = getattr(nn, f"MaxUnpool{dims}d")(*windows)
@@ -194,6 +197,15 @@ class TokenNet(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v)
         elif self.kind == "sdpa bias":  # a whole relative-position bias as a float mask
             y = F.scaled_dot_product_attention(q, k, v, self.bias)
+        elif self.kind == "decomposed relative positions":  # SAM's ViT: each query's bias
+            # from its row's and its column's tables, (N h, L, L), the attention's float mask
+            hh, ww = spatial
+            qb, kb, vb = (t.reshape(n * h, L, c // h) for t in (q, k, v))
+            r_q = qb.reshape(n * h, hh, ww, c // h)
+            rows = torch.einsum("bhwc,hkc->bhwk", r_q, self.rel_rows)
+            cols = torch.einsum("bhwc,wkc->bhwk", r_q, self.rel_cols)
+            bias = (rows[:, :, :, :, None] + cols[:, :, :, None, :]).reshape(-1, L, L)
+            y = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bias).view(n, h, L, -1)
         elif self.kind == "sdpa causal":
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         elif self.kind == "explicit":  # timm's Attention without fused attention; SHViT's

@@ -19,7 +19,10 @@ partition. Each rank holds a box of the whole token index space
   all-gathered and put in the whole order: the scores' columns are then the whole samples'
   keys, so a whole mask or bias needs only its rows cut. Keys of a single window (HaloNet's
   blocked attention on a map no larger than its block: the window's rank holds it, the others
-  none) are gathered alike.
+  none) are gathered alike. A mask computed from the query block itself (SAM's decomposed
+  relative positions: each query's bias from its row's and its column's tables) has this
+  rank's query rows already and every key's column: it is taken as it is, its gradient
+  staying with the rows.
 - **Contractions over tokens** (``k.transpose(-2, -1) @ v`` of linear attention,
   cross-covariance ``q.transpose(-2, -1) @ k``, a whole (M, L) matrix times a block): a local
   product of this rank's tokens, all-reduced; the result is whole.
@@ -131,7 +134,12 @@ def attention(g: Guard, call: Call) -> Tensor | None:
     dimension -2): see the module docstring."""
     q, k, v, mask = call["query"], call["key"], call["value"], call["attn_mask"]
     split = [t for t in (q, k, v) if g.is_split(t)]
-    if g.is_split(mask) or any(token_dim(g, t) != -2 for t in split):
+    if any(token_dim(g, t) != -2 for t in split):
+        return None
+    # A mask made from the query block (SAM's decomposed relative positions): its rows are
+    # this rank's queries already, its columns every key in the whole order.
+    own_rows = g.is_split(mask)
+    if own_rows and not (g.is_split(q) and token_dim(g, mask) == -2 and g.form(mask) == g.form(q)):
         return None
     if call["dropout_p"]:
         raise g.refuse(call.name, "dropout_p > 0 draws a mask of its own per rank")
@@ -140,7 +148,9 @@ def attention(g: Guard, call: Call) -> Tensor | None:
     causal, mine = call["is_causal"], g.is_split(q)
     if mine:
         lk = count(g, k) if g.is_split(k) else k.shape[-2]
-        if isinstance(mask, Tensor) and (mask := _rows(g, mask, q, -2)) is None:
+        if own_rows and mask.shape[-1] != lk:
+            return None
+        if isinstance(mask, Tensor) and not own_rows and (mask := _rows(g, mask, q, -2)) is None:
             return None
         if causal:  # top left, as torch's: query i sees keys j <= i
             mask = own_tokens(g, q)[:, None] >= torch.arange(lk, device=q.device)
