@@ -222,6 +222,10 @@ class ForwardCodeNet(nn.Module):
             self.w, self.b = nn.Parameter(torch.randn(6, 6, 3, 3) / 6), nn.Parameter(torch.zeros(6))
         if kind == "same padding":  # timm's Conv2dSame: F.pad, then a convolution without
             self.strided = nn.Conv2d(6, 6, 3, stride=2)
+        if kind == "axis mixing":  # matrices over the whole H (12) and W (10)
+            self.bat_p = nn.Parameter(torch.randn(12, 12))
+            self.bat_q = nn.Parameter(torch.randn(10, 10))
+            self.mix_h, self.mix_w = nn.Linear(12, 12), nn.Linear(10, 10)
         if kind == "rms norms":  # over a token's channels (timm's RmsNorm), over a whole sample
             self.rms = nn.RMSNorm(6)
             self.rms_whole = nn.Parameter(torch.randn(6, 12, 10) / 4 + 1)
@@ -249,6 +253,12 @@ class ForwardCodeNet(nn.Module):
             return x * torch.sigmoid(y).expand_as(x) + x[:, :3].repeat(1, 2, 1, 1)
         if k == "cat":  # DenseNet's concatenation along channels
             return torch.cat([x, self.side(x)], dim=1)
+        if k == "axis mixing":  # BAT's bilinear transform p @ x @ q, its matrices made from
+            # pooled features (whole); sMLP's linear maps along W, and along H after a transpose
+            gate = F.adaptive_avg_pool2d(x, 1).sigmoid()  # (N, C, 1, 1)
+            p, q = (gate * self.bat_p).softmax(-1), (gate * self.bat_q).softmax(-2)
+            y = p @ x @ q
+            return y + self.mix_w(x) + self.mix_h(x.transpose(-1, -2)).transpose(-1, -2)
         if k == "rms norms":  # RMSNorm over channels last, and over (C, H, W) with its weight
             y = self.rms(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
             return y + F.rms_norm(x, x.shape[1:], self.rms_whole, eps=1e-4)
@@ -531,6 +541,7 @@ FORWARD_CODE = {
         "cat",
         "convnext block",
         "rms norms",
+        "axis mixing",
         "unet up",
         "upsample x2",
         "pyramid pooling",
@@ -980,3 +991,15 @@ def accumulated_grads(comm: Communicator, grid: dict, local_first: bool) -> list
             continue  # this rank's share only: nothing to compare yet
         triples += _grads(f"backward {k}", model, dense)
     return triples
+
+
+def axis_maps_without_the_other_rows(comm: Communicator) -> list[str]:
+    """Negative control: the maps along one spatial dimension keep each rank's partial
+    products of its own rows and never sum the other ranks' shares (no reduce-scatter: the
+    rows of the local product that are this rank's). Returns the mismatching labels."""
+    from parallelkit.spatial.rules import norms
+
+    def own_share(y: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
+        return torch.tensor_split(y, comm.size, dim)[comm.rank]
+
+    return _mismatches(comm, "axis mixing", (norms.pkf, "reduce_scatter", own_share))

@@ -23,6 +23,7 @@ from network_cases import (
     SWAPS,
     SwapNet,
     accumulated_grads,
+    axis_maps_without_the_other_rows,
     block_outputs,
     chained,
     drop_in,
@@ -227,6 +228,11 @@ def test_negative_control_windows_moved_to_the_wrong_ranks(ranks):
 
 def test_negative_control_flips_and_scans_on_their_own_blocks(ranks):
     for bad in ranks(2).run(flips_and_scans_on_their_own_blocks):
+        assert any("out" in label for label in bad) and any("grad" in label for label in bad), bad
+
+
+def test_negative_control_axis_maps_without_the_other_rows(ranks):
+    for bad in ranks(2).run(axis_maps_without_the_other_rows):
         assert any("out" in label for label in bad) and any("grad" in label for label in bad), bad
 
 

@@ -17,7 +17,7 @@ GUARD_RULES = [
         "pyramid pooling", "unet up",
         # token mixing and windows: keys of one window, a whole gather, sums over tokens
         "halo attention", "relative logits", "token pooling", "flatten", "lambda positions",
-        "global query", "pooled windows", "flips and running sums", "warp",
+        "global query", "pooled windows", "flips and running sums", "warp", "axis mixing",
     )
 ]  # fmt: skip
 assert set(GUARD_RULES) <= set(FORWARD_CODE)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+import parallelkit.functional as pkf
 from parallelkit.spatial.rules import tokens
 from parallelkit.spatial.rules.registry import Call, Guard, channels_first, rule, whole_size
 from parallelkit.spatial.rules.shape import cut_whole
@@ -148,16 +149,22 @@ def _over_last(g: Guard, call: Call, centred: bool) -> Tensor:
 def linear(g: Guard, call: Call) -> Tensor:
     """Over the channels of a channels-last block (ConvNeXt's MLP): local, weights' gradients
     summed. Over a token dimension holding every spatial one (MLP-Mixer's token mixing, a
-    flatten into a ``Linear``): ``tokens``. Over one spatial dimension of several: refused
-    (permute the channels last first)."""
-    x = call["input"]
+    flatten into a ``Linear``): ``tokens``. Over one spatial dimension of several, from its
+    whole size to the same (sMLP's mixing along W, or along H after a transpose): each rank's
+    slice of the weight, the partial maps reduce-scattered along that dimension
+    (:func:`along_one`). Other sizes over a spatial dimension: refused."""
+    x, weight, bias = call["input"], call["weight"], call["bias"]
     spatial = g.places(x)
     if max(spatial) == -1:
-        if (y := tokens.linear(g, x, call["weight"], call["bias"])) is not None:
+        if (y := tokens.linear(g, x, weight, bias)) is not None:
             return y
+        if weight.dim() == 2:
+            y = along_one(g, weight.t(), x, left=False, bias=bias)
+            if y is not None:
+                return y
         raise g.refuse(call.name, "it acts over a spatial dimension (permute the channels "
                        "last first)")  # fmt: skip
-    return g.marked(F.linear(x, g.summed(call["weight"]), g.summed(call["bias"])), spatial)
+    return g.marked(F.linear(x, g.summed(weight), g.summed(bias)), spatial)
 
 
 @rule(torch.matmul, Tensor.matmul, Tensor.__matmul__, params="input, other", prefix=True)
@@ -167,7 +174,10 @@ def matmul(g: Guard, call: Call) -> Tensor:
     layout whose spatial dimensions are all batch dimensions (attention within windows,
     ``q @ k.transpose(-2, -1)`` on a window partition): local. A block's token dimension
     (every spatial dimension in one) as rows or columns: ``tokens`` (global attention's
-    scores gather the keys, sums over tokens all-reduce)."""
+    scores gather the keys, sums over tokens all-reduce). A whole square matrix times a block
+    over one of its spatial dimensions, ``p @ x`` over its rows or ``x @ q`` over its last
+    (a bilinear transform's, BAT's): each rank's slice of the matrix, the partial maps
+    reduce-scattered along that dimension (:func:`along_one`)."""
     x, w = call["input"], call["other"]
     both = g.is_split(x) and g.is_split(w) and x.dim() == w.dim() > 2
     if both and g.form(x) == g.form(w) and max(g.places(x)) < -2:
@@ -177,12 +187,45 @@ def matmul(g: Guard, call: Call) -> Tensor:
     if both:
         raise g.refuse(call.name, "it multiplies blocks over a spatial dimension, or blocks "
                        "of different layouts")  # fmt: skip
+    if (y := along_one(g, x, w, left=True)) is not None:  # whole p @ block x
+        return y
+    if (y := along_one(g, w, x, left=False)) is not None:  # block x @ whole q
+        return y
     if not g.is_split(x) or g.is_split(w) or w.dim() != 2 or max(g.places(x)) == -1:
         raise g.refuse(
             call.name, "it contracts a spatial dimension, or a whole tensor with a block (only "
             "a block times a matrix over its channels-last dimension has a rule)",
         )  # fmt: skip
     return g.marked(torch.matmul(x, g.summed(w)), g.places(x))
+
+
+def along_one(g: Guard, w: Any, x: Any, left: bool, bias: Tensor | None = None
+              ) -> Tensor | None:  # fmt: skip
+    """A whole matrix applied along one spatial dimension of block ``x``, the others kept:
+    ``w @ x`` over its rows (``left``) or ``x @ w`` over its last dimension, from the whole
+    size n of that dimension to n again (so the result is a block of the same layout); None
+    where that is not the call. Each rank multiplies its block by the matrix's slice of its
+    own rows, which gives its share of every output row; a reduce-scatter along the
+    dimension's ranks sums the shares into each rank's rows (its backward all-gathers the
+    rows' gradients). The matrix's gradient is this rank's share of it."""
+    if not isinstance(w, Tensor) or not g.is_split(x) or g.is_split(w) or w.dim() < 2:
+        return None
+    d, places = (-2 if left else -1), g.places(x)
+    if g.folds(x) or places.count(d) != 1:
+        return None
+    size = whole_size(g, x)
+    i = places.index(d)
+    if w.shape[-2:] != (size[i], size[i]) or (bias is not None and bias.shape != (size[i],)):
+        return None
+    comm, parts, _ = g.grid.axes(len(size))[i]
+    rows = g.grid.block(*size)[i]
+    w = g.summed(w)
+    y = torch.matmul(w[..., rows], x) if left else torch.matmul(x, w[..., rows, :])
+    if parts > 1:
+        y = pkf.reduce_scatter(y, comm, dim=y.dim() + d)
+    if bias is not None:
+        y = y + g.summed(bias)[rows]
+    return g.marked(y, places)
 
 
 @rule(F.scaled_dot_product_attention,
