@@ -207,7 +207,8 @@ def along_one(g: Guard, w: Any, x: Any, left: bool, bias: Tensor | None = None
     where that is not the call. Each rank multiplies its block by the matrix's slice of its
     own rows, which gives its share of every output row; a reduce-scatter along the
     dimension's ranks sums the shares into each rank's rows (its backward all-gathers the
-    rows' gradients). The matrix's gradient is this rank's share of it."""
+    rows' gradients). The matrix's gradient comes from this rank's slice only, summed as any
+    whole tensor's that meets blocks (``summed``)."""
     if not isinstance(w, Tensor) or not g.is_split(x) or g.is_split(w) or w.dim() < 2:
         return None
     d, places = (-2 if left else -1), g.places(x)
