@@ -1035,6 +1035,22 @@ def test_the_walk_records_the_rows_flips_sums_and_warps_read_of_other_blocks():
     assert [(r.kind, r.tokens, r.along) for r in warps] == [("fetch", (12, 10), (0, 1))] * 3
 
 
+def test_the_walk_records_matrices_along_one_spatial_dimension():
+    """BAT's ``p @ x @ q`` and sMLP's ``Linear`` along W, and along H after a transpose: each a
+    reduce-scatter along the dimension it maps, nothing where that dimension is whole."""
+    maps = walk(ForwardCodeNet("axis mixing"), (3, 12, 10)).mixing
+    assert [(r.kind, r.tokens, r.numel, r.along) for r in maps] == [
+        ("axis", (12, 10), (6 * 12 * 10,), (0,)),  # p @ x: over H
+        ("axis", (12, 10), (6 * 12 * 10,), (1,)),  # @ q: over W
+        ("axis", (12, 10), (6 * 12 * 10,), (1,)),  # Linear(10, 10): over W
+        ("axis", (12, 10), (6 * 12 * 10,), (0,)),  # Linear(12, 12) on the transpose: over H
+    ]
+    partial = 6 * 12 * 10 * 4 * (6 / 12)  # whole along H, this rank's half of W, fp32
+    assert mixing_traffic(maps[0], Option(cols=2), 1) == Traffic(0.0, 0, 0.0, False)
+    assert mixing_traffic(maps[0], Option(rows=2, cols=2), 1) == Traffic(partial, 2, partial, False)
+    assert mixing_traffic(maps[1], Option(rows=2), 1).nbytes == 0  # W whole: local
+
+
 def test_no_attention_no_token_cost():
     """The negative control: the same convolutions without the attention block."""
     net = walk(hybrid(attention=False), (3, 32, 32))

@@ -37,6 +37,8 @@ Token mixing (the walk's :class:`~parallelkit.plan.walk.Mixing` records; a colum
     the explicit q @ k^T     keys and values held
     contractions, maps over  an all-reduce of the (small) result, forward
     the token axis
+    a matrix along one       BAT's p @ x, a Linear along W: each rank's partial map (whole along
+    spatial dimension        it) reduce-scattered forward, all-gathered backward
     rows of other blocks     a flip along a split dimension or a grid_sample: a block of rows
     read (fetch)             fetched forward, its gradient sent home backward; a running sum
                              along one: each block's last row gathered (as a reduce)
@@ -380,7 +382,7 @@ def mixing_pattern(m: Mixing, s: int) -> str:
     """The collective ``m`` uses on ``s`` spatial ranks, as the library's rule picks it:
     "heads" (the head all-to-all) where the heads divide among the ranks and nothing masks,
     "ring" for other self-attention, else the record's kind ("gather", "reduce", "fetch",
-    "move")."""
+    "axis", "move")."""
     if m.kind != "attention":
         return m.kind
     return "heads" if not m.masked and m.heads >= s and m.heads % s == 0 else "ring"
@@ -403,6 +405,14 @@ def mixing_traffic(m: Mixing, opt: Option, images: float) -> Traffic:
         return Traffic(kv * (3 * s - 2), 2 * s - 1, 2 * kv, False)
     if pattern == "move":
         return _moved(m, opt, whole[0])
+    if pattern == "axis":  # each rank's partial map reduce-scattered, all-gathered backward
+        parts = opt.parts(len(m.tokens))
+        d = m.along[0]
+        if parts[d] == 1:
+            return Traffic(0.0, 0, 0.0, False)
+        others = block_share(m.tokens[:d] + m.tokens[d + 1 :], parts[:d] + parts[d + 1 :])
+        partial = whole[0] * others
+        return Traffic(2 * (parts[d] - 1) / parts[d] * partial, 2 * (parts[d] - 1), partial, False)
     if pattern == "fetch":  # a block's rows in, forward; their gradient back
         split = sum(opt.parts(len(m.tokens))[d] > 1 for d in m.along)
         fetched = share * whole[0] if split else 0.0

@@ -141,6 +141,9 @@ class Mixing:
                    a spatial dimension (the mirrored rows), a ``grid_sample`` (the rows its
                    coordinates reach, counted as one block: a smooth warp reads mostly its
                    own, a rotation another rank's); numel (the tensor read,)
+        axis       a whole square matrix over one spatial dimension of a map (BAT's ``p @ x``,
+                   a ``Linear`` along W): each rank's partial map reduce-scattered along
+                   it forward, all-gathered backward; numel (the map,)
         move       a view or reshape that cuts the map's dimensions into groups of ``groups``
                    rows (Swin's window partition, a space-to-depth) or merges them back:
                    where a rank's block is not whole groups, rows move to a neighbour first;
@@ -152,13 +155,13 @@ class Mixing:
     """
 
     name: str  # the module it ran in
-    kind: str  # attention | gather | reduce | fetch | move
+    kind: str  # attention | gather | reduce | fetch | axis | move
     tokens: Shape
     numel: tuple[int, ...]
     heads: int = 0
     masked: bool = False
     groups: Shape = ()  # move: the group size along each of the map's dimensions (1: uncut)
-    along: Shape = ()  # fetch: the map's dimensions read across (0 for its first)
+    along: Shape = ()  # fetch, axis: the map's dimensions read across (0 for its first)
 
 
 @dataclass(frozen=True)
@@ -451,6 +454,8 @@ class _Mixings(TorchFunctionMode):
         a contraction over tokens, or a map over them, all-reduces its result."""
         if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
             return
+        if self._along_one(w, x, out, -2) or self._along_one(x, w, out, -1):
+            return
         if min(x.dim(), w.dim()) < 2:
             return
         rows, cols = self.tokens_at(x, -2), self.tokens_at(x, -1)
@@ -469,6 +474,26 @@ class _Mixings(TorchFunctionMode):
             return
         if (t := self.tokens_at(x, -1)) and weight.shape[1] == x.shape[-1]:
             self.add("reduce", t, out)
+        else:
+            self._along_one(x, weight, out, -1)
+
+    def _along_one(self, x: Any, w: Any, out: Any, d: int) -> bool:
+        """A whole square matrix over one spatial dimension ``d`` (-2: ``w @ x``, -1: ``x @ w``)
+        of a map (N, C, *spatial), to a map of the same shape (BAT's bilinear transform,
+        sMLP's ``Linear`` along W): each rank's partial map reduce-scattered along it."""
+        if not isinstance(x, torch.Tensor) or x.dim() != self.dims + 2 or self.dims < 2:
+            return False
+        n = x.shape[d]
+        if not isinstance(out, torch.Tensor) or out.shape != x.shape or w.shape[-2:] != (n, n):
+            return False
+        size, i = tuple(x.shape[2:]), self.dims + d
+        known = self.maps.values()
+        if size not in known and size[::-1] in known:  # a transposed image: H last
+            size, i = size[::-1], self.dims - 1 - i
+        elif size not in known:  # not a map of the region (attention's (N, h, L, d))
+            return False
+        self.add("axis", size, out, along=(i,))
+        return True
 
 
 def _groups(whole: Shape, cut: Shape, m: Shape) -> Shape | None:
