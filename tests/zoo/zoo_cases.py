@@ -948,6 +948,14 @@ SWEEP_ARCHS: dict[str, Arch] = {
     # SAM2's Hiera: attention in windows folded into the batch, queries max-pooled inside
     # each window at the stage changes.
     "timm hieradet_small": Arch("timm", _timm("hieradet_small"), what="sweep"),
+    # SAM's image encoder, small: window attention, then global attention whose mask is
+    # made from the query block (decomposed relative positions). AIMv2: RMSNorm on tokens.
+    "timm samvit small": Arch("timm", _timm(
+        "samvit_base_patch16", img_size=64, patch_size=8, embed_dim=64, depth=2, num_heads=2,
+        window_size=4, global_attn_indexes=(1,)), what="sweep"),
+    "timm aimv2 small": Arch("timm", _timm(
+        "aimv2_large_patch14_224", img_size=64, patch_size=8, embed_dim=64, depth=2,
+        num_heads=2), what="sweep"),
 }  # fmt: skip
 ARCHS.update(SWEEP_ARCHS)
 
