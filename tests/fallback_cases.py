@@ -19,7 +19,7 @@ from torch import nn
 
 import parallelkit as pk
 from parallelkit.comm import Communicator
-from parallelkit.parallel import spatial_fallback
+from parallelkit.spatial import fallback as spatial_fallback
 
 from network_cases import Triple, _grads
 

@@ -82,7 +82,7 @@ def test_errors_raised_by_parallelkit_itself_are_not_dressed_as_refusals():
     from pathlib import Path
 
     import parallelkit
-    from parallelkit.parallel.refusal import model_failure
+    from parallelkit.spatial.refusal import model_failure
 
     module = nn.Identity()
     inside = str(Path(parallelkit.__file__).parent / "spatial" / "rules" / "windows.py")

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallelkit.comm.local import LocalCommunicator
-from parallelkit.parallel.spatial_guard import SpatialGuard
+from parallelkit.spatial.guard import SpatialGuard
 
 X = torch.randn(2, 4, 5, 6)
 

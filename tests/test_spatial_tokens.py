@@ -27,7 +27,7 @@ from tokens_cases import (
 from torch import nn
 
 from parallelkit.comm.local import LocalCommunicator
-from parallelkit.parallel.spatial_guard import SpatialGuard
+from parallelkit.spatial.guard import SpatialGuard
 
 from cases import assert_results, assert_triples, mismatches
 

@@ -51,7 +51,7 @@ class _SyncSubclass:
     _pk_comm: Communicator | None
     _pk_grad_comm: Communicator | None
     _pk_dense_class: type[nn.Module]
-    takes_blocks = "norm"  # parallelkit.nn.blocks
+    takes_blocks = "norm"  # parallelkit.spatial.blocks
 
     def communicators(self) -> tuple[Communicator | None, Communicator | None]:
         """(statistics, parameter-gradient) communicators, for ``use_communicators``."""

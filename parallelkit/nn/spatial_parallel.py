@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from parallelkit.comm import Communicator
-from parallelkit.nn.blocks import SpatialLayer
 from parallelkit.spatial import layout
+from parallelkit.spatial.blocks import SpatialLayer
 from parallelkit.spatial.conv import (
     conv_blocks,
     conv_transpose_blocks,
@@ -55,7 +55,7 @@ def _same_on_every_rank(layer: nn.Module, comm: Communicator) -> None:
 class _SpatialConv(SpatialLayer):
     """What the spatial convolutions of every dimension share (``dense``: the torch class)."""
 
-    windows_in_batch = True  # parallelkit.nn.blocks
+    windows_in_batch = True  # parallelkit.spatial.blocks
 
     dense: type[nn.Module]
     overlap = False

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from parallelkit.comm import Communicator
-from parallelkit.nn.blocks import SpatialLayer
 from parallelkit.spatial import layout
+from parallelkit.spatial.blocks import SpatialLayer
 from parallelkit.spatial.grid import SpatialGrid, grid_of
 from parallelkit.spatial.pool import (
     avg_pool_blocks,
@@ -35,7 +35,7 @@ class _SpatialPool(SpatialLayer, nn.Module):
     each window's own pixels, which no other rank holds."""
 
     spatial_dims = 2
-    windows_in_batch = True  # parallelkit.nn.blocks
+    windows_in_batch = True  # parallelkit.spatial.blocks
 
     def __init__(self, kernel_size, stride, padding, dilation, ceil_mode, comm, grid) -> None:
         super().__init__()

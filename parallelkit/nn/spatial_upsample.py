@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from parallelkit.comm import Communicator
-from parallelkit.nn.blocks import SpatialLayer
 from parallelkit.spatial import layout
+from parallelkit.spatial.blocks import SpatialLayer
 from parallelkit.spatial.grid import SpatialGrid, grid_of
 from parallelkit.spatial.pool import check_upsample, upsample_blocks, upsample_factor
 

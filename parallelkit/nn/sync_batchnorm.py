@@ -54,7 +54,7 @@ class SyncBatchNorm(_BatchNorm):
     the shares, so every rank holds the dense gradient after backward.
     """
 
-    takes_blocks = "norm"  # parallelkit.nn.blocks
+    takes_blocks = "norm"  # parallelkit.spatial.blocks
 
     def __init__(
         self,

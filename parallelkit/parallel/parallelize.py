@@ -37,12 +37,12 @@ from parallelkit.comm import Communicator
 from parallelkit.nn import channel_parallel as cp
 from parallelkit.nn import channel_transposed as ct
 from parallelkit.nn.batchnorm_subclass import is_plain_batchnorm, sync_subclass
-from parallelkit.nn.blocks import spatial_layer
 from parallelkit.nn.sync_batchnorm import SyncBatchNorm
 from parallelkit.parallel.data_parallel import DataParallel
 from parallelkit.parallel.grid import Grid
-from parallelkit.parallel.spatial_fallback import check_fallback
-from parallelkit.parallel.spatial_region import (
+from parallelkit.spatial.blocks import spatial_layer
+from parallelkit.spatial.fallback import check_fallback
+from parallelkit.spatial.region import (
     OnWholeSamples,
     SpatialRegion,
     check_whole_or_blocks,
@@ -161,7 +161,7 @@ def to_dense(model: nn.Module) -> nn.Module:
 
 # --------------------------------------------------------------------------- swapping
 def _spatial_layer(m: nn.Module, comm: Communicator, shape: Any) -> nn.Module | None:
-    """The spatial layer that stands for ``m`` (:mod:`parallelkit.nn.blocks`); a module no
+    """The spatial layer that stands for ``m`` (:mod:`parallelkit.spatial.blocks`); a module no
     layer covers stays as it is, and its forward's functional calls meet the guard."""
     layer = spatial_layer(m)
     return None if layer is None else layer.from_dense(m, comm, shape)

@@ -1,7 +1,7 @@
 """Which tensors are blocks of split images: the record a spatial region keeps while it runs.
 
-Inside :class:`parallelkit.parallel.SpatialRegion` a guard (``parallelkit.parallel.
-spatial_guard``) follows every operation and records which tensors are this rank's block of
+Inside :class:`parallelkit.spatial.region.SpatialRegion` a guard (``parallelkit.spatial.
+guard``) follows every operation and records which tensors are this rank's block of
 images split over the grid, and which are whole (replicated on every rank: a pooled vector,
 an SE gate, a parameter). A spatial layer asks :func:`is_split` about its input: a whole input
 (a 1x1 convolution on an SE block's pooled vector) runs the plain dense operation. Outside any

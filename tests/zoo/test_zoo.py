@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 import parallelkit as pk
-from parallelkit.parallel.spatial_fallback import gathered_message
+from parallelkit.spatial.fallback import gathered_message
 
 from zoo_cases import ARCHS, EXPECTED, EXPECTED_GATHER, cases, gather_cases
 from zoo_parity import gathered

@@ -20,7 +20,7 @@ The report of a rank (a small dict, cheap to pickle back) is one of
 
 each with "gathered": [(module path, module type, MiB per rank), ...], the modules this rank
 ran on gathered whole images, from parallelkit's one warning per gathered module
-(``parallelkit.parallel.spatial_fallback.gathered_message``), in the order they warned. Under
+(``parallelkit.spatial.fallback.gathered_message``), in the order they warned. Under
 ``fallback="refuse"`` the list must be empty: nothing may gather unasked.
 
 A ValueError counts as a refusal only when parallelkit raised it; one from torch, timm or smp
@@ -72,7 +72,7 @@ GATHERED = re.compile(
     r"^spatial parallelism \(fallback='gather'\): '(?P<path>[^']*)' \((?P<type>\w+)\) runs on "
     r"the whole images, gathered on every rank: (?P<mib>[0-9.]+) MiB per rank"
 )
-"""parallelkit's warning for a gathered module (``spatial_fallback.gathered_message``); a
+"""parallelkit's warning for a gathered module (``spatial.fallback.gathered_message``); a
 model gathered whole is named 'the model'. test_zoo.py checks the two still agree."""
 Gathered = tuple[str, str, float]  # (module path, module type, MiB per rank it states)
 

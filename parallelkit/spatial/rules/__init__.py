@@ -1,8 +1,8 @@
 """The spatial rules: how each torch operation runs on blocks of split images, exactly.
 
 One module per family of operations, each rule a plain function registered for the torch
-functions it serves (:mod:`.registry`); the spatial guard (``parallelkit.parallel.
-spatial_guard``) looks a call up here and refuses what has no rule.
+functions it serves (:mod:`.registry`); the spatial guard (``parallelkit.spatial.
+guard``) looks a call up here and refuses what has no rule.
 
 - :mod:`.pointwise`: activations, arithmetic, type changes; whole tensors meeting blocks;
 - :mod:`.shape`: views, permutes, cat, split, indexing, and reads of a block's shape

@@ -55,7 +55,7 @@ registered with ``prefix=True`` take such blocks (the guard refuses them to the 
 
 
 class Guard(Protocol):
-    """What rules may ask of the guard (``parallelkit.parallel.spatial_guard``)."""
+    """What rules may ask of the guard (``parallelkit.spatial.guard``)."""
 
     comm: Any  # the spatial group (a Communicator)
     grid: SpatialGrid

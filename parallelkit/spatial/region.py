@@ -2,7 +2,7 @@
 
 ``pk.parallelize(model, comm, "spatial")`` wraps the model (with its leaf layers swapped for
 spatial ones) in a :class:`SpatialRegion`. Its forward scatters the whole input into this
-rank's block, runs the model under the spatial guard (``spatial_guard``: every operation on a
+rank's block, runs the model under the spatial guard (``guard``: every operation on a
 block is exact or refused) and gathers every output that is still split; outputs that became
 whole inside (after a global pool) come back as they are, in the model's own containers.
 
@@ -26,10 +26,10 @@ from torch.utils._pytree import tree_map
 
 import parallelkit.functional as pkf
 from parallelkit.comm import Communicator
-from parallelkit.parallel.spatial_fallback import check_fallback, forward_with_fallback
-from parallelkit.parallel.spatial_guard import SpatialGuard, install_hooks
 from parallelkit.spatial import layout
+from parallelkit.spatial.fallback import check_fallback, forward_with_fallback
 from parallelkit.spatial.grid import gather, grid_of, scatter
+from parallelkit.spatial.guard import SpatialGuard, install_hooks
 from parallelkit.spatial.rules.shape import gathered_whole
 
 
@@ -52,7 +52,7 @@ class SpatialRegion(nn.Module):
     works on blocks and reduces exactly (a per-pixel loss): the whole output is never built.
     ``shares``: leave the parameters' gradients as shares (see the module docstring).
     ``fallback``: "refuse" (an operation without an exact rule raises a ValueError) or
-    "gather" (the module holding it runs on gathered whole images: ``spatial_fallback``).
+    "gather" (the module holding it runs on gathered whole images: ``fallback``).
     ``input``: "whole" (the input is the whole batch, the region cuts this rank's block) or
     "blocks" (the input is this rank's block already, as ``pk.spatial.scatter`` cuts it: no
     rank holds a whole sample); ``size``, the whole samples' spatial size, then saves the
@@ -191,7 +191,7 @@ class OnWholeSamples(nn.Module):
     """Runs a dense module on the whole tensor gathered from the blocks (``keep_dense``). Its
     output is whole on every rank: use it for the tail of a network."""
 
-    takes_blocks = "ends"  # parallelkit.nn.blocks
+    takes_blocks = "ends"  # parallelkit.spatial.blocks
 
     def __init__(self, module: nn.Module, comm: Communicator, grid: tuple[int, int]) -> None:
         super().__init__()

@@ -30,8 +30,8 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from parallelkit.comm import Communicator
-from parallelkit.parallel.refusal import SpatialRefusal
 from parallelkit.spatial.grid import gather, scatter
+from parallelkit.spatial.refusal import SpatialRefusal
 
 FALLBACKS = ("refuse", "gather")
 

@@ -4,7 +4,7 @@ Under spatial parallelism the leaf layers that read neighbouring pixels (convolu
 upsampling, BatchNorm statistics) are swapped for spatial ones. But the operations that decide
 correctness also live in forward code that swapping never sees: ``x * gate`` in an SE block,
 ``x.mean((2, 3))``, ``torch.cat``, a parameter used directly, ``F.interpolate``. While a
-:class:`~parallelkit.parallel.SpatialRegion` runs, this guard (a torch function mode) sees
+:class:`~parallelkit.spatial.region.SpatialRegion` runs, this guard (a torch function mode) sees
 every torch call and keeps the record of which tensors are this rank's block of the split
 images. A call that touches a block goes to its rule in the registry
 (:mod:`parallelkit.spatial.rules`, one module per family of operations); a call without a rule
@@ -47,11 +47,11 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from parallelkit.comm import Communicator
-from parallelkit.nn.blocks import takes_blocks
-from parallelkit.parallel.refusal import SpatialRefusal, model_failure, refusal
-from parallelkit.parallel.spatial_fallback import gather_inputs, gathered_message, scatter_outputs
 from parallelkit.spatial import layout
+from parallelkit.spatial.blocks import takes_blocks
+from parallelkit.spatial.fallback import gather_inputs, gathered_message, scatter_outputs
 from parallelkit.spatial.grid import SpatialGrid, grid_of
+from parallelkit.spatial.refusal import SpatialRefusal, model_failure, refusal
 from parallelkit.spatial.rules import Call, lookup, op_name
 from parallelkit.spatial.rules.registry import Fold, Places, standard
 from parallelkit.spatial.rules.tokens import count, own_tokens, token_dim
@@ -276,7 +276,7 @@ class SpatialGuard(TorchFunctionMode):
                                   "partition)", outer)  # fmt: skip
             whole, args = (self.places(blocks[0]), blocks[0].dim()), gather_inputs(self, args)
             self._gathering += 1
-        # A layer that says how it handles blocks (parallelkit.nn.blocks) runs as it is.
+        # A layer that says how it handles blocks (parallelkit.spatial.blocks) runs as it is.
         kind = takes_blocks(module)
         trusted, ends = kind is not None, kind == "ends"
         blocks = self._blocks_in(args, {})

@@ -20,7 +20,7 @@ from torch import nn
 from parallelkit.spatial.rules.registry import Call
 
 _PACKAGE = Path(__file__).resolve().parents[1]
-_GUARD = Path(__file__).resolve().with_name("spatial_guard.py")
+_GUARD = Path(__file__).resolve().with_name("guard.py")
 
 
 class SpatialRefusal(ValueError):
