@@ -805,15 +805,15 @@ def windows_from_the_other_end(comm: Communicator) -> list[str]:
     counted from the other end of the dimension (rank 0 the last two windows of three, rank 1
     the first), and moved back the same way: every rank then attends over windows whose
     shifted-window mask and bias rows are another rank's. Returns the mismatching labels."""
-    from parallelkit.spatial.rules import shape
+    from parallelkit.spatial.rules import views
 
-    real = shape._grouped
+    real = views._grouped
 
     def from_the_end(m: int, inner: int, axis: tuple) -> list[tuple[int, int]]:
         sizes = [b - a for a, b in real(m, inner, axis)]
         return [(sum(sizes[r + 1 :]), sum(sizes[r:])) for r in range(len(sizes))]
 
-    return _mismatches(comm, "windows across blocks", (shape, "_grouped", from_the_end))
+    return _mismatches(comm, "windows across blocks", (views, "_grouped", from_the_end))
 
 
 def flips_and_scans_on_their_own_blocks(comm: Communicator) -> list[str]:

@@ -31,8 +31,7 @@ from parallelkit.nn import SyncBatchNorm
 from parallelkit.spatial import pool, relayout
 from parallelkit.spatial import ring_attention as ring
 from parallelkit.spatial.conv import transposed_out_size
-from parallelkit.spatial.rules import shape as shape_rules
-from parallelkit.spatial.rules import tokens, windows
+from parallelkit.spatial.rules import forms, tokens, windows
 
 Triple = tuple[str, torch.Tensor, torch.Tensor]
 
@@ -268,7 +267,7 @@ def token_parity(
     with ExitStack() as stack:
         if broken:
             stack.enter_context(mock.patch.object(tokens, "whole_tokens", _own_tokens))
-            stack.enter_context(mock.patch.object(shape_rules, "gathered_tokens", _own_tokens))
+            stack.enter_context(mock.patch.object(forms, "gathered_tokens", _own_tokens))
             stack.enter_context(mock.patch.object(tokens, "_by_heads", _own_heads))
             stack.enter_context(mock.patch.object(tokens.layout, "summed", lambda t, _: t))
             stack.enter_context(mock.patch.object(windows, "fetch", _halo_off_by_one))

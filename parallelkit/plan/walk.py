@@ -408,7 +408,7 @@ class _Mixings(TorchFunctionMode):
 
     def _regroup(self, x: torch.Tensor, out: Any) -> None:
         """A reshape that cuts a map's dimensions into (groups, rows of a group), or merges
-        such groups back into the map: the rows ``parallelkit/spatial/rules/shape.py`` moves
+        such groups back into the map: the rows ``parallelkit/spatial/rules/views.py`` moves
         between neighbours where blocks are not whole groups. Seen where the map itself is
         in the tensor (a padded map of another size is not)."""
         if not isinstance(out, torch.Tensor) or out.shape == x.shape:

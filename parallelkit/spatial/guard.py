@@ -25,7 +25,7 @@ where a block's spatial dimensions are, counted from the end: (-2, -1) for (N, C
 (-3, -2) after ConvNeXt's permute to (N, H, W, C), (-3, -2, -1) for (N, C, D, H, W). A window
 partition folds spatial dimensions into one (Swin's (B * nH * nW, ws * ws, C)): several share
 a place, and the record keeps the fold's factors (``folds``;
-:mod:`parallelkit.spatial.rules.shape`).
+:mod:`parallelkit.spatial.rules.views`).
 """
 
 from __future__ import annotations

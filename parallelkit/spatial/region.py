@@ -30,7 +30,7 @@ from parallelkit.spatial import layout
 from parallelkit.spatial.fallback import check_fallback, forward_with_fallback
 from parallelkit.spatial.grid import gather, grid_of, scatter
 from parallelkit.spatial.guard import SpatialGuard, install_hooks
-from parallelkit.spatial.rules.shape import gathered_whole
+from parallelkit.spatial.rules.forms import gathered_whole
 
 
 def check_whole_or_blocks(name: str, **given: str) -> None:

@@ -5,8 +5,11 @@ functions it serves (:mod:`.registry`); the spatial guard (``parallelkit.spatial
 guard``) looks a call up here and refuses what has no rule.
 
 - :mod:`.pointwise`: activations, arithmetic, type changes; whole tensors meeting blocks;
-- :mod:`.shape`: views, permutes, cat, split, indexing, and reads of a block's shape
-  (the whole samples');
+- :mod:`.views`: views, reshapes, permutes, repeats, and reads of a block's shape (the whole
+  samples');
+- :mod:`.indexing`: cat, stack, split, narrow, select, indexing and index assignment;
+- :mod:`.forms` (no rules): whole tensors cut to blocks, blocks moved between layouts or
+  gathered whole;
 - :mod:`.reductions`: sums, means, extremes, norms and variances over H and W, or over others;
 - :mod:`.windows`: functional convolution, pooling and padding (halo fetches);
 - :mod:`.norms`: group, instance and layer norm, linear layers over channels, attention within
@@ -18,13 +21,14 @@ guard``) looks a call up here and refuses what has no rule.
 """
 
 from parallelkit.spatial.rules import (  # noqa: F401 (each registers its rules)
+    indexing,
     norms,
     pointwise,
     random,
     reductions,
     resize,
-    shape,
     tokens,
+    views,
     windows,
 )
 from parallelkit.spatial.rules.registry import (

@@ -18,8 +18,8 @@ from torch import Tensor
 
 import parallelkit.functional as pkf
 from parallelkit.spatial.rules import tokens
+from parallelkit.spatial.rules.forms import cut_whole
 from parallelkit.spatial.rules.registry import Call, Guard, channels_first, rule, whole_size
-from parallelkit.spatial.rules.shape import cut_whole
 
 
 def _group_norm(g: Guard, x: Tensor, groups: int, weight: Tensor | None, bias: Tensor | None,

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
+from parallelkit.spatial.rules.forms import cut_whole, to_form
 from parallelkit.spatial.rules.registry import (
     Call,
     Guard,
@@ -24,7 +25,6 @@ from parallelkit.spatial.rules.registry import (
     standard,
     whole_shape,
 )
-from parallelkit.spatial.rules.shape import cut_whole, to_form
 
 _POINTWISE = """
 abs absolute acos add addcdiv addcmul asin atan atan2 ceil clamp clamp_max clamp_min clip cos
@@ -52,7 +52,7 @@ requires_grad_ cpu cuda retain_grad zero_ fill_ copy_ __deepcopy__
 )
 def pointwise(g: Guard, call: Call) -> Any:
     """Local. Blocks of another layout than the first (N, C, *spatial) one are moved to it
-    first, an all-to-all (``shape.to_form``: MAnet adds a map that a reshape scrambled to the
+    first, an all-to-all (``forms.to_form``: MAnet adds a map that a reshape scrambled to the
     map it came from); a whole tensor must have size 1 or the whole
     samples' size in each spatial dimension, and is then cut to the block."""
     first = call.blocks[0]
@@ -86,7 +86,7 @@ def _run(g: Guard, call: Call) -> Any:
 
 def _one_layout(g: Guard, call: Call) -> Call:
     """``call`` with every block in the layout of its first (N, C, *spatial) block (else its
-    first): the others moved there (``shape.to_form``); refused where their whole shapes
+    first): the others moved there (``forms.to_form``); refused where their whole shapes
     differ."""
     name = getattr(call.func, "__name__", "")
     in_place = name.endswith("_") or (name.startswith("__i") and name != "__invert__")

@@ -2,7 +2,7 @@
 ``F.grid_sample`` of blocks at the coordinates of a block of a sampling grid.
 
 A ``size=`` is the whole samples' size: forward code computes it from ``x.shape``, which a
-block reports whole (:mod:`parallelkit.spatial.rules.shape`), or writes it out. A whole tensor
+block reports whole (:mod:`parallelkit.spatial.rules.views`), or writes it out. A whole tensor
 interpolated to the whole size of a block whose shape the forward code read (DeepLab's pooled
 branch, resized to the feature map beside it) is cut into blocks of that size.
 

@@ -35,6 +35,7 @@ from parallelkit.spatial.pool import (
     max_unpool_blocks,
     pool_windows,
 )
+from parallelkit.spatial.rules.forms import gathered_whole
 from parallelkit.spatial.rules.reductions import mean_spatial
 from parallelkit.spatial.rules.registry import (
     Call,
@@ -45,7 +46,6 @@ from parallelkit.spatial.rules.registry import (
     rule,
     whole_size,
 )
-from parallelkit.spatial.rules.shape import gathered_whole
 from parallelkit.spatial.rules.tokens import token_dim
 from parallelkit.spatial.token_comm import prefix_of, with_prefix
 
@@ -432,10 +432,10 @@ def pad(g: Guard, call: Call) -> Tensor:
     of a patch size, MONAI's pad to a skip connection's size). Pads of other dimensions only
     are local, on any block (EfficientViT pads its tokens' value vectors with a 1). A
     constant pad before a token dimension only (CoaT's zero row in the class token's place)
-    is a prefix of that constant, as a class token (``shape._class_tokens``). Any other pad
+    is a prefix of that constant, as a class token (``indexing._class_tokens``). Any other pad
     of a dimension holding folded spatial ones (BotNet's and HaloNet's relative logits,
     skewed to absolute positions by a pad, a flatten and a reshape across rows) runs on the
-    whole tensor, all-gathered (``shape.gathered_whole``): what follows is whole, and is cut
+    whole tensor, all-gathered (``forms.gathered_whole``): what follows is whole, and is cut
     to the blocks where it meets them (the attention scores)."""
     x, pads = call["input"], list(call["pad"])
     mode, value = call["mode"], call["value"] or 0.0
