@@ -15,7 +15,7 @@ import pytest
 from predict_cases import largest_in_prediction, predict_parity
 
 from parallelkit.inference.outputs import chunking, final_paths
-from parallelkit.inference.predictor import boxes
+from parallelkit.inference.turns import boxes
 
 from cases import assert_triples, mismatches
 

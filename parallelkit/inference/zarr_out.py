@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from parallelkit.data.physical import Geometry
+from parallelkit.inference.turns import write_in_turns
 
 Block = tuple[slice, ...]
 
@@ -173,8 +174,6 @@ def reduce_probabilities(probs: np.ndarray) -> np.ndarray:
 def write_levels(comm, blocks, size: Sequence[int], output, classes: int) -> None:
     """Levels 1, 2, ... of ``output`` from the level above, each rank its block (collective
     over the sample's spatial group ``comm``; ``blocks`` its :class:`SpatialGrid`)."""
-    from parallelkit.inference.predictor import write_in_turns
-
     sizes = level_sizes(size, output.levels)
     axes = blocks.axes(len(size))
     for level in range(1, output.levels):

@@ -34,7 +34,6 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +43,7 @@ from torch import nn
 import parallelkit as pk
 from parallelkit.data import datalist
 from parallelkit.data.blockset import cached_stats, pairs
-from parallelkit.data.config import block_format, block_root, volumes
+from parallelkit.data.config import block_format, block_root
 from parallelkit.data.intensity import Normalizer
 from parallelkit.data.loader import normalizer
 from parallelkit.data.readers import SampleReader
@@ -65,19 +64,13 @@ from parallelkit.train.predict_folder import (
     take_output,
     write_summaries,
 )
+from parallelkit.train.predict_sample import Sample, dims_of, image_reader
 from parallelkit.train.rundir import NORMALIZATION
 from parallelkit.train.segment import Segment
 from parallelkit.train.segmetrics import score_block
 
 SUMMARY = record.SUMMARY
 DTYPES = ("float16", "float32")
-
-
-@dataclass(frozen=True)
-class Sample:
-    name: str
-    image: Path
-    mask: Path | None
 
 
 # ------------------------------------------------------------------------- what to predict
@@ -127,19 +120,6 @@ def normalization(cfg: Config) -> Normalizer | None:
     readers = [image_reader(cfg, i) for i, _ in pairs(root, "train")]
     mean, std = cached_stats(readers, Path(root) / "channel_stats.json")
     return Normalizer("zscore", tuple(mean), tuple(std))
-
-
-def image_reader(cfg: Config, path: Path) -> SampleReader:
-    """A sample's reader as training read it: its dimensions, ``data.layout``, ``data.level``
-    and ``data.channels``."""
-    data = cfg.data
-    return SampleReader(path, dims_of(cfg), data.layout or None, level=data.level,
-                        channels=data.channels)  # fmt: skip
-
-
-def dims_of(cfg: Config) -> int:
-    """Spatial dimensions of the run's samples: 3 for volumes (NIfTI, or ``data.dims=3``)."""
-    return 3 if volumes(cfg.data) else 2
 
 
 # ------------------------------------------------------------------------------ the model

@@ -14,15 +14,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from parallelkit.inference import dice, outputs, record
 from parallelkit.train import rundir
 from parallelkit.train.config import Config
 from parallelkit.train.files import atomic_text
-
-if TYPE_CHECKING:
-    from parallelkit.train.predict import Sample
+from parallelkit.train.predict_sample import Sample
 
 
 def settings(cfg: Config, folder: Path) -> dict[str, Any]:

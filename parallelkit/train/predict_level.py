@@ -17,7 +17,7 @@ grid's blocks.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
@@ -26,9 +26,7 @@ from parallelkit.data.physical import Geometry, geometry, same_pixel_size
 from parallelkit.data.readers import SampleReader
 from parallelkit.inference import zarr_out
 from parallelkit.train.config import Config
-
-if TYPE_CHECKING:
-    from parallelkit.train.predict import Sample
+from parallelkit.train.predict_sample import Sample, dims_of, image_reader
 
 
 def levels_of(cfg: Config, size: tuple[int, ...], counts: dict[str, int] | None,
@@ -69,7 +67,6 @@ def trained_at(cfg: Config) -> tuple[int, Geometry | None]:
     if not isinstance(name, str) or not block_format(name):
         return level, None
     from parallelkit.data.blockset import pairs
-    from parallelkit.train.predict import dims_of
 
     try:
         first = pairs(block_root(name), "train")[0][0]
@@ -83,7 +80,6 @@ def trained_at(cfg: Config) -> tuple[int, Geometry | None]:
 def resolution_note(cfg: Config, found: list[Sample]) -> str:
     """One line where samples are predicted at another pixel size (or pyramid level) than
     the run trained at; '' where they are not, or where nothing tells."""
-    from parallelkit.train.predict import image_reader
 
     level, trained = trained_at(cfg)
     other = []
