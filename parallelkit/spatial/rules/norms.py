@@ -187,16 +187,17 @@ def matmul(g: Guard, call: Call) -> Tensor:
     if both:
         raise g.refuse(call.name, "it multiplies blocks over a spatial dimension, or blocks "
                        "of different layouts")  # fmt: skip
+    if g.is_split(x) and not g.is_split(w) and w.dim() == 2 and max(g.places(x)) != -1:
+        return g.marked(torch.matmul(x, g.summed(w)), g.places(x))  # over channels last
     if (y := along_one(g, x, w, left=True)) is not None:  # whole p @ block x
         return y
     if (y := along_one(g, w, x, left=False)) is not None:  # block x @ whole q
         return y
-    if not g.is_split(x) or g.is_split(w) or w.dim() != 2 or max(g.places(x)) == -1:
-        raise g.refuse(
-            call.name, "it contracts a spatial dimension, or a whole tensor with a block (only "
-            "a block times a matrix over its channels-last dimension has a rule)",
-        )  # fmt: skip
-    return g.marked(torch.matmul(x, g.summed(w)), g.places(x))
+    raise g.refuse(
+        call.name, "it contracts a spatial dimension, or a whole tensor with a block (a block "
+        "times a matrix over its channels-last dimension, and a whole square matrix along one "
+        "spatial dimension, have rules)",
+    )  # fmt: skip
 
 
 def along_one(g: Guard, w: Any, x: Any, left: bool, bias: Tensor | None = None
