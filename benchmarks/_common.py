@@ -180,14 +180,14 @@ def scaling(dense: float, ceiling: float, variant: float) -> dict[str, float]:
 # ---------------------------------------------------------------------------- MPI ranks
 def keep_freed_memory(glibc_defaults: bool = False) -> str:
     """Give every rank this benchmark starts from now on, of any framework, the malloc
-    settings that parallelkit's ranks make in-process (``parallelkit.train.allocator``), as
+    settings that parallelkit's ranks make in-process (``parallelkit.train.loop.allocator``), as
     glibc's variables, unless ``glibc_defaults``; the line that says which, for the header.
 
     A CPU step that frees and allocates the same large blocks faults their pages in again
     under glibc's defaults (a BatchNorm2d's step twice as long): the frameworks compared get
     the same settings, so that none is timed with page faults the others do not pay.
     """
-    from parallelkit.train import allocator
+    from parallelkit.train.loop import allocator
 
     if glibc_defaults:
         return "glibc's defaults (--glibc-defaults)"

@@ -54,7 +54,7 @@ import parallelkit as pk  # noqa: E402
 from parallelkit.data.readers import SampleReader  # noqa: E402
 from parallelkit.testing import Ranks  # noqa: E402
 from parallelkit.train.config import load  # noqa: E402
-from parallelkit.train.predict import load_model, normalization  # noqa: E402
+from parallelkit.train.predict.command import load_model, normalization  # noqa: E402
 
 from _common import environment, library_state, save  # noqa: E402
 

@@ -41,7 +41,9 @@ import torch
 
 from parallelkit.plan import measure, network, walk
 from parallelkit.plan.command import baseline_mib
-from parallelkit.plan.cost import Estimate, Machine, Option, calibrate, estimate
+from parallelkit.plan.cost import Estimate, calibrate, estimate
+from parallelkit.plan.grids import Option
+from parallelkit.plan.machine import Machine
 
 from _common import command_line, environment, library_state, save
 

@@ -60,13 +60,16 @@ def train(argv: list[str]) -> int:
     torchrun, mpiexec or srun every rank makes the same checks before its first collective,
     and every rank whose check fails says so in one line (naming its rank, when not 0) and
     exits 2; ranks that ``parallelkit train`` started leave the line to it
-    (:mod:`parallelkit.train.startup`).
+    (:mod:`parallelkit.train.ranks.startup`).
     """
     from parallelkit.comm import launcher
     from parallelkit.data.errors import DataError, one_line
-    from parallelkit.train import config, keys, launch, preflight, rundir, startup, trainer
-    from parallelkit.train.agree import REFUSED, Stop
-    from parallelkit.train.stopping import exit_now
+    from parallelkit.train import config, keys
+    from parallelkit.train.loop import preflight, trainer
+    from parallelkit.train.ranks import launch, startup
+    from parallelkit.train.ranks.agree import REFUSED, Stop
+    from parallelkit.train.ranks.stopping import exit_now
+    from parallelkit.train.store import rundir
 
     parser = argparse.ArgumentParser(
         prog="parallelkit train",
@@ -135,7 +138,7 @@ def train(argv: list[str]) -> int:
             exit_now(REFUSED, f"parallelkit train: error: {one_line(e)}")
         return 0
     if cfg.parallel.backend == "xla":
-        launch.launch_xla(cfg)
+        launch.launch_xla(trainer.run, cfg)
         return 0
     return run_or_launch("train", trainer.run, cfg, command, restore)
 
@@ -146,8 +149,8 @@ def run_or_launch(name: str, run, cfg, command: list[str] | None, threads: int |
     ``threads``: the OpenMP thread count the checks ran without (``checks_on_one_thread``),
     given back to a rank run here."""
     from parallelkit.data.errors import one_line
-    from parallelkit.train import launch, procs
-    from parallelkit.train.agree import Stop
+    from parallelkit.train.ranks import launch, procs
+    from parallelkit.train.ranks.agree import Stop
 
     if command is None:  # one rank, in this process
         if threads is not None:
@@ -176,10 +179,11 @@ def predict(argv: list[str]) -> int:
 
     from parallelkit.comm import launcher
     from parallelkit.data.errors import DataError, one_line
-    from parallelkit.train import config, launch, startup
-    from parallelkit.train import predict as predicting
-    from parallelkit.train.agree import REFUSED, Stop
-    from parallelkit.train.stopping import exit_now
+    from parallelkit.train import config
+    from parallelkit.train.predict import command as predicting
+    from parallelkit.train.ranks import launch, startup
+    from parallelkit.train.ranks.agree import REFUSED, Stop
+    from parallelkit.train.ranks.stopping import exit_now
 
     parser = argparse.ArgumentParser(
         prog="parallelkit predict",
@@ -267,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plot":
         from pathlib import Path
 
-        from parallelkit.train.plot import FILE, plot_run
+        from parallelkit.train.loop.plot import FILE, plot_run
 
         line = plot_run(Path(args.run_dir))
         print(line, file=sys.stdout if line.startswith("curves:") else sys.stderr)

@@ -2,7 +2,7 @@
 
 Four places speak of a grid's shape: the process grid of communicators
 (:class:`parallelkit.Grid`), the XLA SPMD mesh (:class:`parallelkit.xla.SpmdGrid`), the
-planner's options (:class:`parallelkit.plan.cost.Option`) and the training config's
+planner's options (:class:`parallelkit.plan.grids.Option`) and the training config's
 ``parallel.data/depth/rows/cols/channel`` (:func:`parallelkit.train.config.grid_dims`).
 ``depth``, ``rows`` and ``cols`` split a sample's D, H and W (a signal's L by rows). They all read
 it from :class:`GridDims`: like torchtitan's ``ParallelDims``, a small dataclass that checks
@@ -10,10 +10,10 @@ itself when it is made and answers what is asked of a shape (its size, a rank's 
 the strategy it amounts to). It holds no communicator and moves nothing, so it sits at the
 bottom of the package beside :mod:`parallelkit.geometry`.
 
-Rank order is data-major, ``rank = (((d * depth + z) * rows + r) * cols + c) * channel + k``: the
-ranks of one
-model replica (same d) are neighbours, and a spatial or channel group stays inside a node when
-the launcher places consecutive ranks together. XLA's device mesh lists its devices the same way.
+Rank order is data-major, ``rank = (((d * depth + z) * rows + r) * cols + c) * channel + k``:
+the ranks of one model replica (same d) are neighbours, and a spatial or channel group stays
+inside a node when the launcher places consecutive ranks together. XLA's device mesh lists its
+devices the same way.
 """
 
 from __future__ import annotations
@@ -29,15 +29,14 @@ SPATIAL_AXES = ("depth", "rows", "cols")
 
 @dataclass(frozen=True)
 class GridDims:
-    """``data x depth x rows x cols x channel`` ranks: every dimension a positive integer
-    (``depth`` last among the fields, so that positional ``(data, rows, cols, channel)``
-    still reads as it did before volumes)."""
+    """``data x depth x rows x cols x channel`` ranks (the fields in :data:`AXES` order): every
+    dimension a positive integer."""
 
     data: int = 1
+    depth: int = 1
     rows: int = 1
     cols: int = 1
     channel: int = 1
-    depth: int = 1
 
     def __post_init__(self) -> None:
         # Named by its shape, not its class: Grid, SpmdGrid, the planner and the config share it.

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from parallelkit.train.procs import forked_name
+from parallelkit.train.ranks.procs import forked_name
 
 if not Path("/proc/self/stat").exists():
     pytest.skip("the fault tests read /proc (Linux)", allow_module_level=True)

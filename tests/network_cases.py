@@ -820,7 +820,7 @@ def flips_and_scans_on_their_own_blocks(comm: Communicator) -> list[str]:
     """Negative control: each rank flips its own block in place (no rows fetched from the
     mirror place) and runs its own scan without the totals of the blocks before it. Returns
     the mismatching labels."""
-    from parallelkit.spatial.rules import reductions, windows
+    from parallelkit.spatial.rules import padding, reductions
 
     def own_rows(sizes: list[int], n: int) -> list[tuple[int, int]]:
         return [(a, a + m) for a, m in zip(starts(sizes), sizes, strict=True)]
@@ -828,7 +828,7 @@ def flips_and_scans_on_their_own_blocks(comm: Communicator) -> list[str]:
     def zero_totals(t: torch.Tensor, comm: Communicator, d: int, sizes: list[int]) -> torch.Tensor:
         return torch.cat([torch.zeros_like(t)] * len(sizes), d)
 
-    return _mismatches(comm, "flips and running sums", (windows, "_mirrored", own_rows),
+    return _mismatches(comm, "flips and running sums", (padding, "_mirrored", own_rows),
                        (reductions, "pkf", SimpleNamespace(all_gather=zero_totals)))  # fmt: skip
 
 

@@ -1,4 +1,4 @@
-"""The ranks keep freed memory (parallelkit.train.allocator): a step that frees and allocates
+"""The ranks keep freed memory (parallelkit.train.loop.allocator): a step that frees and allocates
 the same large blocks again faults no pages in, where glibc's defaults fault every one."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc
 
 STEPS = """
 import resource, sys, torch
-from parallelkit.train.allocator import keep_freed_memory
+from parallelkit.train.loop.allocator import keep_freed_memory
 print(keep_freed_memory() if sys.argv[1] == "keep" else None)
 def step():  # two 8 MiB activations, freed at the end of the step
     a, b = torch.ones(2 << 20), torch.ones(2 << 20)

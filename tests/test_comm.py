@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import parallelkit as pk
-from parallelkit.comm.base import DTYPES
+from parallelkit.comm.dtypes import DTYPES
 
 import cases
 from cases import WORLD_SIZES

@@ -141,7 +141,7 @@ def test_the_training_config_takes_the_keys_from_the_command_line():
 
 
 def test_the_grid_check_compares_each_dimension_with_its_own_size():
-    from parallelkit.train.preflight import check_grid
+    from parallelkit.train.loop.preflight import check_grid
 
     def cfg(size):
         return load(overrides=[

@@ -131,7 +131,7 @@ def test_any_channel_count_and_every_sample_must_have_it(tmp_path):
 
 def test_preflight_finds_a_sample_of_other_channels_from_its_header(tmp_path):
     from parallelkit.train.config import load
-    from parallelkit.train.preflight import check_data
+    from parallelkit.train.loop.preflight import check_data
 
     random_set(tmp_path, (10, 12), channels=4)
     cfg = load(

@@ -459,7 +459,7 @@ def test_train_command_passes_the_check(command, tmp_path, stand_ins, monkeypatc
     matter, not the command's (a wide example needs 1.2 GB), so the check of the run
     directory here looks at everything but the space."""
     from parallelkit import cli
-    from parallelkit.train import preflight
+    from parallelkit.train.loop import preflight
 
     check_run_dir = preflight.check_run_dir
     monkeypatch.setattr(preflight, "check_run_dir", lambda run_dir, need: check_run_dir(run_dir, 0))

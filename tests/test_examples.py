@@ -16,7 +16,7 @@ from PIL import Image
 
 from parallelkit import models
 from parallelkit.testing import free_port
-from parallelkit.train.launch import mpich_available
+from parallelkit.train.ranks.launch import mpich_available
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"

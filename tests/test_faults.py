@@ -28,7 +28,7 @@ import torch
 from jobs import CLI, TINY, Job, rank_pid, records, report, run
 
 from parallelkit.testing import free_port
-from parallelkit.train import files, rundir
+from parallelkit.train.store import files, rundir
 
 pytestmark = pytest.mark.timeout(300)
 

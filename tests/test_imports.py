@@ -48,7 +48,7 @@ def _imports(path: Path) -> list[str]:
             if node.module == "parallelkit":
                 found += [f"parallelkit.{a.name}" for a in node.names]
             elif node.module.startswith("parallelkit."):
-                found.append(node.module)
+                found += [f"{node.module}.{a.name}" for a in node.names]
         elif isinstance(node, ast.Import):
             found += [a.name for a in node.names if a.name.startswith("parallelkit.")]
     return found
@@ -63,7 +63,7 @@ def _upward() -> list[str]:
             there = _part(target)
             if there != here and RANK.get(there, 0) > RANK.get(here, len(LAYERS)):
                 wrong.append(f"{rel} ({here}) imports {target} ({there})")
-    return wrong
+    return sorted(set(wrong))
 
 
 def _design_layers() -> list[set[str]]:
@@ -103,7 +103,57 @@ def test_an_upward_import_is_found(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         "def f():\n    from parallelkit.nn import spatial_parallel\n"
     )
     monkeypatch.setitem(globals(), "PACKAGE", fake)
-    assert _upward() == ["parallelkit/spatial/kernel (spatial) imports parallelkit.nn (nn)"]
+    assert _upward() == [
+        "parallelkit/spatial/kernel (spatial) imports parallelkit.nn.spatial_parallel (nn)"
+    ]
+
+
+# train's rooms, lowest first: the config's shape, the ranks, what a run keeps on disk, the
+# tasks, the config read and checked against them, the loop, prediction.
+TRAIN_ROOMS = [
+    {"schema", "keys"}, {"ranks"}, {"store"}, {"tasks"}, {"config"}, {"loop"}, {"predict"}
+]  # fmt: skip
+TRAIN_RANK = {name: i for i, names in enumerate(TRAIN_ROOMS) for name in names}
+
+
+def _train_upward() -> list[str]:
+    """Imports (inside functions too) from one room of ``parallelkit/train`` to a higher one."""
+    wrong = []
+    for path in sorted((PACKAGE / "train").rglob("*.py")):
+        rel = path.relative_to(PACKAGE / "train")
+        here = rel.parts[0].removesuffix(".py")
+        for target in _imports(path):
+            parts = target.split(".")
+            if parts[:2] != ["parallelkit", "train"] or len(parts) < 3:
+                continue
+            there = parts[2]
+            if here in TRAIN_RANK and TRAIN_RANK.get(there, 0) > TRAIN_RANK[here]:
+                wrong.append(f"train/{rel} ({here}) imports {target} ({there})")
+    return sorted(set(wrong))
+
+
+def test_every_room_of_train_has_a_floor() -> None:
+    rooms = {p.stem for p in (PACKAGE / "train").iterdir() if not p.name.startswith("_")}
+    assert rooms - {"__pycache__"} == TRAIN_RANK.keys()
+
+
+def test_train_rooms_import_downward() -> None:
+    assert _train_upward() == []
+
+
+def test_an_upward_import_between_rooms_is_found(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Negative control: a rank's start-up reaching up into the loop, late, is reported."""
+    fake = tmp_path / "parallelkit"
+    (fake / "train" / "ranks").mkdir(parents=True)
+    (fake / "train" / "ranks" / "launch.py").write_text(
+        "def rank():\n    from parallelkit.train.loop import trainer\n"
+    )
+    monkeypatch.setitem(globals(), "PACKAGE", fake)
+    assert _train_upward() == [
+        "train/ranks/launch.py (ranks) imports parallelkit.train.loop.trainer (loop)"
+    ]
 
 
 def _module(path: Path) -> str:

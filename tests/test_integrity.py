@@ -18,7 +18,7 @@ import pytest
 import torch
 from jobs import CLI, TINY, Job, as_a_user, deny, run
 
-from parallelkit.train import files
+from parallelkit.train.store import files
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -212,7 +212,7 @@ def test_a_pickle_with_code_is_refused_in_one_line_without_torchs_warnings(tmp_p
     import pickle
     import warnings
 
-    from parallelkit.train.checkpoint import Unreadable, load_shard
+    from parallelkit.train.store.checkpoint import Unreadable, load_shard
 
     ran = tmp_path / "ran"
     data = pickle.dumps({"step": 2, "task": _Payload(ran)}, protocol=4)
@@ -229,8 +229,8 @@ def test_a_passed_over_checkpoint_that_cannot_be_moved_aside_is_not_deleted(tmp_
     # The save that meets a folder resuming passed over moves it aside; where the move fails
     # (a read-only checkpoints/ folder, say), the save stops and the folder stays untouched.
     import parallelkit as pk
-    from parallelkit.train import checkpoint
-    from parallelkit.train.agree import Stop
+    from parallelkit.train.ranks.agree import Stop
+    from parallelkit.train.store import checkpoint
 
     damaged = tmp_path / "checkpoints" / "step-000000004"
     damaged.mkdir(parents=True)

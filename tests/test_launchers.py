@@ -132,7 +132,7 @@ def test_debug_and_timeout_come_from_the_environment(monkeypatch):
 def test_the_header_names_the_local_ranks_transport(monkeypatch, backend, mpich, cuda, says):
     # The launcher's line of the run's header says which transport auto chose for local ranks:
     # MPI where mpi4py and MPICH are installed, on CPUs; gloo, and the faster one, otherwise.
-    from parallelkit.train import launch
+    from parallelkit.train.ranks import launch
 
     seen = {}
     monkeypatch.setattr(launch, "mpich_available", lambda: mpich)
@@ -150,7 +150,7 @@ def test_the_header_names_the_local_ranks_transport(monkeypatch, backend, mpich,
 def test_auto_keeps_gloo_when_the_ranks_outnumber_the_cores(monkeypatch):
     # MPICH's waiting ranks spin: with more ranks (or their OpenMP threads) than cores they
     # would take the cores of the ranks that compute. parallel.backend=mpi is still MPI.
-    from parallelkit.train import launch
+    from parallelkit.train.ranks import launch
 
     seen = {}
     monkeypatch.setattr(launch, "mpich_available", lambda: True)
@@ -176,7 +176,7 @@ def test_local_mpi_ranks_get_the_launchers_pmi_and_torchruns_numbers(monkeypatch
     # Each MPI rank: its end of a socket pair (PMI_FD, kept by a new process), MPI's and
     # torchrun's numbers, which agree, and no store: it is MPI's rank, not torchrun's.
     from parallelkit.comm import launcher
-    from parallelkit.train import launch
+    from parallelkit.train.ranks import launch
 
     seen = []
     monkeypatch.setattr(launch, "mpich_available", lambda: True)
@@ -203,7 +203,7 @@ def test_local_mpi_ranks_get_the_launchers_pmi_and_torchruns_numbers(monkeypatch
 def test_cpu_ranks_are_forks_of_the_launcher(monkeypatch, backend, cuda, variable, forked):
     # On Linux CPUs each local rank is a fork that runs the same command line; GPU ranks and
     # PARALLELKIT_FORK_RANKS=0 start new processes. The header says which.
-    from parallelkit.train import launch
+    from parallelkit.train.ranks import launch
 
     if not sys.platform.startswith("linux"):
         forked = False
@@ -233,8 +233,8 @@ def test_cpu_ranks_are_forks_of_the_launcher(monkeypatch, backend, cuda, variabl
 _ZARR_THEN_FORK = """
 import os, sys
 import numpy as np, zarr
-from parallelkit.train import launch
-from parallelkit.train.rankproc import other_threads
+from parallelkit.train.ranks import launch
+from parallelkit.train.ranks.rankproc import other_threads
 z = zarr.create_array(sys.argv[1], shape=(4, 4), dtype="f4")
 z[:] = np.arange(16, dtype="f4").reshape(4, 4)  # the launcher's checks read a store so
 started = other_threads()
@@ -268,8 +268,8 @@ _OPENBLAS_THEN_FORK = """
 import os, sys
 import numpy as np
 import torch  # noqa: F401 (as the launcher imports it)
-from parallelkit.train import launch, openblas
-from parallelkit.train.rankproc import Child, Forked, other_threads
+from parallelkit.train.ranks import launch, openblas
+from parallelkit.train.ranks.rankproc import Child, Forked, other_threads
 a = np.random.default_rng(0).random((300, 300))
 want = a @ a  # on OpenBLAS's pool
 started = other_threads()
@@ -316,7 +316,7 @@ def test_a_launcher_running_threads_starts_new_processes(monkeypatch):
     # A fork copies only the thread that forks: with any other thread running that no library
     # can stop (OpenMP's pool, a data set's executor) the ranks are new processes, and the
     # header says why.
-    from parallelkit.train import launch
+    from parallelkit.train.ranks import launch
 
     monkeypatch.delenv(launch.FORK_RANKS, raising=False)
     monkeypatch.setattr(launch, "cuda_available", lambda: False)

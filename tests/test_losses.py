@@ -1,4 +1,4 @@
-"""The soft Dice loss (parallelkit.train.losses) and ``train.loss`` of the segment task.
+"""The soft Dice loss (parallelkit.train.tasks.losses) and ``train.loss`` of the segment task.
 
 Tiers: pure (the whole-batch loss against a plain reference and MONAI's ``DiceLoss`` and
 ``DiceCELoss``; the negative control, per-block Dice averaged); pools of gloo ranks (the loss
@@ -26,8 +26,8 @@ from parallelkit.comm.local import LocalCommunicator
 from parallelkit.data.segfolder import IGNORE
 from parallelkit.parallel import Grid
 from parallelkit.train import config
-from parallelkit.train.losses import dice_loss
-from parallelkit.train.segment import Segment
+from parallelkit.train.tasks.losses import dice_loss
+from parallelkit.train.tasks.segment import Segment
 
 K = 4
 

@@ -46,21 +46,11 @@ from parallelkit.plan import (
     plan,
     table,
 )
-from parallelkit.plan.cost import (
-    MIB,
-    MIXING,
-    SAMPLES,
-    Traffic,
-    activation_bytes,
-    exchange_seconds,
-    halo_bytes,
-    memory,
-    mixing_pattern,
-    mixing_seconds,
-    mixing_traffic,
-    sample_bytes,
-)
+from parallelkit.plan.memory import MIXING, SAMPLES, activation_bytes, memory, sample_bytes
+from parallelkit.plan.mixing_cost import Traffic, mixing_pattern, mixing_seconds, mixing_traffic
 from parallelkit.plan.network import from_timings
+from parallelkit.plan.shares import MIB, halo_bytes
+from parallelkit.plan.step_time import exchange_seconds
 from parallelkit.plan.walk import Layer, Mixing, Net, walk
 
 from network_cases import ForwardCodeNet
@@ -1016,7 +1006,7 @@ def test_a_dimension_of_one_put_before_the_map_moves_nothing():
 
 def test_the_walk_records_the_rows_flips_sums_and_warps_read_of_other_blocks():
     """A flip or a running sum along a spatial dimension, and a grid_sample, read rows of the
-    other ranks' blocks (``rules/windows.py``, ``reductions.py``, ``resize.py``); along the
+    other ranks' blocks (``rules/padding.py``, ``reductions.py``, ``resize.py``); along the
     channels they read nothing, and a flip along columns moves nothing under rows."""
     flips = walk(ForwardCodeNet("flips and running sums"), (3, 12, 10)).mixing
     assert [(r.kind, r.tokens, r.numel, r.along) for r in flips] == [

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from parallelkit.cli import main
-from parallelkit.train.plot import plot_run, series
+from parallelkit.train.loop.plot import plot_run, series
 
 RECORDS = [
     {"kind": "train", "step": 1, "loss": 2.0, "lr": 0.1},

@@ -1,4 +1,4 @@
-"""The launcher's PMI server (``parallelkit.train.pmi``): MPICH's wire protocol spoken by hand
+"""The launcher's PMI server (``parallelkit.train.ranks.pmi``): MPICH's wire protocol spoken by hand
 from both ends, then real MPI ranks forked by the launcher, on 2-4 ranks, with nothing
 listening outside the machine."""
 
@@ -14,8 +14,8 @@ import textwrap
 
 import pytest
 
-from parallelkit.train.launch import mpich_available
-from parallelkit.train.pmi import PmiServer
+from parallelkit.train.ranks.launch import mpich_available
+from parallelkit.train.ranks.pmi import PmiServer
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -75,7 +75,7 @@ def test_the_protocol_as_mpich_speaks_it():
 
 _RANKS = """
 import sys
-from parallelkit.train import launch
+from parallelkit.train.ranks import launch
 
 def entry(args):
     from mpi4py import MPI

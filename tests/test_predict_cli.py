@@ -236,7 +236,7 @@ def test_channel_shards_make_the_dense_model(runs, tmp_path):
     import torch
 
     from parallelkit.train import config
-    from parallelkit.train.predict import load_model
+    from parallelkit.train.predict.command import load_model
 
     _, data = runs[2]
     run = tmp_path / "channel"

@@ -145,7 +145,7 @@ def test_an_svs_slides_microns_per_pixel_are_read_and_written(run, tmp_path):
 def test_the_predictor_takes_the_runs_own_normalizer(run):
     import parallelkit as pk
     from parallelkit.data.intensity import Normalizer
-    from parallelkit.train.predict import load_model
+    from parallelkit.train.predict.command import load_model
 
     run_dir, _ = run
     saved = Normalizer.from_spec(json.loads((run_dir / "normalization.json").read_text()))

@@ -152,7 +152,7 @@ def test_a_second_predict_into_a_held_output_is_refused(run, tmp_path):
     # (test_decathlon.py refuses a foreign one).
     assert (out / "summary.json").is_file()
     holder = subprocess.Popen(  # the lock a running predict's rank 0 holds
-        [sys.executable, "-c", "import sys, time; from parallelkit.train.rundir import Lock; "
+        [sys.executable, "-c", "import sys, time; from parallelkit.train.store.rundir import Lock; "
          f"Lock({str(out / '.parallelkit-predict')!r}); print('held', flush=True); "
          "time.sleep(120)"], stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:

@@ -1,4 +1,4 @@
-"""Mistakes found before any rank starts (parallelkit.train.preflight): one line, exit status 2,
+"""Mistakes found before any rank starts (train/loop/preflight.py): one line, exit status 2,
 and no rank started (nothing written under ``train.run_dir``). ``parallelkit train`` in
 subprocesses (tests/jobs.py) with the default 2 local ranks.
 
@@ -172,7 +172,8 @@ def test_the_docs_fault_table_is_whole_and_names_every_fault():
 
 META_BUILD = """
 import sys, torch
-from parallelkit.train import config, preflight
+from parallelkit.train import config
+from parallelkit.train.loop import preflight
 from parallelkit.train.tasks import TASKS
 for overrides in ([], ["train.task=gan", "model.name=dcgan"],
                   ["train.task=segment", "data.name=shapes", "model.name=unet"]):

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from parallelkit.train.segmetrics import pixel_counts, scores
+from parallelkit.train.tasks.segmetrics import pixel_counts, scores
 
 
 def blocks(t: torch.Tensor, rows: int, cols: int) -> list[torch.Tensor]:

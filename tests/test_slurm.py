@@ -20,7 +20,7 @@ from parallelkit.comm import detect_backend
 from parallelkit.comm.launcher import Launcher, detect, first_host, torch_variables
 from parallelkit.testing import free_port
 from parallelkit.train import keys
-from parallelkit.train.launch import mpich_available
+from parallelkit.train.ranks.launch import mpich_available
 
 BATCH = {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "0", "SLURM_NTASKS": "4",
          "SLURM_JOB_NODELIST": "localhost"}  # fmt: skip

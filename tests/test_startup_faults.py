@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from jobs import CLI, TINY, Job, rank_pid
 
-from parallelkit.train.launch import mpi_available
+from parallelkit.train.ranks.launch import mpi_available
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -181,7 +181,7 @@ def test_an_mpi_world_that_is_not_its_launchers_is_refused(tmp_path):
 def test_a_new_rank_process_dies_with_its_launcher_before_it_imports(tmp_path):
     # The new process's first statements: the death request, then the parent check. A parent
     # that is not the launcher named in the environment means it died already: exit at once.
-    from parallelkit.train.rankproc import LAUNCHER_PID, rank_command
+    from parallelkit.train.ranks.rankproc import LAUNCHER_PID, rank_command
 
     command = rank_command([sys.executable, "-m", "json.tool", "--help"])
     env = dict(os.environ, **{LAUNCHER_PID: "1"})  # not this test's pid

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from parallelkit.data import DataConfig, build_loader
-from parallelkit.train.launch import local_mpi
+from parallelkit.train.ranks.launch import local_mpi
 
 # A ResNet-18 of width 4 on 16x16 digits: every layer type, seconds per run.
 TINY = [

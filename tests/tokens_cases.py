@@ -31,7 +31,7 @@ from parallelkit.nn import SyncBatchNorm
 from parallelkit.spatial import pool, relayout
 from parallelkit.spatial import ring_attention as ring
 from parallelkit.spatial.conv import transposed_out_size
-from parallelkit.spatial.rules import forms, tokens, windows
+from parallelkit.spatial.rules import forms, pooling, tokens, windows
 
 Triple = tuple[str, torch.Tensor, torch.Tensor]
 
@@ -271,7 +271,7 @@ def token_parity(
             stack.enter_context(mock.patch.object(tokens, "_by_heads", _own_heads))
             stack.enter_context(mock.patch.object(tokens.layout, "summed", lambda t, _: t))
             stack.enter_context(mock.patch.object(windows, "fetch", _halo_off_by_one))
-            stack.enter_context(mock.patch.object(windows, "_plane", _block_numbers))
+            stack.enter_context(mock.patch.object(pooling, "_plane", _block_numbers))
             stack.enter_context(mock.patch.object(windows, "conv_transpose_blocks", _alone))
             stack.enter_context(mock.patch.object(SyncBatchNorm, "forward", _local_batch_norm))
         if ring_fault == "no shift" or broken:

@@ -20,11 +20,10 @@ import torch
 
 from parallelkit.data import load_dataset
 from parallelkit.data.blockset import BlockDataset
-from parallelkit.data.config import block_format, block_root
 from parallelkit.data.readers import stem_of
 from parallelkit.train.config import load
-from parallelkit.train.segment import Segment
-from parallelkit.train.segmetrics import pixel_counts, scores
+from parallelkit.train.tasks.segment import Segment
+from parallelkit.train.tasks.segmetrics import pixel_counts, scores
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
 from pictures import arguments, caption, colours, display, panel, predicted, sheet, split_numbers
@@ -36,8 +35,8 @@ def main() -> None:
     cfg = load(str(args.run_dir / "config.yaml"))
     k = cfg.data.num_classes
     # The whole test image, on one process: a store's (data.name=zarr:DIR) or a generated one.
-    if block_format(cfg.data.name):
-        data = BlockDataset(block_root(cfg.data.name), "test", dims=2, crop=None)
+    if cfg.data.source.is_block_folder:
+        data = BlockDataset(cfg.data.source.root, "test", dims=2, crop=None)
         name = stem_of(data.images[args.index].path)
     else:
         data, name = load_dataset(cfg.data, "test"), None

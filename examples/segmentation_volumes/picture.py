@@ -20,11 +20,10 @@ from pathlib import Path
 import torch
 
 from parallelkit.data.blockset import BlockDataset
-from parallelkit.data.config import block_root
 from parallelkit.data.readers import stem_of
 from parallelkit.train.config import load
-from parallelkit.train.segment import Segment
-from parallelkit.train.segmetrics import pixel_counts, scores
+from parallelkit.train.tasks.segment import Segment
+from parallelkit.train.tasks.segmetrics import pixel_counts, scores
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
 from pictures import arguments, caption, colours, display, panel, predicted, sheet, split_numbers
@@ -35,7 +34,7 @@ def main() -> None:
 
     cfg = load(str(args.run_dir / "config.yaml"))
     k = cfg.data.num_classes
-    data = BlockDataset(block_root(cfg.data.name), "test", dims=3, crop=None)
+    data = BlockDataset(cfg.data.source.root, "test", dims=3, crop=None)
     volume, mask = data[args.index]  # the whole test volume
     if args.prediction:  # what parallelkit predict wrote, block by block
         name = stem_of(data.images[args.index].path)

@@ -12,13 +12,8 @@ import os
 import torch
 
 from parallelkit.comm import launcher
-from parallelkit.comm.base import (
-    DEFAULT_TIMEOUT_S,
-    CommError,
-    Communicator,
-    Op,
-    Work,
-)
+from parallelkit.comm.base import CommError, Communicator, Op, Work
+from parallelkit.comm.settings import DEFAULT_TIMEOUT_S
 
 BACKENDS = ("auto", "gloo", "nccl", "mpi", "xla", "local")
 

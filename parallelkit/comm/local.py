@@ -8,15 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from parallelkit.comm.base import (
-    Communicator,
-    DoneWork,
-    Op,
-    Work,
-    env_debug,
-    env_timeout,
-    resolve_device,
-)
+from parallelkit.comm.base import Communicator, DoneWork, Op, Work
+from parallelkit.comm.settings import env_debug, env_timeout, resolve_device
 
 
 class LocalCommunicator(Communicator):

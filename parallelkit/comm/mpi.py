@@ -29,15 +29,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from parallelkit.comm.base import (
-    PEER_FAILED_EXIT,
-    Communicator,
-    Op,
-    Work,
-    env_debug,
-    env_timeout,
-    resolve_device,
-)
+from parallelkit.comm.base import PEER_FAILED_EXIT, Communicator, Op, Work
+from parallelkit.comm.settings import env_debug, env_timeout, resolve_device
 
 _MPI_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 _MPI_TYPES = {
@@ -279,7 +272,7 @@ def _watch() -> None:
 def _abort(status: int = 1) -> None:
     """Flush, give the launcher a moment to forward what this rank printed, abort the job
     with exit ``status``. MPI_Abort returns where the process manager leaves the ending to
-    the ranks (parallelkit's own launcher: :mod:`parallelkit.train.pmi`); this rank then
+    the ranks (parallelkit's own launcher: :mod:`parallelkit.train.ranks.pmi`); this rank then
     exits, and the launcher stops the others."""
     sys.stderr.flush()
     sys.stdout.flush()

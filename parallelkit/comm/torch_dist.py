@@ -30,16 +30,8 @@ import torch
 import torch.distributed as dist
 
 from parallelkit.comm import launcher, traced
-from parallelkit.comm.base import (
-    PEER_FAILED_EXIT,
-    CommError,
-    Communicator,
-    Op,
-    Work,
-    env_debug,
-    env_timeout,
-    resolve_device,
-)
+from parallelkit.comm.base import PEER_FAILED_EXIT, CommError, Communicator, Op, Work
+from parallelkit.comm.settings import env_debug, env_timeout, resolve_device
 
 # torch 2.13 renamed the single-tensor collectives; older releases (torch_xla's) have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

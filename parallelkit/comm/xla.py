@@ -56,15 +56,8 @@ import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 
-from parallelkit.comm.base import (
-    CommError,
-    Communicator,
-    DoneWork,
-    Op,
-    Work,
-    env_debug,
-    env_timeout,
-)
+from parallelkit.comm.base import CommError, Communicator, DoneWork, Op, Work
+from parallelkit.comm.settings import env_debug, env_timeout
 
 _XM_OPS = {"sum": xm.REDUCE_SUM, "max": xm.REDUCE_MAX, "min": xm.REDUCE_MIN}
 _HOST_OPS = {"sum": torch.sum, "max": torch.amax, "min": torch.amin}

@@ -6,6 +6,8 @@
 
 Modules, one idea each:
 
+    source       data.name parsed once: a Source (a built-in set, shards, a block folder,
+                 the user's class), whose questions every reader asks
     config       DataConfig (part of the OmegaConf training config) and its checks
     pixels       reading image files; size, channels and range of every image
     datasets     map-style datasets: digits, synthetic, image folders, CIFAR-10 batches
@@ -13,7 +15,9 @@ Modules, one idea each:
     segfolder    a folder of images and PNG masks
     shapes3d     generated volume segmentation data: spheres and boxes in noise, with masks
     segfolder3d  a folder of .npy volumes and masks
-    readers      block readers: a block of a zarr, TIFF, NIfTI or npy array, read alone
+    arrays       one stored array per block format (zarr, TIFF, NIfTI, npy): header, blocks
+    axes         which stored axes are channels, spatial or dropped (data.layout)
+    readers      block readers: a sample's block as (C, *spatial), read alone
     blockset     BlockDataset: each spatial rank's block of images and masks on disk
     intensity    data.normalize: z-score, intensity window, per-sample percentiles, none
     foreground   data.foreground: training crops centred on labelled voxels
@@ -29,7 +33,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from parallelkit.data.config import DATASETS, DataConfig, check_config
+from parallelkit.data.config import DataConfig, check_config
 from parallelkit.data.datasets import (
     Cifar10Dataset,
     DigitsDataset,
@@ -42,6 +46,7 @@ from parallelkit.data.loader import Loader, build_loader
 from parallelkit.data.pixels import denormalize, normalize
 from parallelkit.data.sampler import RankSampler
 from parallelkit.data.shardio import ShardError, check_shards, load_split, write_shards
+from parallelkit.data.source import DATASETS, Source, parse_source
 
 if TYPE_CHECKING:
     from parallelkit.data.shard import shard_main
@@ -56,6 +61,7 @@ __all__ = [
     "Loader",
     "RankSampler",
     "ShardError",
+    "Source",
     "SyntheticDataset",
     "build_loader",
     "check_config",
@@ -64,6 +70,7 @@ __all__ = [
     "load_dataset",
     "load_split",
     "normalize",
+    "parse_source",
     "shard_main",
     "write_shards",
 ]

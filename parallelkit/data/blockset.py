@@ -48,10 +48,12 @@ import torch
 from torch.utils.data import Dataset
 
 from parallelkit.data import datalist, samplecache
+from parallelkit.data.arrays import format_of, stem_of
+from parallelkit.data.axes import Block
 from parallelkit.data.errors import CropError, DataError
 from parallelkit.data.foreground import MOST, centred_start, foreground_positions
 from parallelkit.data.intensity import SAMPLE_STATS_FILE, Intensity, Normalizer
-from parallelkit.data.readers import Block, SampleReader, format_of, slab_blocks, stem_of
+from parallelkit.data.readers import SampleReader, slab_blocks
 from parallelkit.data.samplecache import per_sample
 from parallelkit.data.segfolder import check_labels
 from parallelkit.geometry import BlockLayout

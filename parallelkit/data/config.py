@@ -13,61 +13,19 @@ from dataclasses import dataclass, field
 from numbers import Integral, Real
 from typing import Any
 
-DATASETS: tuple[str, ...] = (
-    "digits", "synthetic", "imagefolder", "cifar10", "webdataset", "shapes", "segfolder",
-    "shapes3d", "segfolder3d",
-)  # fmt: skip
-WITH_MASKS: tuple[str, ...] = ("shapes", "segfolder", "shapes3d", "segfolder3d")
-VOLUMES: tuple[str, ...] = ("shapes3d", "segfolder3d")
-"""Sources of volumes (C, D, H, W), each ``image_size`` on a side; the others give images."""
-"""Sources whose samples are (image, mask); ``webdataset`` shards may hold either."""
+from parallelkit.data.source import Source, parse_source
+
 SPLITS: tuple[str, ...] = ("train", "test")
-BLOCK_FORMATS: tuple[str, ...] = ("zarr", "tiff", "nifti", "npy")
-"""``data.name=FORMAT:DIR``: a folder of images and masks read by blocks (see
-:mod:`parallelkit.data.blockset`): under spatial parallelism each rank reads only its block
-of every sample, and nothing whole is ever held."""
-
-
-def block_format(name: str) -> str | None:
-    """The format of a ``FORMAT:DIR`` data name (one of :data:`BLOCK_FORMATS`), else None."""
-    kind, sep, _ = name.partition(":")
-    return kind if sep and kind in BLOCK_FORMATS else None
-
-
-def block_root(name: str) -> str:
-    """The directory of a ``FORMAT:DIR`` data name."""
-    return name.partition(":")[2]
-
-
 NORMALIZATIONS: tuple[str, ...] = ("zscore", "window", "percentile", "none")
 """``data.normalize`` of ``FORMAT:DIR`` sources (:mod:`parallelkit.data.intensity`)."""
-
-
-def has_masks(name: str) -> bool:
-    """Whether the source ``name`` gives (image, mask) samples."""
-    return name in WITH_MASKS or block_format(name) is not None
-
-
-def own(name: str) -> bool:
-    """Whether ``name`` is a user's data set by import path, ``package.module:Class``
-    (:mod:`parallelkit.data.userdata`), rather than a source or ``FORMAT:DIR``."""
-    module, sep, attr = name.partition(":")
-    return bool(sep and attr) and module not in BLOCK_FORMATS and "/" not in name
-
-
-def volumes(cfg: DataConfig) -> bool:
-    """Whether ``cfg``'s samples are volumes (C, D, H, W) rather than images."""
-    if cfg.name in VOLUMES or (own(cfg.name) and cfg.dims == 3):
-        return True
-    kind = block_format(cfg.name)
-    return kind is not None and (kind == "nifti" or cfg.dims == 3)
 
 
 @dataclass
 class DataConfig:
     """Which images to train on and how each rank loads them.
 
-    ``name`` picks the source:
+    ``name`` picks the source (:attr:`source` is it parsed, a
+    :class:`~parallelkit.data.source.Source`):
 
     - ``digits``: scikit-learn's 1,797 8x8 digits (installed with scikit-learn, no download),
       a fixed 80/20 train/test split, bilinear-upscaled to ``image_size``.
@@ -121,20 +79,28 @@ class DataConfig:
     crop: list[int] = field(default_factory=list)  # per axis, [D, H, W]; else image_size's
     crops_per_sample: int = 1  # training crops drawn from each sample per epoch
 
+    @property
+    def source(self) -> Source:
+        """``name`` (and ``dims``) parsed: what every reader asks about the source. A
+        ``DictConfig`` of these fields has no properties: code that may be given one reads
+        ``parse_source(cfg.name, cfg.dims)``, the same object."""
+        return parse_source(self.name, self.dims)
+
 
 def crop_shape(cfg: DataConfig) -> tuple[int, ...]:
     """``data.image_size`` as one size per spatial dimension: ``(H, W)``, or ``(D, H, W)`` for
     volumes. An integer is a square (a cube); a list gives each dimension (``FORMAT:DIR``
     sources only). ``data.crop``, when set, gives the sizes per axis instead. A ``ValueError``
     naming the key for anything else."""
-    dims, size = 3 if volumes(cfg) else 2, cfg.image_size
+    source, size = parse_source(cfg.name, cfg.dims), cfg.image_size
+    dims = source.dims
     if len(cfg.crop):  # data.crop, per axis, wins over the image_size shorthand
         if len(cfg.crop) != dims or not all(_positive_int(n) for n in cfg.crop):
             raise ValueError(f"data.crop={_show(cfg.crop)} must list {dims} positive sizes, "
                              f"{'[D, H, W]' if dims == 3 else '[H, W]'}")  # fmt: skip
         return tuple(int(n) for n in cfg.crop)
     if isinstance(size, Sequence) and not isinstance(size, str):
-        if block_format(cfg.name) is None:
+        if not source.is_block_folder:
             raise ValueError(
                 f"data.image_size={list(size)}: a list of sizes is for data.name=FORMAT:DIR "
                 f"sources; data.name={cfg.name} takes one integer (a square, or a cube)"
@@ -168,25 +134,17 @@ def _show(value: object) -> str:
         repr(value) if isinstance(value, str) else str(value))  # fmt: skip
 
 
-def check_config(cfg: DataConfig, split: str) -> None:
-    """Raise ``ValueError`` naming the field when ``cfg`` or ``split`` cannot work.
+def check_config(cfg: DataConfig, split: str) -> Source:
+    """Raise ``ValueError`` naming the field when ``cfg`` or ``split`` cannot work; else the
+    source that ``data.name`` names, for the caller to read from.
 
     Called before any file is opened, with information every rank has, so every rank fails
     the same way before the first collective.
     """
-    if cfg.name not in DATASETS and block_format(cfg.name) is None and not own(cfg.name):
-        raise ValueError(
-            f"data.name={cfg.name!r} is not one of {', '.join(DATASETS)}, or FORMAT:DIR with "
-            f"FORMAT one of {', '.join(BLOCK_FORMATS)}, or your own package.module:Class"
-        )
-    if block_format(cfg.name) and (not block_root(cfg.name) or cfg.dims not in (2, 3)):
-        raise ValueError(
-            f"data.name={cfg.name!r} needs a directory after the colon, and data.dims "
-            f"(now {cfg.dims}) 2 for images or 3 for volumes"
-        )
+    source = parse_source(cfg.name, cfg.dims)  # data.name's own mistakes come first
     if split not in SPLITS:
         raise ValueError(f"split={split!r} must be one of {', '.join(SPLITS)}")
-    if block_format(cfg.name) is None and not own(cfg.name) and cfg.channels not in (1, 3):
+    if not (source.is_block_folder or source.is_users_class) and cfg.channels not in (1, 3):
         raise ValueError(
             f"data.channels={cfg.channels} must be 1 (grayscale) or 3 (RGB) for "
             f"data.name={cfg.name}; any count is for FORMAT:DIR sources (zarr, tiff, nifti, npy)"
@@ -204,17 +162,18 @@ def check_config(cfg: DataConfig, split: str) -> None:
     for key, value in positive.items():
         if int(value) != value or value < 1:
             raise ValueError(f"{key}={value} must be a positive integer")
-    if cfg.name in WITH_MASKS and not 2 <= cfg.num_classes <= 255:
+    if source.kind == "set" and source.has_masks and not 2 <= cfg.num_classes <= 255:
         raise ValueError(
             f"data.num_classes={cfg.num_classes} must lie in 2..255 for {cfg.name} (the "
             "background counts; mask value 255 marks ignored pixels)"
         )
-    check_blocks(cfg)
+    check_blocks(cfg, source)
     if cfg.workers < 0:
         raise ValueError(f"data.workers={cfg.workers} must be >= 0")
     roots = ("imagefolder", "cifar10", "webdataset", "segfolder", "segfolder3d")
     if cfg.name in roots and not cfg.root:
         raise ValueError(f"data.name={cfg.name!r} needs data.root, the directory to read")
+    return source
 
 
 BLOCK_KEYS: dict[str, object] = {
@@ -224,11 +183,11 @@ BLOCK_KEYS: dict[str, object] = {
 """Keys of ``FORMAT:DIR`` sources alone, and the defaults that the other sources keep."""
 
 
-def check_blocks(cfg: DataConfig) -> None:
+def check_blocks(cfg: DataConfig, source: Source) -> None:
     """The keys of ``FORMAT:DIR`` sources (``normalize``, ``window``, ``percentiles``,
     ``flips``, ``rotate``, ``level``, ``foreground``, ``layout``): one-line ``ValueError``
-    naming the key."""
-    if block_format(cfg.name) is None:
+    naming the key; the other sources must keep their defaults."""
+    if not source.is_block_folder:
         for key, default in BLOCK_KEYS.items():
             value = getattr(cfg, key)
             if (list(value) if isinstance(value, Sequence) and not isinstance(value, str)
@@ -260,7 +219,7 @@ def check_blocks(cfg: DataConfig) -> None:
             f"data.percentiles={_show(cfg.percentiles)} must be [low, high] with "
             "0 <= low < high <= 100 (default [0.5, 99.5])"
         )
-    dims = 3 if volumes(cfg) else 2
+    dims = source.dims
     named = f"in 0..{dims - 1} ({'D, H, W' if dims == 3 else 'H, W'})"
     if _distinct_axes(cfg.flips, dims) is None:
         raise ValueError(

@@ -28,6 +28,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from parallelkit.data.source import Source
+
 HOLD_OUT = 5
 """Without a ``validation`` list, every ``HOLD_OUT``-th training entry is a test sample."""
 
@@ -96,12 +98,10 @@ def rule(listing: Path) -> str:
             "'validation' list)")
 
 
-def split_note(name: str) -> str:
-    """For the run's header: the test split of ``data.name`` and its rule where it is a JSON
-    list (:func:`rule`); '' otherwise."""
-    from parallelkit.data.config import block_format, block_root
-
-    if not block_format(name) or (listing := find(block_root(name))) is None:
+def split_note(source: Source) -> str:
+    """For the run's header: the test split of the block folder ``source`` and its rule where
+    it is a JSON list (:func:`rule`); '' otherwise."""
+    if not source.is_block_folder or (listing := find(source.root)) is None:
         return ""
     return rule(listing)
 
@@ -110,7 +110,7 @@ def test_images(listing: Path) -> list[tuple[Path, Path | None]]:
     """The Decathlon's test cases: the list's ``test`` entries (paths, or ``{"image": PATH}``)
     where it has any, else the files of ``imagesTs/`` beside it; each with its label in
     ``labelsTs/`` (the same file name) where there is one. [] when there are none."""
-    from parallelkit.data.readers import format_of
+    from parallelkit.data.arrays import format_of
 
     base = Path(listing).parent
     try:

@@ -236,6 +236,11 @@ def load_dataset(cfg: DataConfig, split: str, window: tuple[slice, ...] | None =
     indexed: use :func:`parallelkit.data.build_loader`.
     """
     check_config(cfg, split)
+    return open_dataset(cfg, split, window)
+
+
+def open_dataset(cfg: DataConfig, split: str, window: tuple[slice, ...] | None) -> Dataset:
+    """:func:`load_dataset` of a ``cfg`` checked already (``build_loader`` checks it once)."""
     size, channels = cfg.image_size, cfg.channels
     if cfg.name == "shapes":
         length = cfg.train_samples if split == "train" else cfg.test_samples

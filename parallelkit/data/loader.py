@@ -33,6 +33,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from parallelkit.data import userdata
+from parallelkit.data.arrays import format_of
 from parallelkit.data.blockset import (
     STATS_FILE,
     BlockDataset,
@@ -42,24 +43,15 @@ from parallelkit.data.blockset import (
     saved_stats,
     stats_key,
 )
-from parallelkit.data.config import (
-    DataConfig,
-    block_format,
-    block_root,
-    check_config,
-    crop_key,
-    crop_shape,
-    has_masks,
-    own,
-    volumes,
-)
-from parallelkit.data.datasets import load_dataset
+from parallelkit.data.config import DataConfig, check_config, crop_key, crop_shape
+from parallelkit.data.datasets import open_dataset
 from parallelkit.data.errors import CropError
 from parallelkit.data.intensity import Normalizer
-from parallelkit.data.readers import SampleReader, format_of
+from parallelkit.data.readers import SampleReader
 from parallelkit.data.sampler import RankSampler
 from parallelkit.data.shardio import check_shards, load_split
 from parallelkit.data.shardstream import ShardStream
+from parallelkit.data.source import Source, parse_source
 from parallelkit.geometry import BlockLayout
 
 
@@ -68,12 +60,13 @@ def block_layout(cfg: DataConfig, grid: Sequence[int], coords: Sequence[int]) ->
     col)`` of a ``(depth, rows, cols)`` spatial ``grid``: a volume's (D, H, W) split along all
     three, an image's (H, W) along rows and columns, as ``pk.spatial.scatter`` splits them. A
     depth split of images is a ``ValueError`` naming the key."""
-    if not volumes(cfg) and grid[0] > 1:
+    source = parse_source(cfg.name, cfg.dims)
+    if not source.is_volume and grid[0] > 1:
         raise ValueError(
             f"parallel.depth={grid[0]} splits the D of volumes, and this data set has "
             "images (volumes: data.name=shapes3d or segfolder3d)"
         )
-    return BlockLayout.of_grid(grid, coords, 3 if volumes(cfg) else 2)
+    return BlockLayout.of_grid(grid, coords, source.dims)
 
 
 class Loader:
@@ -173,7 +166,8 @@ def build_loader(
     to give every rank one full batch. ``measure=False``: a block folder's headers only
     (:class:`BlockDataset`'s ``measure``), for checks that must not read the data.
     """
-    check_config(cfg, split)
+    source = check_config(cfg, split)
+    shape = crop_shape(cfg)
     if size < 1 or not 0 <= rank < size:
         raise ValueError(f"build_loader: rank={rank} must lie in [0, size={size})")
     if batch_size < 1:
@@ -185,8 +179,8 @@ def build_loader(
     # A private generator: iterating must not draw from the global RNG (model init, dropout).
     generator = torch.Generator().manual_seed(seed)
     # The mask's slices this rank keeps; None where nothing is split (the whole mask).
-    crop = block.slices(*crop_shape(cfg)) if block is not None and block.split else None
-    if cfg.name == "webdataset":
+    crop = block.slices(*shape) if block is not None and block.split else None
+    if source.is_shards:
         shards = load_split(str(cfg.root), split)
         check_shards(shards)
         stream = ShardStream(
@@ -208,15 +202,15 @@ def build_loader(
         batches, num_samples, num_classes = len(stream), shards.num_samples, shards.num_classes
         masks = shards.masks
     else:
-        if own(cfg.name):  # the user's class by import path
+        if source.is_users_class:  # its items say whether they hold masks
             dataset = userdata.user_dataset(cfg, split, crop)
             masks = userdata.has_masks(dataset)
         else:
             dataset = (
-                block_dataset(cfg, split, block, seed, measure) if block_format(cfg.name)
-                else load_dataset(cfg, split, crop)
+                block_dataset(cfg, source, shape, split, block, seed, measure)
+                if source.is_block_folder else open_dataset(cfg, split, crop)
             )  # fmt: skip
-            masks = has_masks(cfg.name)
+            masks = source.has_masks
         sampler = RankSampler(
             dataset,  # type: ignore[arg-type]
             rank=rank,
@@ -246,38 +240,44 @@ def build_loader(
         )
     return Loader(
         dataloader,
-        blocks=block_format(cfg.name) is not None,
-        dims=3 if volumes(cfg) else 2,
+        blocks=source.is_block_folder,
+        dims=source.dims,
         batches=batches,
         batch_size=batch_size,
         num_classes=num_classes,
         channels=cfg.channels,
         image_size=cfg.image_size,
-        shape=crop_shape(cfg),
+        shape=shape,
         num_samples=num_samples,
         masks=masks,
     )
 
 
 def block_dataset(
-    cfg: DataConfig, split: str, block: BlockLayout | None, seed: int, measure: bool = True
+    cfg: DataConfig,
+    source: Source,
+    crop: tuple[int, ...],
+    split: str,
+    block: BlockLayout | None,
+    seed: int,
+    measure: bool = True,
 ) -> BlockDataset:
-    """``data.name=FORMAT:DIR``: this rank's blocks of ``image_size`` crops (:func:`crop_shape`)
-    of the folder's samples, masks too; the folder must hold that format, and every image
-    ``data.channels`` channels (from the headers: nothing is decoded)."""
-    root, dims = block_root(cfg.name), 3 if volumes(cfg) else 2
+    """``data.name=FORMAT:DIR`` (``source``): this rank's blocks of ``crop`` sized crops
+    (:func:`crop_shape`) of the folder's samples, masks too; the folder must hold that format,
+    and every image ``data.channels`` channels (from the headers: nothing is decoded)."""
     try:
         data = BlockDataset(
-            root, split, block=block, dims=dims, crop=crop_shape(cfg), flip=tuple(cfg.flips),
+            source.root, split, block=block, dims=source.dims, crop=crop, flip=tuple(cfg.flips),
             rotate=tuple(cfg.rotate), normalize=normalizer(cfg), num_classes=cfg.num_classes,
             seed=seed, level=cfg.level, foreground=cfg.foreground, channels=cfg.channels,
             layout=cfg.layout or None, measure=measure, crops=cfg.crops_per_sample,
         )  # fmt: skip
     except CropError as e:  # name the key that set the crop
         raise CropError(f"{crop_key(cfg)}: {e}") from e
-    kind, found = block_format(cfg.name), format_of(data.images[0].path)
-    if found != kind:
-        raise ValueError(f"data.name={cfg.name!r}: {data.images[0].path} is {found}, not {kind}")
+    if (found := format_of(data.images[0].path)) != source.format:
+        raise ValueError(
+            f"data.name={source.name!r}: {data.images[0].path} is {found}, not {source.format}"
+        )
     return data
 
 
@@ -300,10 +300,12 @@ def share_statistics(
     in file order, the numbers :class:`BlockDataset` then finds in memory, and rank 0 keeps in
     the folder's cache. A collective: every rank calls it, and all agree first whether the
     statistics are known already (one more sum), so none waits alone. Otherwise a no-op."""
-    if block_format(cfg.name) is None or cfg.normalize != "zscore":
+    source = parse_source(cfg.name, cfg.dims)
+    if not source.is_block_folder or cfg.normalize != "zscore":
         return
-    root, dims = Path(block_root(cfg.name)), 3 if volumes(cfg) else 2
-    readers = [SampleReader(p, dims, cfg.layout or None, level=cfg.level, channels=cfg.channels)
+    root = Path(source.root)
+    readers = [SampleReader(p, source.dims, cfg.layout or None, level=cfg.level,
+                            channels=cfg.channels)
                for p, _ in pairs(root, "train")]  # fmt: skip
     key = stats_key(readers)
     known = saved_stats(key, root / STATS_FILE) is not None

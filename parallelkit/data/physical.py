@@ -81,7 +81,7 @@ def plain(ndim: int) -> Geometry:
 def geometry(reader: Any) -> Geometry:
     """The geometry of ``reader`` (a :class:`~parallelkit.data.readers.SampleReader`) at its
     level; :func:`plain` where the file says nothing, or says it in a way not understood."""
-    from parallelkit.data.readers import format_of
+    from parallelkit.data.arrays import format_of
 
     ndim = len(reader.size)
     fmt = format_of(reader.path)

@@ -39,7 +39,7 @@ Masks are written as <key>.mask.png beside each image (train with train.task=seg
 """
 
 
-def parse_source(src: str, args: argparse.Namespace) -> DataConfig:
+def source_config(src: str, args: argparse.Namespace) -> DataConfig:
     """The :class:`DataConfig` that SRC (see ``--help``) and the size options describe."""
     cfg = DataConfig(image_size=args.image_size, channels=args.channels)
     kind, sep, root = src.partition(":")
@@ -104,7 +104,7 @@ def shard_main(argv: list[str] | None = None) -> int:
     """
     args = parser().parse_args(argv)
     try:
-        cfg = parse_source(args.src, args)
+        cfg = source_config(args.src, args)
         splits = [s.strip() for s in args.splits.split(",") if s.strip()]
         unknown = [s for s in splits if s not in SPLITS]
         if unknown or not splits:

@@ -7,7 +7,7 @@
 :mod:`~parallelkit.inference.predictor` runs the model on blocks (exact: the dense model's
 output on the whole sample); :mod:`~parallelkit.inference.outputs` writes each rank's block of
 the class map and softmax into zarr/OME-Zarr, NIfTI or npy. ``parallelkit predict``
-(:mod:`parallelkit.train.predict`) drives both from a trained run.
+(:mod:`parallelkit.train.predict.command`) drives both from a trained run.
 """
 
 from parallelkit.inference.outputs import FORMATS, Output, create, open_output

@@ -21,7 +21,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from parallelkit.data.readers import stem_of
+from parallelkit.data.arrays import stem_of
 
 SEPARATOR = "__"
 """Joins the folders of a sample whose file name another sample shares to that name."""

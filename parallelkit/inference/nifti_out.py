@@ -51,8 +51,8 @@ def create_nifti(path: Path, shape: tuple[int, ...], dtype: str, reference: Any,
     ``vector``: the softmax's intent and axes."""
     import nibabel as nib
 
+    from parallelkit.data.arrays import format_of
     from parallelkit.data.physical import geometry
-    from parallelkit.data.readers import format_of
 
     header = nib.Nifti1Header()
     affine, qform, sform, codes, units = np.eye(4), None, None, (1, 1), ("unknown", "unknown")

@@ -51,7 +51,9 @@ import numpy as np
 import torch
 
 from parallelkit.comm import Communicator
-from parallelkit.data.readers import Block, SampleReader, format_of
+from parallelkit.data.arrays import format_of
+from parallelkit.data.axes import Block
+from parallelkit.data.readers import SampleReader
 from parallelkit.inference import nifti_out, zarr_out
 
 FORMATS = ("zarr", "nifti", "nifti.gz", "npy")

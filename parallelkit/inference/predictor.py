@@ -35,8 +35,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from parallelkit.data.axes import Block
 from parallelkit.data.intensity import Normalizer
-from parallelkit.data.readers import Block, SampleReader
+from parallelkit.data.readers import SampleReader
 from parallelkit.inference.outputs import Output
 from parallelkit.inference.turns import write_in_turns
 from parallelkit.inference.zarr_out import write_levels
@@ -225,7 +226,7 @@ def predict(model: nn.Module, sample: SampleReader, grid: Grid, output: Output |
 
 def sample_paths(where: Path) -> list[Path]:
     """The samples in a folder (sorted), or the file itself."""
-    from parallelkit.data.readers import format_of
+    from parallelkit.data.arrays import format_of
 
     if where.is_dir() and format_of(where) is None:
         return sorted(p for p in where.iterdir() if format_of(p) and not p.name.startswith("."))

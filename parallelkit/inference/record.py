@@ -9,7 +9,7 @@ other. Now everything predict knows about a folder lives in ``OUT/.parallelkit-p
                         summaries ``predict.json`` and ``summary.json`` once written, by
                         identity)
     .lock               ``flock``, held by rank 0 for the whole run
-                        (:class:`parallelkit.train.rundir.Lock`, the run directory's lock)
+                        (:class:`parallelkit.train.store.rundir.Lock`, the run directory's lock)
     samples/NAME.json   one sample's record: its input, the settings it was made with (run,
                         checkpoint, format, probabilities, dtype; the grid too, not compared:
                         predictions on any grid agree to roundoff), ``state`` (``writing``, then

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from parallelkit.data.readers import Block
+from parallelkit.data.axes import Block
 
 
 def write_in_turns(comm, axes, size: Sequence[int], block: Block, output: Any,

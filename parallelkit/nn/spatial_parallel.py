@@ -39,7 +39,7 @@ from parallelkit.spatial.conv import (
     transposed_out_size,
 )
 from parallelkit.spatial.fetch import empty_output
-from parallelkit.spatial.grid import SpatialGrid, grid_of
+from parallelkit.spatial.grid import GridSpec, grid_of
 
 
 def _same_on_every_rank(layer: nn.Module, comm: Communicator) -> None:
@@ -75,7 +75,7 @@ class _SpatialConv(SpatialLayer):
         dtype=None,
         *,
         comm: Communicator,
-        grid: Sequence[int] | SpatialGrid | None = None,
+        grid: GridSpec = None,
     ) -> None:
         super().__init__(
             in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
@@ -228,7 +228,7 @@ class _SpatialConvTranspose(SpatialLayer):
         dtype=None,
         *,
         comm: Communicator,
-        grid: Sequence[int] | SpatialGrid | None = None,
+        grid: GridSpec = None,
     ) -> None:
         super().__init__(
             in_channels, out_channels, kernel_size, stride, padding, output_padding, groups,

@@ -20,7 +20,7 @@ from torch import nn
 from parallelkit.comm import Communicator
 from parallelkit.spatial import layout
 from parallelkit.spatial.blocks import SpatialLayer
-from parallelkit.spatial.grid import SpatialGrid, grid_of
+from parallelkit.spatial.grid import GridSpec, grid_of
 from parallelkit.spatial.pool import (
     avg_pool_blocks,
     avg_pool_tokens,
@@ -85,7 +85,7 @@ class SpatialMaxPool2d(_SpatialPool):
         ceil_mode: bool = False,
         *,
         comm: Communicator,
-        grid: Sequence[int] | SpatialGrid | None = None,
+        grid: GridSpec = None,
     ) -> None:
         if return_indices:
             raise ValueError(f"{type(self).__name__}: return_indices=True is not supported")
@@ -138,7 +138,7 @@ class SpatialAvgPool2d(_SpatialPool):
         divisor_override: int | None = None,
         *,
         comm: Communicator,
-        grid: Sequence[int] | SpatialGrid | None = None,
+        grid: GridSpec = None,
     ) -> None:
         super().__init__(kernel_size, stride, padding, 1, ceil_mode, comm, grid)
         self.count_include_pad, self.divisor_override = count_include_pad, divisor_override

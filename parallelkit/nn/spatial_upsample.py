@@ -14,7 +14,7 @@ from torch import nn
 from parallelkit.comm import Communicator
 from parallelkit.spatial import layout
 from parallelkit.spatial.blocks import SpatialLayer
-from parallelkit.spatial.grid import SpatialGrid, grid_of
+from parallelkit.spatial.grid import GridSpec, grid_of
 from parallelkit.spatial.pool import check_upsample, upsample_blocks, upsample_factor
 
 
@@ -46,7 +46,7 @@ class SpatialUpsample(SpatialLayer, nn.Module):
         align_corners: bool | None = None,
         *,
         comm: Communicator,
-        grid: Sequence[int] | SpatialGrid | None = None,
+        grid: GridSpec = None,
     ) -> None:
         super().__init__()
         self.scale_factor = check_upsample(scale_factor, mode, align_corners, "SpatialUpsample")

@@ -34,7 +34,7 @@ class Grid:
         depth: int = 1,
     ) -> None:
         self.comm = comm
-        self.dims = GridDims(data, rows, cols, channel, depth)
+        self.dims = GridDims(data=data, depth=depth, rows=rows, cols=cols, channel=channel)
         self.dims.check_size(comm.size, "Grid", f"the communicator has {comm.size} ranks")
         self.coords = d, z, r, c, k = self.dims.coords(comm.rank)
         spatial = depth * rows * cols

@@ -56,7 +56,8 @@ from typing import Any
 import yaml
 
 from parallelkit.plan import devices, measure, network, walk
-from parallelkit.plan.cost import Machine, calibrate
+from parallelkit.plan.cost import calibrate
+from parallelkit.plan.machine import Machine
 from parallelkit.plan.measure import Profile
 from parallelkit.plan.planner import Plan, plan, table
 from parallelkit.plan.walk import Net
@@ -350,7 +351,7 @@ def from_config(argv: list[str]) -> list[str]:
     """``--config RUN.yaml [key=value ...]``: the plan's arguments for that training config (its
     model, crop, channels, classes, global batch and ``parallel.ranks``; ``--blocks-in`` for a
     block reader), followed by the rest of ``argv`` (``--device h100-sxm``, ...)."""
-    from parallelkit.data.config import block_format, crop_shape
+    from parallelkit.data.config import crop_shape
     from parallelkit.train import config
 
     i = argv.index("--config")
@@ -366,7 +367,7 @@ def from_config(argv: list[str]) -> list[str]:
     ]  # fmt: skip
     if model.name.startswith("resnet"):
         out += ["--stem", model.stem]
-    if block_format(data.name):
+    if data.source.is_block_folder:
         out.append("--blocks-in")
     return out + [a for a in rest if a not in overrides]
 

@@ -63,7 +63,7 @@ def _time(fn, repeats: int) -> float:
 
     CPU time, not wall time: what the layer costs a core of its own, whatever other processes
     do meanwhile on a shared machine (the cost model adds the sharing of cores back:
-    :class:`parallelkit.plan.cost.Machine`). One compute thread, as the ranks run.
+    :class:`parallelkit.plan.machine.Machine`). One compute thread, as the ranks run.
     """
     fn()
     best = float("inf")

@@ -2,7 +2,7 @@
 inside the spatial region (``parallelkit/spatial/rules/tokens.py`` and the rules that read
 other ranks' rows), recorded while the walk's forward runs on the meta device (a torch
 function mode) beside its layers. The cost model prices each record
-(:func:`parallelkit.plan.cost.mixing_traffic`).
+(:func:`parallelkit.plan.mixing_cost.mixing_traffic`).
 """
 
 from __future__ import annotations

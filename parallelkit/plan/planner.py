@@ -10,7 +10,7 @@ The inputs are all injectable, so tests build a plan from made-up profiles and n
 test ever times anything; ``parallelkit plan`` (:mod:`parallelkit.plan.command`) measures them.
 
 Volumes plan the same way: networks walked at ``(C, D, H, W)`` get grids with a ``depth``
-dimension too (:func:`parallelkit.plan.cost.options`). ``blocks_in=True`` plans
+dimension too (:func:`parallelkit.plan.grids.options`). ``blocks_in=True`` plans
 ``pk.parallelize(..., spatial_input="blocks")``: each rank holds only its block of every
 input and label (the table's "input MiB" column), and beside each grid's memory the table
 shows what it would need with whole samples in.
@@ -22,17 +22,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from parallelkit.plan.cost import (
-    SAMPLES,
-    Estimate,
-    Machine,
-    Option,
-    estimate,
-    options,
-    rank,
-    sample_dims,
-)
+from parallelkit.plan.cost import Estimate, estimate, rank, sample_dims
+from parallelkit.plan.grids import Option, options
+from parallelkit.plan.machine import Machine
 from parallelkit.plan.measure import Profile
+from parallelkit.plan.memory import SAMPLES
 from parallelkit.plan.network import Network
 from parallelkit.plan.walk import Net, Shape
 

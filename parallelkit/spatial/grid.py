@@ -137,7 +137,14 @@ class SpatialGrid:
         return self.block_layout(len(size)).slices(*size)
 
 
-def grid_of(comm: Communicator, grid: Sequence[int] | SpatialGrid | None = None) -> SpatialGrid:
+GridSpec = Sequence[int] | SpatialGrid | None
+"""What every ``grid=`` argument of the spatial layers and of ``pk.spatial`` takes: ranks per
+spatial dimension (``(rows, cols)`` or ``(depth, rows, cols)``), a :class:`SpatialGrid` made
+before, or None for the default (every rank along the first spatial dimension).
+:func:`grid_of` is its one conversion."""
+
+
+def grid_of(comm: Communicator, grid: GridSpec = None) -> SpatialGrid:
     """The :class:`SpatialGrid` of ``comm`` with that shape, made once per communicator.
 
     Layers on the same communicator share its sub-communicators instead of splitting again.
@@ -163,7 +170,7 @@ def _check_sample(x: torch.Tensor, name: str) -> int:
 
 
 def scatter(
-    x: torch.Tensor, comm: Communicator, grid: Sequence[int] | SpatialGrid | None = None
+    x: torch.Tensor, comm: Communicator, grid: GridSpec = None
 ) -> torch.Tensor:
     """This rank's block of a replicated (N, C, *spatial) tensor; differentiable (backward
     gathers the blocks' gradients, so every rank gets the whole input gradient; where whole
@@ -182,7 +189,7 @@ def scatter(
 def gather(
     y: torch.Tensor,
     comm: Communicator,
-    grid: Sequence[int] | SpatialGrid | None = None,
+    grid: GridSpec = None,
     size: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """The whole (N, C, *spatial) tensor again, on every rank, from each rank's block.

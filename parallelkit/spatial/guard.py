@@ -16,8 +16,9 @@ takes itself off torch's mode stack while such a layer runs, so that their many 
 operations pay nothing for it (a mode's Python handler costs microseconds per call, which on a
 fast device is more than the operation).
 
-This module keeps only that: the record, the mode, the module stack, the lookup and the
-refusal. docs/parallelism.md has the table of every rule (generated from the registry).
+This module keeps only that: the mode, the module stack, the lookup and the refusal; the
+record of blocks is its base class (:class:`~parallelkit.spatial.record.BlockRecord`).
+docs/parallelism.md has the table of every rule (generated from the registry).
 
 Legend: a *block* is this rank's (N, C, *spatial) part of split samples (signals, images,
 volumes); a *whole* tensor is the same on every rank of the spatial group. ``places`` is
@@ -31,7 +32,6 @@ a place, and the record keeps the fold's factors (``folds``;
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -44,17 +44,16 @@ from torch.nn.modules.module import (
     register_module_forward_pre_hook,
 )
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 
 from parallelkit.comm import Communicator
 from parallelkit.spatial import layout
 from parallelkit.spatial.blocks import takes_blocks
 from parallelkit.spatial.fallback import gather_inputs, gathered_message, scatter_outputs
 from parallelkit.spatial.grid import SpatialGrid, grid_of
+from parallelkit.spatial.record import BlockRecord, Size
 from parallelkit.spatial.refusal import SpatialRefusal, model_failure, refusal
 from parallelkit.spatial.rules import Call, lookup, op_name
 from parallelkit.spatial.rules.registry import Fold, Places, standard
-from parallelkit.spatial.rules.tokens import count, own_tokens, token_dim
 from parallelkit.spatial.token_comm import prefixed
 
 WHOLE = ("whole",)
@@ -63,10 +62,8 @@ TRAILING = "trailing"
 """In a layer's form: a convolution over the spatial dimensions of a block that has others
 after them (its output's spatial size from its windows)."""
 
-Size = tuple[int, ...]
 
-
-class SpatialGuard(TorchFunctionMode):
+class SpatialGuard(TorchFunctionMode, BlockRecord):
     """Follows blocks of split images through one forward of ``model`` (see the module
     docstring); ``comm`` is the spatial group, over which whole tensors' gradients are summed,
     ``whole_comm`` the data group (BatchNorm on whole tensors), ``shares`` the region's
@@ -100,106 +97,7 @@ class SpatialGuard(TorchFunctionMode):
         self._off_stack: nn.Module | None = None  # the trusted layer we stepped aside for
         self._prefixes = False  # whether a token fold with a prefix was ever marked
 
-    # ------------------------------------------------------------------ the record
-    def is_split(self, t: Any) -> bool:
-        entry = self._blocks.get(id(t)) if isinstance(t, Tensor) else None
-        return entry is not None and entry[0]() is t
-
-    def places(self, t: Tensor) -> Places:
-        """Where block ``t``'s spatial dimensions are, counted from the end."""
-        return self._blocks[id(t)][1]
-
-    def size_of(self, t: Tensor) -> Size | None:
-        """The whole samples' spatial size of block ``t``, if known: it travels from the
-        region's input through every rule and layer, so spatial layers need no size
-        all-gather."""
-        return self._blocks[id(t)][2] if self.is_split(t) else None
-
-    def folds(self, t: Tensor) -> tuple[Fold, ...]:
-        """The spatial dimensions of block ``t`` folded with others into one dimension (a
-        window partition), each fold's factors outermost first; () for none."""
-        return self._blocks[id(t)][3] if self.is_split(t) else ()
-
-    def batched(self, t: Tensor) -> bool:
-        """Whether block ``t``'s spatial dimensions are all folded into its first dimension,
-        the batch (``layout.batched``)."""
-        return self.is_split(t) and all(t.dim() + d == 0 for d in self.places(t))
-
-    def batch_fold(self, batch: int, count: int) -> tuple[Tensor, Fold] | None:
-        """The newest live block whose first dimension is a fold of the batch (``batch``) and
-        spatial factors of ``count`` whole places (a window partition's windows), and that
-        fold; None if there is none."""
-        for ref, places, _, folds in reversed(self._blocks.values()):
-            t = ref()
-            for fold in folds if t is not None else ():
-                spatial = [k for _, k in fold[1:]]
-                if (fold[0] == (batch, None) and spatial and None not in spatial
-                        and math.prod(n for n, _ in fold[1:]) == count
-                        and places[spatial[0]] == -t.dim()):  # fmt: skip
-                    return t, fold
-        return None
-
-    def trailing(self, t: Tensor) -> int:
-        """How many dimensions follow block ``t``'s spatial ones, which come right after
-        (N, C) (``layout.trailing``)."""
-        if not self.is_split(t) or self.folds(t):
-            return 0
-        places = self.places(t)
-        first, last = min(places), max(places)
-        if last == -1 or t.dim() + first != 2 or places != tuple(range(first, last + 1)):
-            return 0
-        return -last - 1
-
-    def tokens(self, t: Tensor) -> tuple[Tensor, int] | None:
-        """This rank's whole token indices and the whole count of block ``t``, where its last
-        dimension holds all its spatial dimensions (``layout.tokens``); None for a signal's
-        own (N, C, L) block, whose last dimension is its one spatial dimension as it is."""
-        if token_dim(self, t) != -1 or (not self.folds(t) and self.places(t) == standard(t)):
-            return None
-        return own_tokens(self, t), count(self, t)
-
-    def form(self, t: Tensor) -> tuple[Places, tuple[Fold, ...]]:
-        """Where block ``t``'s spatial dimensions are and how they are folded: two blocks of
-        one form line up element for element, so an operation between them is local."""
-        entry = self._blocks[id(t)]
-        return entry[1], entry[3]
-
-    def mark(
-        self,
-        *tensors: Any,
-        places: Places | None = None,
-        size: Size | None = None,
-        folds: tuple[Fold, ...] = (),
-    ) -> None:
-        """Record ``tensors`` as blocks whose spatial dimensions are ``places`` (default: every
-        one after N and C), folded as ``folds`` says."""
-        single = len(tensors) == 1 and isinstance(tensors[0], Tensor)  # no tree to walk
-        if folds and not self._prefixes:
-            self._prefixes = prefixed(folds)
-        for t in tensors if single else tree_leaves(tensors):
-            if isinstance(t, Tensor) and t.dim() >= (-min(places) if places else 3):
-                self._blocks[id(t)] = (weakref.ref(t), places or standard(t), size, folds)
-
-    def marked(
-        self,
-        out: Any,
-        places: Places | None = None,
-        size: Size | None = None,
-        folds: tuple[Fold, ...] | None = None,
-    ) -> Any:
-        """``out`` (any nesting) recorded as blocks, of the whole size and folds of the call's
-        first block unless ``size`` and ``folds`` say otherwise (folds name spatial
-        dimensions, not places: a rule that moves the places moves the folds)."""
-        folds = self.folds_now if folds is None else folds
-        self.mark(out, places=places, size=size or self.size_now, folds=folds)
-        return out
-
-    def note_sized(self, size: Size) -> None:
-        """Remember that forward code read the whole spatial ``size`` of a block: a whole
-        tensor interpolated to it, or a constant made in it, is cut into blocks
-        (:mod:`parallelkit.spatial.rules.resize`, ``.pointwise``)."""
-        self.read_sizes.add(tuple(size))
-
+    # ------------------------------------------------------------------ what rules ask of it
     @property
     def grid(self) -> SpatialGrid:
         if self._grid is None:
@@ -425,7 +323,6 @@ class SpatialGuard(TorchFunctionMode):
         """The refusal of ``op`` (raise it), naming the module and the ways out."""
         module = module if module is not None else self.module()
         return refusal(self.names, module, op, f"touches a block of split images, and {why}")
-
 
 
 # ---------------------------------------------------------------------- the module hooks

@@ -26,10 +26,10 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from parallelkit import models
-from parallelkit.data.config import check_config, has_masks, own
+from parallelkit.data.config import check_config
+from parallelkit.data.source import Source
 from parallelkit.dims import GridDims
 from parallelkit.models import imported, zoo
-from parallelkit.train.protocol import Task
 from parallelkit.train.schema import (  # the config's dataclasses, read from here too
     Config,
     ModelConfig,
@@ -38,6 +38,7 @@ from parallelkit.train.schema import (  # the config's dataclasses, read from he
     TrainConfig,
 )
 from parallelkit.train.tasks import TASKS as TASK_CLASSES
+from parallelkit.train.tasks.protocol import Task
 
 __all__ = [
     "Config",
@@ -58,7 +59,7 @@ SCHEDULES = ("cosine", "constant")
 PRECISIONS = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 STEMS = ("imagenet", "cifar")
-FAULTS = ("exit", "raise", "raise_in_backward")  # see parallelkit.train.faults
+FAULTS = ("exit", "raise", "raise_in_backward")  # see parallelkit.train.loop.faults
 
 
 def _task_default(key: str, task: str) -> Any:
@@ -143,7 +144,7 @@ def _one_of(value: str, allowed: tuple[str, ...], key: str) -> None:
 def validate(cfg: Config) -> None:
     """What the types cannot say; checks that need the world size are in :func:`grid_dims`."""
     t, o, p = cfg.train, cfg.optim, cfg.parallel
-    check_config(cfg.data, "train")
+    source = check_config(cfg.data, "train")
     _one_of(t.task, TASKS, "train.task")
     _one_of(p.strategy, STRATEGIES, "parallel.strategy")
     _one_of(o.name, OPTIMIZERS, "optim.name")
@@ -166,7 +167,7 @@ def validate(cfg: Config) -> None:
                 "(exact on blocks), or a data or channel grid"
             )
     else:
-        _one_of(t.loss, ("ce", "dice", "dice_ce"), "train.loss")  # parallelkit.train.losses
+        _one_of(t.loss, ("ce", "dice", "dice_ce"), "train.loss")  # parallelkit.train.tasks.losses
     if t.loss != "ce" and t.task != "segment":
         raise ValueError(f"config: train.loss={t.loss} is for train.task=segment, not {t.task}")
     if cfg.model.name.startswith("resnet"):
@@ -190,7 +191,7 @@ def validate(cfg: Config) -> None:
     if bad := {k: v for k, v in positive.items() if v < 1}:
         raise ValueError(f"config: these must be at least 1: {bad}")
     _check_values(cfg)
-    _check_task(cfg)
+    _check_task(cfg, source)
     spatial = p.depth * p.rows * p.cols
     if p.strategy == "hybrid" and spatial * p.channel == 1:
         raise ValueError(
@@ -202,9 +203,9 @@ def validate(cfg: Config) -> None:
         )
 
 
-def _check_task(cfg: Config) -> None:
-    """The model and the data must fit the task (its class says how); a zoo model must be
-    buildable here."""
+def _check_task(cfg: Config, source: Source) -> None:
+    """The model and the data (``source``) must fit the task (its class says how); a zoo model
+    must be buildable here."""
     task, name, data = TASK_CLASSES[cfg.train.task], cfg.model.name, cfg.data.name
     owner = _made_for(name)
     if owner is not None and owner is not task:
@@ -212,15 +213,15 @@ def _check_task(cfg: Config) -> None:
             f"config: model.name={name} is a {owner.name} model, not one for "
             f"train.task={task.name}, which trains {task.trains}"
         )
-    if own(data):
+    if source.is_users_class:
         pass  # the user's data set: its items say (the first batch is checked on every rank)
-    elif task.masks and not (has_masks(data) or data == "webdataset"):
+    elif task.masks and not (source.has_masks or source.is_shards):
         raise ValueError(
             f"config: train.task={task.name} needs masks: data.name=shapes, segfolder, "
             f"shapes3d, segfolder3d, FORMAT:DIR (zarr, tiff, nifti, npy) or webdataset shards "
             f"written from one, not {data}"
         )
-    elif not task.masks and has_masks(data):
+    elif not task.masks and source.has_masks:
         with_masks = " or ".join(f"train.task={t.name}" for t in TASK_CLASSES.values() if t.masks)
         raise ValueError(f"config: data.name={data} holds masks: use it with {with_masks}")
     task.check(cfg)

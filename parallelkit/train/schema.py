@@ -105,7 +105,7 @@ class TrainConfig:
     seed and batch size sees the same batches on any number of ranks."""
 
     task: str = "classify"  # classify | gan | segment
-    # segment: ce | dice | dice_ce (parallelkit.train.losses), or package.module:fn; others: ce
+    # segment: ce | dice | dice_ce (train/tasks/losses.py), or package.module:fn; others: ce
     loss: str = "ce"
     epochs: int = 6
     batch_size: int = 64
@@ -133,7 +133,7 @@ class TrainConfig:
     progress: bool = True
     tensorboard: bool = True
     plot: bool = True  # curves.png in run_dir at the end (needs matplotlib)
-    # Testing aids (parallelkit.train.faults): rank fail_rank (-1: the last) fails at step
+    # Testing aids (parallelkit.train.loop.faults): rank fail_rank (-1: the last) fails at step
     # fail_at_step, as fail_how says: exit | raise | raise_in_backward.
     fail_at_step: int = -1
     fail_rank: int = -1

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallelkit.comm.base import DTYPES
+from parallelkit.comm.dtypes import DTYPES
 
 import cases
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from parallelkit import cli
-from parallelkit.train import files
+from parallelkit.train.store import files
 
 real_atomic_write = files.atomic_write
 shards = []

@@ -141,7 +141,7 @@ class PredictProbes:
         first = predict(f"predict.output={held}", "predict.format=npy")  # its folder, then held
         (held / ".parallelkit-predict").mkdir(parents=True, exist_ok=True)
         holder = subprocess.Popen(  # the lock a running predict's rank 0 holds
-            [fp.PYTHON, "-c", "import time; from parallelkit.train.rundir import Lock; "
+            [fp.PYTHON, "-c", "import time; from parallelkit.train.store.rundir import Lock; "
              f"Lock({str(held / '.parallelkit-predict')!r}); print('held', flush=True); "
              "time.sleep(300)"], stdout=subprocess.PIPE, text=True, cwd=fp.ROOT,
             env=dict(os.environ, PYTHONPATH=str(fp.ROOT)))  # fmt: skip

@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from parallelkit.train.procs import Child, supervise
+from parallelkit.train.ranks.procs import Child, supervise
 
 OUT = Path(sys.argv[1])
 

@@ -11,7 +11,9 @@ guard``) looks a call up here and refuses what has no rule.
 - :mod:`.forms` (no rules): whole tensors cut to blocks, blocks moved between layouts or
   gathered whole;
 - :mod:`.reductions`: sums, means, extremes, norms and variances over H and W, or over others;
-- :mod:`.windows`: functional convolution, pooling and padding (halo fetches);
+- :mod:`.windows`: functional convolution and unfolds (halo fetches);
+- :mod:`.pooling`: functional pooling, adaptive pooling and max unpooling (halo fetches);
+- :mod:`.padding`: pads, rolls and flips (rows fetched from whoever holds them);
 - :mod:`.norms`: group, instance and layer norm, linear layers over channels, attention within
   windows;
 - :mod:`.tokens`: global attention, sums over tokens and linear maps over the token axis
@@ -23,7 +25,9 @@ guard``) looks a call up here and refuses what has no rule.
 from parallelkit.spatial.rules import (  # noqa: F401 (each registers its rules)
     indexing,
     norms,
+    padding,
     pointwise,
+    pooling,
     random,
     reductions,
     resize,

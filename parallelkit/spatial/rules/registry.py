@@ -230,8 +230,8 @@ def rules() -> Iterator[Rule]:
             yield entry
 
 
-_FAMILIES = ("pointwise", "views", "indexing", "reductions", "windows", "norms", "resize",
-             "random", "tokens")
+_FAMILIES = ("pointwise", "views", "indexing", "reductions", "windows", "pooling", "padding",
+             "norms", "resize", "random", "tokens")
 
 
 def docs_rows() -> list[tuple[str, str, str, str]]:
