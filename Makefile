@@ -30,7 +30,7 @@ XLA_TEST_ENV := PJRT_DEVICE=CPU PARALLELKIT_TIMEOUT=120
 # The model-zoo tier needs torchvision, which only imports beside the torch it was built for
 # (not the CPU torch 2.13.0 of .venv): its own venv with a matched pair that lies on the
 # machine (a CUDA build, ~5.5 GB, that runs on the CPU), and timm, smp and monai pinned so that
-# the table of expected outcomes (tests/zoo/zoo_cases.py) stays the table of these versions.
+# the table of expected outcomes (tests/zoo/zoo_expected.py) stays the table of these versions.
 ZOO_VENV ?= .venv-zoo
 ZOO_PY := $(ZOO_VENV)/bin/python
 TORCH_ZOO ?= torch==2.14.1 torchvision==0.29.1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -22,13 +23,23 @@ from parallelkit.testing import Ranks
 # these first; xdist's own reorder, most cases first, would hand out these modules of few long
 # cases last and leave one worker running them alone at the end.
 SLOW_MODULES = (
-    "test_predict_outputs_owned.py", "test_compile.py", "test_faults.py", "test_train.py",
-    "test_startup_faults.py", "test_decathlon.py", "test_train_segment.py", "test_examples.py",
-    "test_train_segment_volumes.py", "test_device_discipline.py", "test_integrity.py",
-    "test_preflight.py", "test_train_blocks.py", "test_predict_cli.py", "test_msd.py",
-    "test_slurm.py", "test_doc_commands.py", "test_user_code.py", "test_slides.py",
+    "train/predict/test_folder.py", "parallel/test_compile.py", "train/loop/test_faults.py",
+    "train/loop/test_trainer.py", "train/ranks/test_startup.py", "data/test_decathlon.py",
+    "train/loop/test_train_segment.py", "test_examples.py",
+    "train/loop/test_train_segment_volumes.py", "comm/test_device_discipline.py",
+    "train/store/test_integrity.py", "train/loop/test_preflight.py",
+    "train/loop/test_train_blocks.py", "train/predict/test_command.py", "data/test_msd.py",
+    "train/ranks/test_slurm.py", "test_doc_commands.py", "models/test_imported.py",
+    "data/test_slides.py",
 )  # fmt: skip
 FAST_SIZES = (2,)
+TESTS = Path(__file__).parent
+TIERS = ("mpi", "xla", "gpu", "zoo")  # run by their own commands (Makefile), not by --fast
+
+
+def _module(item: pytest.Item) -> str:
+    """The test module's path under tests/, as SLOW_MODULES names it."""
+    return item.path.relative_to(TESTS).as_posix()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -46,7 +57,7 @@ def longest_first(items: list[pytest.Item]) -> None:
         count[item.path] = count.get(item.path, 0) + 1
 
     def key(item: pytest.Item) -> tuple[int, int, str]:
-        name = item.path.name
+        name = _module(item)
         if name in SLOW_MODULES:
             return (SLOW_MODULES.index(name), 0, "")
         return (len(SLOW_MODULES), -count[item.path], str(item.path))
@@ -61,7 +72,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     keep, drop = [], []
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        slow = item.path.name in SLOW_MODULES or item.path.parent.name != "tests"
+        slow = _module(item) in SLOW_MODULES or _module(item).split("/")[0] in TIERS
         sizes = [params[k] for k in ("size", "ranks") if isinstance(params.get(k), int)]
         (drop if slow or any(n not in FAST_SIZES for n in sizes) else keep).append(item)
     config.hook.pytest_deselected(items=drop)

@@ -26,7 +26,7 @@ from parallelkit.train.ranks.procs import forked_name
 if not Path("/proc/self/stat").exists():
     pytest.skip("the fault tests read /proc (Linux)", allow_module_level=True)
 
-# A ResNet-18 of width 4 on 16x16 digits: seconds per run (as tests/test_train.py).
+# A ResNet-18 of width 4 on 16x16 digits: seconds per run (as tests/train/loop/test_trainer.py).
 TINY = [
     "model.width=4",
     "model.stem=cifar",

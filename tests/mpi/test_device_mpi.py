@@ -2,7 +2,7 @@
 
 MPI reads host memory, so device tensors are staged through it (the path CUDA tensors take
 without a CUDA-aware MPI); host tensors in data collectives are refused, and host metadata
-takes ``all_gather_ints``. See tests/test_device_discipline.py for the gloo tier and why
+takes ``all_gather_ints``. See tests/comm/test_device_discipline.py for the gloo tier and why
 whole networks are compared at a looser tolerance there.
 """
 

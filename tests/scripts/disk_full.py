@@ -1,6 +1,6 @@
 """``parallelkit train`` on a file system that fills up after the first checkpoint: writing any
-later shard fails half-way with ENOSPC. Run by tests/test_integrity.py with parallel.ranks=1, so
-that the one rank is this process."""
+later shard fails half-way with ENOSPC. Run by tests/train/store/test_integrity.py with
+parallel.ranks=1, so that the one rank is this process."""
 
 import errno
 import os

@@ -1,5 +1,5 @@
 """``parallelkit predict`` on an output folder that fails in one way, named by the first
-argument; the rest are predict's keys. Run by tests/test_predict_outputs_owned.py with
+argument; the rest are predict's keys. Run by tests/train/predict/test_folder.py with
 parallel.ranks=1, so that the one rank is this process.
 
     full        the file system is full when a prediction's file is allocated (ENOSPC from

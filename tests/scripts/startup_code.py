@@ -1,5 +1,5 @@
 """A user's code that makes the start-up of ``parallelkit train`` hard, for
-tests/test_startup_faults.py (imported by path: ``data.name=startup_code:Hangs``; the data set
+tests/train/ranks/test_startup.py (imported by path: ``data.name=startup_code:Hangs``; the data set
 that runs threads on import is tests/scripts/threaded_dataset.py).
 
     Random     16 random 1x16x16 images of 10 classes (the same on every rank)

@@ -1,6 +1,6 @@
 """A user's data set whose module runs a thread pool from the moment it is imported, as a
 module-level ``ThreadPoolExecutor`` does (``data.name=threaded_dataset:Threaded``, for
-tests/test_startup_faults.py): a fork of the launcher would copy none of its threads, and its
+tests/train/ranks/test_startup.py): a fork of the launcher would copy none of its threads, and its
 first ``submit`` would wait for ever for the thread the pool believes it has.
 """
 

@@ -11,7 +11,7 @@ depth") with one thread each, as ``test_zoo.py`` runs it, and is classified by
 ``--fallback refuse`` runs every case as ``pk.parallelize`` runs by default; ``--fallback
 gather`` runs the cases refused under a spatial strategy (``zoo_cases.gather_cases``: by this
 run's refuse outcomes where it has them, else by EXPECTED) again with ``fallback="gather"``.
-``--write-expected`` rewrites EXPECTED and EXPECTED_GATHER in ``zoo_cases.py`` from this run,
+``--write-expected`` rewrites EXPECTED and EXPECTED_GATHER in ``zoo_expected.py`` from this run,
 keeping the recorded outcome of every case not run this time, so that the tests' strict xfail
 marks follow the library. The markdown has a column per strategy, then one per spatial
 strategy under gather, a count per column, and the reason of every case that is not exact
@@ -124,7 +124,7 @@ def main() -> None:
             print(f"--write-expected: {len(missing)} gather cases have no outcome yet (run "
                   f"survey.py --fallback gather --write-expected): {missing}")  # fmt: skip
         write_expected(merged)
-        print(f"wrote EXPECTED and EXPECTED_GATHER in {HERE / 'zoo_cases.py'}")
+        print(f"wrote EXPECTED and EXPECTED_GATHER in {HERE / 'zoo_expected.py'}")
         results, strategies = merged, list(STRATEGIES)
         archs = [a for a in ARCHS if a not in SLOW]
     command = " ".join(["tests/zoo/survey.py", *map(_quoted, sys.argv[1:])])
@@ -182,7 +182,7 @@ def markdown(results, seconds, archs, strategies, total, command) -> str:
         + "; ".join(f"{mode}: " + _count_text(c) for mode, c in counts.items() if c)
         + "."
         + ("" if seconds["refuse"] else " The refuse columns were not run this time: they show "
-           "the outcomes recorded in EXPECTED (zoo_cases.py), without seconds."),
+           "the outcomes recorded in EXPECTED (zoo_expected.py), without seconds."),
     ]  # fmt: skip
     notes: list[str] = []
     sections = (
@@ -285,8 +285,8 @@ def _count_text(counts: dict[str, int]) -> str:
 
 
 def write_expected(results: dict[str, dict[Case, Outcome]]) -> None:
-    """Replace the EXPECTED and EXPECTED_GATHER blocks of zoo_cases.py with ``results``."""
-    path = HERE / "zoo_cases.py"
+    """Replace the EXPECTED and EXPECTED_GATHER blocks of zoo_expected.py with ``results``."""
+    path = HERE / "zoo_expected.py"
     text = path.read_text()
     blocks = (("refuse", "EXPECTED", "# BEGIN EXPECTED\n"),
               ("gather", "EXPECTED_GATHER", "# BEGIN EXPECTED GATHER\n"))  # fmt: skip

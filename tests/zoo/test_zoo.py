@@ -1,7 +1,7 @@
 """The promise of ``pk.parallelize`` on real networks: for every (architecture, strategy) the
 outcome is exact, or a refusal that says what to do; never silently wrong, never a crash.
 
-Today's outcomes are in ``zoo_cases.EXPECTED`` (from ``survey.py --write-expected``). A case
+Today's outcomes are in ``zoo_expected.EXPECTED`` (from ``survey.py --write-expected``). A case
 that breaks the promise today is a strict xfail whose reason is the defect: the tier stays
 green, documents every known defect, and turns red the moment a fix lands (XPASS), so the
 table gets refreshed. A case that keeps the promise must keep today's outcome too (an exact
@@ -9,7 +9,7 @@ case that starts refusing is a regression).
 
 Under ``fallback="gather"`` (``test_exact_under_gather``) every case that is refused today under a
 spatial strategy must be exact: the refused operation's smallest enclosing module runs on
-gathered whole images. Its outcomes are in ``zoo_cases.EXPECTED_GATHER``, marked as above. The
+gathered whole images. Its outcomes are in ``zoo_expected.EXPECTED_GATHER``, marked as above. The
 test is skipped while ``pk.parallelize`` takes no ``fallback`` keyword.
 
 Each case also counts the modules run on gathered whole images (parallelkit's one warning per

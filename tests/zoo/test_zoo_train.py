@@ -99,7 +99,7 @@ def test_model_by_name_trains_like_one_process(tmp_path, library):
 )
 def test_unknown_name_is_a_config_error(name, message):
     # In this process: the command turns the same ValueError into exit status 2 (that path
-    # is tested in .venv, tests/test_train_segment.py, with torchvision missing).
+    # is tested in .venv, tests/train/loop/test_train_segment.py, with torchvision missing).
     task = ["train.task=segment"] if name.startswith("smp") else []
     with pytest.raises(ValueError, match=re.escape(message)):
         config.load(None, [*task, f"model.name={name}"])

@@ -1,7 +1,7 @@
 """``python -m parallelkit.spatial.rules [--write FILE]``: the operations table of the rules.
 
 Prints the markdown table generated from the registry, or with ``--write`` puts it in place of
-the one between the markers in FILE (docs/parallelism.md); tests/test_spatial_guard.py checks
+the one between the markers in FILE (docs/parallelism.md); tests/spatial/test_guard.py checks
 that the docs hold the table the registry gives.
 """
 

@@ -12,13 +12,13 @@ labelled pixel of the global batch (pixels labelled :data:`~parallelkit.data.seg
 
 Why a module of its own: Dice is a ratio of sums, so unlike cross-entropy it is not a sum of
 per-pixel terms, and the Dice of a block, or the mean of the blocks' Dice, is not the Dice of
-the batch (a negative control in tests/test_losses.py shows how far off it is). What is a sum is
-the soft counts, as the hard counts of :mod:`~parallelkit.train.tasks.segmetrics` are. So each
-rank computes the counts of its block of its images, and one all-reduce over the batch group
-(data x spatial: the other blocks of the same images and the other images) makes the counts of
-the global batch before the ratio. Legend: ``N`` images of this rank, ``K`` classes, ``S`` this
-rank's block of the pixels (``h, w`` or ``d, h, w``); ``r`` a rank of the batch group, ``R`` its
-size, ``D`` the data ranks.
+the batch (a negative control in tests/train/tasks/test_losses.py shows how far off it is). What
+is a sum is the soft counts, as the hard counts of :mod:`~parallelkit.train.tasks.segmetrics`
+are. So each rank computes the counts of its block of its images, and one all-reduce over the
+batch group (data x spatial: the other blocks of the same images and the other images) makes the
+counts of the global batch before the ratio. Legend: ``N`` images of this rank, ``K`` classes,
+``S`` this rank's block of the pixels (``h, w`` or ``d, h, w``); ``r`` a rank of the batch
+group, ``R`` its size, ``D`` the data ranks.
 
 Forward and backward (why the sum is ``reduce_from_group``)::
 
