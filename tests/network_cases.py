@@ -775,14 +775,14 @@ def se_without_gradient_sum(comm: Communicator) -> list[str]:
     where whole gradients are not shares), the SE block's parameters and everything before the
     pool go wrong. Returns the mismatching labels."""
     import parallelkit.functional as pkf
-    from parallelkit.spatial import layout
+    from parallelkit.spatial import record
 
-    real = layout.summed
-    layout.summed = pkf.reduce_from_group
+    real = record.summed
+    record.summed = pkf.reduce_from_group
     try:
         triples = network_parity(comm, "forward code: se pool", "spatial", steps=1)
     finally:
-        layout.summed = real
+        record.summed = real
     bad = []
     for label, got, want in triples:
         if not torch.allclose(got.to(want.dtype), want):

@@ -269,7 +269,7 @@ def token_parity(
             stack.enter_context(mock.patch.object(tokens, "whole_tokens", _own_tokens))
             stack.enter_context(mock.patch.object(forms, "gathered_tokens", _own_tokens))
             stack.enter_context(mock.patch.object(tokens, "_by_heads", _own_heads))
-            stack.enter_context(mock.patch.object(tokens.layout, "summed", lambda t, _: t))
+            stack.enter_context(mock.patch.object(tokens.record, "summed", lambda t, _: t))
             stack.enter_context(mock.patch.object(windows, "fetch", _halo_off_by_one))
             stack.enter_context(mock.patch.object(pooling, "_plane", _block_numbers))
             stack.enter_context(mock.patch.object(windows, "conv_transpose_blocks", _alone))

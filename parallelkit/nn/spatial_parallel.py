@@ -14,7 +14,7 @@ Parameters are replicated over the grid and act on split activations, so each ra
 gradient is its share of the dense one: they pass through ``copy_to_group``, whose backward
 sums the shares, and after backward every rank holds the dense gradient. Inside
 ``pk.parallelize``'s spatial region the shares are left as they are and summed after backward
-in bucketed all-reduces (:mod:`parallelkit.spatial.layout`).
+in bucketed all-reduces (:mod:`parallelkit.spatial.record`).
 
 The whole samples' size comes from one small all-gather of the blocks' sizes per call; pass
 ``size=(H, W)`` (``(D, H, W)``, ``(L,)``) to skip it.
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from parallelkit.comm import Communicator
-from parallelkit.spatial import layout
+from parallelkit.spatial import record
 from parallelkit.spatial.blocks import SpatialLayer
 from parallelkit.spatial.conv import (
     conv_blocks,
@@ -115,26 +115,26 @@ class _SpatialConv(SpatialLayer):
         s, rest = x_blk.dim() - 2 - n, x_blk.shape[-n:]
         ahead, after = tuple(range(-n, 0)), tuple(range(1, n + 1))
         y = x_blk.movedim(ahead, after).reshape(-1, *x_blk.shape[1 : 2 + s])
-        size = layout.size_of(x_blk) or self.grid.global_size(y, type(self).__name__)
+        size = record.size_of(x_blk) or self.grid.global_size(y, type(self).__name__)
         y = conv_blocks(y, weight.reshape(weight.shape[: 2 + s]), bias, self.windows[:s],
                         self.groups, self.grid, size, self.overlap)  # fmt: skip
         return y.reshape(x_blk.shape[0], *rest, *y.shape[1:]).movedim(after, ahead)
 
     def forward(self, x_blk: torch.Tensor, size: Sequence[int] | None = None) -> torch.Tensor:
-        if not layout.is_split(x_blk):  # a whole tensor inside a spatial region
+        if not record.is_split(x_blk):  # a whole tensor inside a spatial region
             return self.to_dense()(x_blk)
         if x_blk.shape[1] != self.in_channels:
             raise ValueError(
                 f"{type(self).__name__}: input has {x_blk.shape[1]} channels, expected "
                 f"{self.in_channels} (block shape {tuple(x_blk.shape)})"
             )
-        weight = layout.replicated(self.weight, self.comm)
-        bias = None if self.bias is None else layout.replicated(self.bias, self.comm)
-        if self.pointwise or layout.batched(x_blk):  # no halo: the convolution as it is
+        weight = record.replicated(self.weight, self.comm)
+        bias = None if self.bias is None else record.replicated(self.bias, self.comm)
+        if self.pointwise or record.batched(x_blk):  # no halo: the convolution as it is
             if 0 in x_blk.shape[2:]:  # F.conv refuses an empty block; the parameters stay
                 return empty_output(x_blk, self.out_channels, x_blk.shape[2:], x_blk, weight, bias)
             return self._conv_forward(x_blk, weight, bias)
-        if self.over_trailing(n := layout.trailing(x_blk)):
+        if self.over_trailing(n := record.trailing(x_blk)):
             return self._over_trailing(x_blk, weight, bias, n)
         size = size or self.grid.global_size(x_blk, type(self).__name__)
         return conv_blocks(
@@ -238,11 +238,11 @@ class _SpatialConvTranspose(SpatialLayer):
         _same_on_every_rank(self, comm)
 
     def forward(self, x_blk: torch.Tensor, size: Sequence[int] | None = None) -> torch.Tensor:
-        if not layout.is_split(x_blk):  # a whole tensor inside a spatial region
+        if not record.is_split(x_blk):  # a whole tensor inside a spatial region
             return self.to_dense()(x_blk)
         size = size or self.grid.global_size(x_blk, type(self).__name__)
-        weight = layout.replicated(self.weight, self.comm)
-        bias = None if self.bias is None else layout.replicated(self.bias, self.comm)
+        weight = record.replicated(self.weight, self.comm)
+        bias = None if self.bias is None else record.replicated(self.bias, self.comm)
         return conv_transpose_blocks(
             x_blk, weight, bias, self.stride, self.padding, self.output_padding, self.dilation,
             self.groups, self.grid, size,

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from parallelkit.comm import Communicator
-from parallelkit.spatial import layout
+from parallelkit.spatial import record
 from parallelkit.spatial.blocks import SpatialLayer
 from parallelkit.spatial.grid import GridSpec, grid_of
 from parallelkit.spatial.pool import (
@@ -92,7 +92,7 @@ class SpatialMaxPool2d(_SpatialPool):
         super().__init__(kernel_size, stride, padding, dilation, ceil_mode, comm, grid)
 
     def forward(self, x_blk: torch.Tensor, size: Sequence[int] | None = None) -> torch.Tensor:
-        if not layout.is_split(x_blk) or layout.batched(x_blk):  # whole, or windows in the batch
+        if not record.is_split(x_blk) or record.batched(x_blk):  # whole, or windows in the batch
             return self.to_dense()(x_blk)
         return max_pool_blocks(x_blk, self.windows, self.grid, self._size(x_blk, size))
 
@@ -144,7 +144,7 @@ class SpatialAvgPool2d(_SpatialPool):
         self.count_include_pad, self.divisor_override = count_include_pad, divisor_override
 
     def forward(self, x_blk: torch.Tensor, size: Sequence[int] | None = None) -> torch.Tensor:
-        if not layout.is_split(x_blk) or layout.batched(x_blk):  # whole, or windows in the batch
+        if not record.is_split(x_blk) or record.batched(x_blk):  # whole, or windows in the batch
             return self.to_dense()(x_blk)
         return avg_pool_blocks(x_blk, self.windows, self.grid, self._size(x_blk, size),
                                self.count_include_pad, self.divisor_override)  # fmt: skip
@@ -176,7 +176,7 @@ class SpatialAvgPool1d(SpatialAvgPool2d):
         return self.padding == (0,) and not self.ceil_mode and self.divisor_override is None
 
     def forward(self, x_blk: torch.Tensor, size: Sequence[int] | None = None) -> torch.Tensor:
-        if (tokens := layout.tokens(x_blk)) is not None and self.over_tokens:
+        if (tokens := record.tokens(x_blk)) is not None and self.over_tokens:
             index, count = tokens
             return avg_pool_tokens(x_blk, index, count, self.kernel_size[0], self.stride[0],
                                    self.grid.comm)  # fmt: skip
@@ -192,7 +192,7 @@ class SpatialGlobalAvgPool2d(SpatialLayer, nn.Module):
     any spatial dimensions -> the same (N, C, 1, ...) means on every rank. One all-reduce of
     the local sums and pixel counts; its backward is the identity, right for a loss every rank
     computes identically (inside ``pk.parallelize``'s region, an all-reduce of the gradient
-    shares: ``layout.summed``). ``dense``: the kind of pool it stands for, which runs whole
+    shares: ``record.summed``). ``dense``: the kind of pool it stands for, which runs whole
     tensors and is what :meth:`to_dense` gives back (a 3-D pool stays a 3-D pool)."""
 
     takes_blocks = "ends"
@@ -215,12 +215,12 @@ class SpatialGlobalAvgPool2d(SpatialLayer, nn.Module):
         return cls(comm=comm, dense=type(pool))
 
     def forward(self, x_blk: torch.Tensor) -> torch.Tensor:
-        if not layout.is_split(x_blk):  # a whole tensor inside a spatial region
+        if not record.is_split(x_blk):  # a whole tensor inside a spatial region
             return self.to_dense()(x_blk)
         n, c, *spatial = x_blk.shape
         sums = x_blk.sum(tuple(range(2, x_blk.dim()))).reshape(-1)
         count = sums.new_tensor([math.prod(spatial)])
-        total = layout.summed(torch.cat([sums, count]), self.comm)
+        total = record.summed(torch.cat([sums, count]), self.comm)
         return (total[:-1] / total[-1]).view(n, c, *(1,) * len(spatial))
 
     def to_dense(self) -> nn.Module:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from parallelkit.comm import Communicator
-from parallelkit.spatial import layout
+from parallelkit.spatial import record
 from parallelkit.spatial.blocks import SpatialLayer
 from parallelkit.spatial.grid import GridSpec, grid_of
 from parallelkit.spatial.pool import check_upsample, upsample_blocks, upsample_factor
@@ -54,7 +54,7 @@ class SpatialUpsample(SpatialLayer, nn.Module):
         self.comm, self.grid = comm, grid_of(comm, grid)
 
     def forward(self, x_blk: torch.Tensor, size: Sequence[int] | None = None) -> torch.Tensor:
-        if not layout.is_split(x_blk):  # a whole tensor inside a spatial region
+        if not record.is_split(x_blk):  # a whole tensor inside a spatial region
             return self.to_dense()(x_blk)
         size = size or self.grid.global_size(x_blk, type(self).__name__)
         return upsample_blocks(x_blk, self.scale_factor, self.mode, self.grid, size)

@@ -30,7 +30,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from parallelkit.comm import Communicator, world
-from parallelkit.spatial import layout
+from parallelkit.spatial import record
 
 _DENSE = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
 
@@ -168,8 +168,8 @@ def sync_batch_norm(
     of one rank, is plain ``F.batch_norm``.
     """
     if grad_comm is not None:
-        weight = None if weight is None else layout.replicated(weight, grad_comm)
-        bias = None if bias is None else layout.replicated(bias, grad_comm)
+        weight = None if weight is None else record.replicated(weight, grad_comm)
+        bias = None if bias is None else record.replicated(bias, grad_comm)
     # One rank: plain batch_norm, except on XLA, whose batch_norm updates running_var with
     # the biased variance (torch uses the unbiased one): there the path below does it.
     if not training or (comm.size == 1 and not _on_xla(x)):

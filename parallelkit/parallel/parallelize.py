@@ -16,7 +16,7 @@ parallel layers holding the same parameter tensors. In order:
    (data x spatial).
 3. With a data dimension, DataParallel over the data group averages the gradients. Under
    spatial parallelism each rank's parameter gradients are its block's shares of the dense
-   ones (:mod:`parallelkit.spatial.layout`): DataParallel over the data x spatial group sums
+   ones (:mod:`parallelkit.spatial.record`): DataParallel over the data x spatial group sums
    them and divides by the data dimension, in bucketed all-reduces overlapped with backward.
 
 Every rank passes the same whole input and gets the same whole output (or the loss computed

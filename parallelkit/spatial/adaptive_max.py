@@ -20,7 +20,7 @@ index (:func:`best`). The best of a set under a total order can be taken in part
    win (the flat index where a NaN wins, minus it where the first maximum does).
 3. The output is the sum over the group of each rank's winning values, the others -0.0 (so
    the sum is each winner's value exactly, -0.0 and NaN included): one all-reduce
-   (``layout.summed``), whose backward brings each bin's dense gradient to every rank; the
+   (``record.summed``), whose backward brings each bin's dense gradient to every rank; the
    winner's ``gather`` from its block routes it to the one place torch routes it to.
 
 The result is whole (the same on every rank), as the gathered path made it. Nothing the size
@@ -41,7 +41,7 @@ from collections.abc import Sequence
 import torch
 
 from parallelkit.comm import Communicator
-from parallelkit.spatial import layout
+from parallelkit.spatial import record
 from parallelkit.spatial.grid import SpatialGrid
 
 LOSES = torch.iinfo(torch.int64).max  # the flat index of a place that holds nothing
@@ -133,7 +133,7 @@ def adaptive_max_pool(
         got = flat.gather(2, q.clamp(max=flat.shape[2] - 1).flatten(2)).view(q.shape)
     else:  # no place here, but in the graph: the backward's all-reduce meets on every rank
         got = flat.sum(2).view(*q.shape[:2], *[1] * len(m)).expand(q.shape)
-    y = layout.summed(torch.where(mine, got, -0.0), comm)
+    y = record.summed(torch.where(mine, got, -0.0), comm)
     return (y, p_win) if return_indices else y
 
 

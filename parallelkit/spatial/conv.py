@@ -8,7 +8,7 @@ the output in the same layout. Which input rows an output block reads is pure ge
 the block is convolved as it is and only the halo rows' terms are added
 (:mod:`parallelkit.spatial.edges`), else the rows are fetched (:mod:`parallelkit.spatial.fetch`)
 and the plain torch operation runs with no padding. Weights and biases are used as given: the
-caller picks their gradient convention (``layout.replicated`` in a layer, ``Guard.summed`` in
+caller picks their gradient convention (``record.replicated`` in a layer, ``Guard.summed`` in
 a rule).
 
 Legend: ``_blk`` this rank's block, ``[o0, o1)`` output block rows.

@@ -8,7 +8,7 @@ swapped layers and BatchNorm see whole tensors and act densely, statistics over 
 group), and its outputs are cut back into blocks, so the layers after it are split again.
 
 Exactness: gathering and scattering are each other's adjoints in the region's gradient
-convention (:mod:`parallelkit.spatial.layout`), so the gathered module's parameters receive
+convention (:mod:`parallelkit.spatial.record`), so the gathered module's parameters receive
 shares of their dense gradients like every other parameter, and its input blocks the dense
 input gradient. Nothing is applied twice: a refusal is found during a forward, which is then
 abandoned and run again from the start with the module gathered, after the model's buffers

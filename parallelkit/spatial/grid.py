@@ -22,7 +22,7 @@ import parallelkit.functional as pkf
 from parallelkit.comm import Communicator
 from parallelkit.comm.local import LocalCommunicator
 from parallelkit.geometry import BlockLayout, split_axes, tensor_split_sizes
-from parallelkit.spatial import layout
+from parallelkit.spatial import record
 
 Axis = tuple[Communicator, int, int]
 """(communicator of the ranks along one dimension, number of blocks, this rank's block)."""
@@ -100,7 +100,7 @@ class SpatialGrid:
     def global_size(self, x: torch.Tensor, name: str = "spatial layer") -> tuple[int, ...]:
         """The whole samples' spatial size whose block ``x`` (N, C, *spatial) this rank holds.
 
-        Inside a spatial region the size travels with the block (``layout.size_of``);
+        Inside a spatial region the size travels with the block (``record.size_of``);
         elsewhere one small all-gather of every rank's block size, and the blocks must be in
         tensor_split layout, which is checked (the same ValueError on every rank).
         """
@@ -113,7 +113,7 @@ class SpatialGrid:
         axes = self.axes(ndim)
         if self.comm.size == 1:
             return tuple(x.shape[2:])
-        if (known := layout.size_of(x)) is not None:
+        if (known := record.size_of(x)) is not None:
             return known
         # Host metadata: every rank's (block index, block size) along each dimension.
         mine = [v for (_, _, i), n in zip(axes, x.shape[2:], strict=True) for v in (i, n)]
@@ -174,11 +174,11 @@ def scatter(
 ) -> torch.Tensor:
     """This rank's block of a replicated (N, C, *spatial) tensor; differentiable (backward
     gathers the blocks' gradients, so every rank gets the whole input gradient; where whole
-    gradients are shares, :mod:`parallelkit.spatial.layout`, the block's gradient is this
+    gradients are shares, :mod:`parallelkit.spatial.record`, the block's gradient is this
     rank's share)."""
     g = grid_of(comm, grid)
     axes = g.axes(_check_sample(x, "pk.spatial.scatter"))
-    if layout.shares():  # the whole gradient's share is this block's, zeros elsewhere
+    if record.shares():  # the whole gradient's share is this block's, zeros elsewhere
         return x[(slice(None), slice(None), *g.block(*x.shape[2:]))]
     for d, (group, parts, _) in enumerate(axes):
         if parts > 1:
@@ -203,7 +203,7 @@ def gather(
     size = size or g.global_size(y, "pk.spatial.gather")
     # Where whole gradients are shares, the block's gradient is the sum of every rank's share
     # of it: all_gather's backward (a reduce-scatter).
-    cat = pkf.all_gather if layout.shares() else pkf.gather_from_group
+    cat = pkf.all_gather if record.shares() else pkf.gather_from_group
     for d in reversed(range(len(axes))):
         group, parts, _ = axes[d]
         if parts > 1:

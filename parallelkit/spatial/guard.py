@@ -17,7 +17,7 @@ operations pay nothing for it (a mode's Python handler costs microseconds per ca
 fast device is more than the operation).
 
 This module keeps only that: the mode, the module stack, the lookup and the refusal; the
-record of blocks is its base class (:class:`~parallelkit.spatial.record.BlockRecord`).
+record of blocks is its base class (:class:`~parallelkit.spatial.block_record.BlockRecord`).
 docs/parallelism.md has the table of every rule (generated from the registry).
 
 Legend: a *block* is this rank's (N, C, *spatial) part of split samples (signals, images,
@@ -46,11 +46,11 @@ from torch.nn.modules.module import (
 from torch.overrides import TorchFunctionMode
 
 from parallelkit.comm import Communicator
-from parallelkit.spatial import layout
+from parallelkit.spatial import record
+from parallelkit.spatial.block_record import BlockRecord, Size
 from parallelkit.spatial.blocks import takes_blocks
 from parallelkit.spatial.fallback import gather_inputs, gathered_message, scatter_outputs
 from parallelkit.spatial.grid import SpatialGrid, grid_of
-from parallelkit.spatial.record import BlockRecord, Size
 from parallelkit.spatial.refusal import SpatialRefusal, model_failure, refusal
 from parallelkit.spatial.rules import Call, lookup, op_name
 from parallelkit.spatial.rules.registry import Fold, Places, standard
@@ -67,7 +67,7 @@ class SpatialGuard(TorchFunctionMode, BlockRecord):
     """Follows blocks of split images through one forward of ``model`` (see the module
     docstring); ``comm`` is the spatial group, over which whole tensors' gradients are summed,
     ``whole_comm`` the data group (BatchNorm on whole tensors), ``shares`` the region's
-    gradient convention (:mod:`parallelkit.spatial.layout`)."""
+    gradient convention (:mod:`parallelkit.spatial.record`)."""
 
     def __init__(
         self,
@@ -106,9 +106,9 @@ class SpatialGuard(TorchFunctionMode, BlockRecord):
 
     def summed(self, t: Any) -> Any:
         """A whole tensor acting on blocks: identity forward, gradient summed over the group
-        (where gradients are shares, nothing to do: ``layout.replicated``)."""
+        (where gradients are shares, nothing to do: ``record.replicated``)."""
         if isinstance(t, Tensor) and t.requires_grad and not self.is_split(t):
-            return layout.replicated(t, self.comm)
+            return record.replicated(t, self.comm)
         return t
 
     def module(self, with_blocks: bool = False) -> nn.Module | None:
@@ -144,7 +144,7 @@ class SpatialGuard(TorchFunctionMode, BlockRecord):
     # ------------------------------------------------------------------ entering and leaving
     def __enter__(self) -> SpatialGuard:
         install_hooks()
-        layout.push(self)
+        record.push(self)
         return super().__enter__()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -154,7 +154,7 @@ class SpatialGuard(TorchFunctionMode, BlockRecord):
             self._off_stack = None
             torch._C._push_on_torch_function_stack(self)
         super().__exit__(exc_type, exc, tb)
-        layout.pop()
+        record.pop()
         if exc is not None and not isinstance(exc, SpatialRefusal) and not self._gathering:
             refused = model_failure(self.names, self.module(with_blocks=True), exc)
             if refused is not None:
@@ -304,10 +304,10 @@ class SpatialGuard(TorchFunctionMode, BlockRecord):
         bare: blocks and values without a tensor in them, so that a rule has nothing whole to
         cut and walks no tree (a pytree walk costs tens of microseconds, more than the
         operation on a fast device)."""
-        found, bare, record = [], True, self._blocks
+        found, bare, marked = [], True, self._blocks
         for a in (*args, *kwargs.values()) if kwargs else args:
             if isinstance(a, Tensor):
-                entry = record.get(id(a))
+                entry = marked.get(id(a))
                 if entry is not None and entry[0]() is a:
                     found.append(a)
                 else:
@@ -344,7 +344,7 @@ def install_hooks() -> None:
 
 def _enter_module(module: nn.Module, args: tuple) -> tuple | None:
     changed = None
-    for guard in layout.records():
+    for guard in record.records():
         if isinstance(guard, SpatialGuard):
             out = guard._enter_module(module, args if changed is None else changed)
             changed = out if out is not None else changed
@@ -353,7 +353,7 @@ def _enter_module(module: nn.Module, args: tuple) -> tuple | None:
 
 def _leave_module(module: nn.Module, args: tuple, out: Any) -> Any:
     changed = None
-    for guard in layout.records():
+    for guard in record.records():
         if isinstance(guard, SpatialGuard):
             new = guard._leave_module(module, args, out if changed is None else changed)
             changed = new if new is not None else changed

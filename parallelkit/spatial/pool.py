@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from parallelkit.comm import Communicator
 from parallelkit.geometry import Window, per_dim, starts, transposed_needs
-from parallelkit.spatial import layout
+from parallelkit.spatial import record
 from parallelkit.spatial.fetch import crop, empty_output, fetch, fetch_ranges
 from parallelkit.spatial.grid import SpatialGrid
 
@@ -223,7 +223,7 @@ def avg_pool_tokens(x: torch.Tensor, index: torch.Tensor, count: int, kernel: in
         win = torch.div(start, stride, rounding_mode="floor")
         ok = (start >= 0) & (start % stride == 0) & (win < windows)
         y = y.index_add(-1, win[ok], x[..., ok])
-    return layout.summed(y, comm) / kernel
+    return record.summed(y, comm) / kernel
 
 
 def avg_pool_blocks(

@@ -1,135 +1,117 @@
-"""The guard's record of blocks: which tensors are this rank's block of split samples, where
-their spatial dimensions are, the whole samples' size, and how a window partition folded them.
+"""Which tensors are blocks of split images: the record a spatial region keeps while it runs.
 
-:class:`~parallelkit.spatial.guard.SpatialGuard` keeps this record while a spatial region runs
-and marks every block a rule or a layer returns; the rules read it through the guard
-(``g.places(x)``, ``g.marked(y)``: the :class:`~parallelkit.spatial.rules.registry.Guard`
-protocol), the spatial layers through :mod:`parallelkit.spatial.layout`. The torch function
-mode, the module stack and the lookup stay in the guard. The legend (blocks, whole tensors,
-``places``, folds) is the guard's module docstring's.
+Inside :class:`parallelkit.spatial.region.SpatialRegion` a guard (``parallelkit.spatial.
+guard``) follows every operation and records which tensors are this rank's block of
+images split over the grid, and which are whole (replicated on every rank: a pooled vector,
+an SE gate, a parameter). A spatial layer asks :func:`is_split` about its input: a whole input
+(a 1x1 convolution on an SE block's pooled vector) runs the plain dense operation. Outside any
+region a spatial layer is used directly, on blocks, and every input counts as split.
+
+Gradients of whole tensors come in two conventions, and :func:`replicated` and :func:`summed`
+follow the region's:
+
+- *full* (outside a region, and a region made with ``shares=False``): every rank holds the
+  dense gradient of a whole tensor. A whole tensor acting on blocks (a parameter, an SE gate)
+  has its per-rank gradients summed where it meets them (``copy_to_group``, one blocking
+  all-reduce per use), and a sum over the blocks passes the gradient through as it is.
+- *shares* (``pk.parallelize``): each rank holds a share of it, and the shares add up to the
+  dense gradient. A whole tensor meeting blocks needs no communication at all, and a sum over
+  the blocks is an all-reduce both ways (its true adjoint). Parameters' gradients are then
+  shares too, summed once after backward in DataParallel's bucketed all-reduces over the data x
+  spatial group, overlapped with the rest of backward.
 """
 
 from __future__ import annotations
 
-import math
-import weakref
-from typing import Any
+import threading
+from typing import Protocol
 
-from torch import Tensor
-from torch.utils._pytree import tree_leaves
+import torch
 
-from parallelkit.spatial.rules.registry import Fold, Places, standard
-from parallelkit.spatial.rules.tokens import count, own_tokens, token_dim
-from parallelkit.spatial.token_comm import prefixed
-
-Size = tuple[int, ...]
+import parallelkit.functional as pkf
+from parallelkit.comm import Communicator
 
 
-class BlockRecord:
-    """The record of blocks (see the module docstring). The guard that derives from it sets
-    what it reads when it is made (``SpatialGuard.__init__`` says what each holds)."""
+class SplitRecord(Protocol):
+    shares: bool
 
-    _blocks: dict[int, tuple[weakref.ref, Places, Size | None, tuple[Fold, ...]]]
-    size_now: Size | None
-    folds_now: tuple[Fold, ...]
-    read_sizes: set[Size]
-    _prefixes: bool
+    def is_split(self, t: torch.Tensor) -> bool: ...
 
-    def is_split(self, t: Any) -> bool:
-        entry = self._blocks.get(id(t)) if isinstance(t, Tensor) else None
-        return entry is not None and entry[0]() is t
+    def size_of(self, t: torch.Tensor) -> tuple[int, int] | None: ...
 
-    def places(self, t: Tensor) -> Places:
-        """Where block ``t``'s spatial dimensions are, counted from the end."""
-        return self._blocks[id(t)][1]
+    def batched(self, t: torch.Tensor) -> bool: ...
 
-    def size_of(self, t: Tensor) -> Size | None:
-        """The whole samples' spatial size of block ``t``, if known: it travels from the
-        region's input through every rule and layer, so spatial layers need no size
-        all-gather."""
-        return self._blocks[id(t)][2] if self.is_split(t) else None
+    def tokens(self, t: torch.Tensor) -> tuple[torch.Tensor, int] | None: ...
 
-    def folds(self, t: Tensor) -> tuple[Fold, ...]:
-        """The spatial dimensions of block ``t`` folded with others into one dimension (a
-        window partition), each fold's factors outermost first; () for none."""
-        return self._blocks[id(t)][3] if self.is_split(t) else ()
+    def trailing(self, t: torch.Tensor) -> int: ...
 
-    def batched(self, t: Tensor) -> bool:
-        """Whether block ``t``'s spatial dimensions are all folded into its first dimension,
-        the batch (``layout.batched``)."""
-        return self.is_split(t) and all(t.dim() + d == 0 for d in self.places(t))
 
-    def batch_fold(self, batch: int, count: int) -> tuple[Tensor, Fold] | None:
-        """The newest live block whose first dimension is a fold of the batch (``batch``) and
-        spatial factors of ``count`` whole places (a window partition's windows), and that
-        fold; None if there is none."""
-        for ref, places, _, folds in reversed(self._blocks.values()):
-            t = ref()
-            for fold in folds if t is not None else ():
-                spatial = [k for _, k in fold[1:]]
-                if (fold[0] == (batch, None) and spatial and None not in spatial
-                        and math.prod(n for n, _ in fold[1:]) == count
-                        and places[spatial[0]] == -t.dim()):  # fmt: skip
-                    return t, fold
-        return None
+_active = threading.local()
 
-    def trailing(self, t: Tensor) -> int:
-        """How many dimensions follow block ``t``'s spatial ones, which come right after
-        (N, C) (``layout.trailing``)."""
-        if not self.is_split(t) or self.folds(t):
-            return 0
-        places = self.places(t)
-        first, last = min(places), max(places)
-        if last == -1 or t.dim() + first != 2 or places != tuple(range(first, last + 1)):
-            return 0
-        return -last - 1
 
-    def tokens(self, t: Tensor) -> tuple[Tensor, int] | None:
-        """This rank's whole token indices and the whole count of block ``t``, where its last
-        dimension holds all its spatial dimensions (``layout.tokens``); None for a signal's
-        own (N, C, L) block, whose last dimension is its one spatial dimension as it is."""
-        if token_dim(self, t) != -1 or (not self.folds(t) and self.places(t) == standard(t)):
-            return None
-        return own_tokens(self, t), count(self, t)
+def is_split(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a block of split images (always, outside a spatial region)."""
+    records = getattr(_active, "records", None)
+    return not records or records[-1].is_split(t)
 
-    def form(self, t: Tensor) -> tuple[Places, tuple[Fold, ...]]:
-        """Where block ``t``'s spatial dimensions are and how they are folded: two blocks of
-        one form line up element for element, so an operation between them is local."""
-        entry = self._blocks[id(t)]
-        return entry[1], entry[3]
 
-    def mark(
-        self,
-        *tensors: Any,
-        places: Places | None = None,
-        size: Size | None = None,
-        folds: tuple[Fold, ...] = (),
-    ) -> None:
-        """Record ``tensors`` as blocks whose spatial dimensions are ``places`` (default: every
-        one after N and C), folded as ``folds`` says."""
-        single = len(tensors) == 1 and isinstance(tensors[0], Tensor)  # no tree to walk
-        if folds and not self._prefixes:
-            self._prefixes = prefixed(folds)
-        for t in tensors if single else tree_leaves(tensors):
-            if isinstance(t, Tensor) and t.dim() >= (-min(places) if places else 3):
-                self._blocks[id(t)] = (weakref.ref(t), places or standard(t), size, folds)
+def batched(t: torch.Tensor) -> bool:
+    """Whether block ``t`` holds all its spatial dimensions folded into its batch dimension
+    (TNT's patches in the batch, each patch's own pixels after the channels): a layer's window
+    over the dimensions after the channels then reads nothing of another rank's."""
+    records = getattr(_active, "records", None)
+    return bool(records) and records[-1].batched(t)
 
-    def marked(
-        self,
-        out: Any,
-        places: Places | None = None,
-        size: Size | None = None,
-        folds: tuple[Fold, ...] | None = None,
-    ) -> Any:
-        """``out`` (any nesting) recorded as blocks, of the whole size and folds of the call's
-        first block unless ``size`` and ``folds`` say otherwise (folds name spatial
-        dimensions, not places: a rule that moves the places moves the folds)."""
-        folds = self.folds_now if folds is None else folds
-        self.mark(out, places=places, size=size or self.size_now, folds=folds)
-        return out
 
-    def note_sized(self, size: Size) -> None:
-        """Remember that forward code read the whole spatial ``size`` of a block: a whole
-        tensor interpolated to it, or a constant made in it, is cut into blocks
-        (:mod:`parallelkit.spatial.rules.resize`, ``.pointwise``)."""
-        self.read_sizes.add(tuple(size))
+def tokens(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """For block ``t`` whose last dimension holds all its spatial dimensions (the flattened
+    tokens of a map, ``x.flatten(2)``): the whole token indices of its tokens, in its order,
+    and the whole token count; None otherwise (and outside a region)."""
+    records = getattr(_active, "records", None)
+    return records[-1].tokens(t) if records else None
+
+
+def trailing(t: torch.Tensor) -> int:
+    """How many dimensions follow block ``t``'s spatial ones, which come right after (N, C)
+    (LambdaNet's values, (N, 1, H, W, V), for a Conv3d whose window is 1 along V); 0 for none,
+    and for any other layout."""
+    records = getattr(_active, "records", None)
+    return records[-1].trailing(t) if records else 0
+
+
+def size_of(t: torch.Tensor) -> tuple[int, int] | None:
+    """The whole images' (H, W) of block ``t`` where the region's record knows it (it follows
+    every block from the scattered input through the layers' geometry), else None."""
+    records = getattr(_active, "records", None)
+    return records[-1].size_of(t) if records else None
+
+
+def shares() -> bool:
+    """Whether whole tensors' gradients are per-rank shares here (see the module docstring)."""
+    records = getattr(_active, "records", None)
+    return bool(records) and records[-1].shares
+
+
+def replicated(t: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """A whole tensor about to act on blocks: ``copy_to_group`` (gradient summed over the
+    group), or itself where gradients are shares."""
+    return t if shares() else pkf.copy_to_group(t, comm)
+
+
+def summed(t: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """The sum over the group of per-block partial sums, whole on every rank: backward passes
+    the dense gradient through (``reduce_from_group``), or sums the shares (all-reduce)."""
+    return pkf.all_reduce(t, comm) if shares() else pkf.reduce_from_group(t, comm)
+
+
+def records() -> list[SplitRecord]:
+    """The records of the regions running now on this thread, outermost first."""
+    return getattr(_active, "records", [])
+
+
+def push(record: SplitRecord) -> None:
+    _active.records = [*getattr(_active, "records", []), record]
+
+
+def pop() -> None:
+    _active.records = _active.records[:-1]

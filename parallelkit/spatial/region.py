@@ -7,7 +7,7 @@ block is exact or refused) and gathers every output that is still split; outputs
 whole inside (after a global pool) come back as they are, in the model's own containers.
 
 With ``shares=True`` (what ``pk.parallelize`` builds) the gradients of whole tensors inside the
-region are per-rank shares (:mod:`parallelkit.spatial.layout`): no all-reduce per parameter in
+region are per-rank shares (:mod:`parallelkit.spatial.record`): no all-reduce per parameter in
 backward. The region converts at its borders: a whole output's gradient, the same on every rank
 outside, enters as its share (divided by the group size), and a whole extra input's shares are
 summed on the way out. Its parameters' gradients are then shares of the dense ones, which
@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_map
 
 import parallelkit.functional as pkf
 from parallelkit.comm import Communicator
-from parallelkit.spatial import layout
+from parallelkit.spatial import record
 from parallelkit.spatial.fallback import check_fallback, forward_with_fallback
 from parallelkit.spatial.grid import gather, grid_of, scatter
 from parallelkit.spatial.guard import SpatialGuard, install_hooks
@@ -175,7 +175,7 @@ class SpatialRegion(nn.Module):
 
 class _ShareOf(torch.autograd.Function):
     """Identity forward; backward divides the gradient by the group size: a gradient that is
-    the same on every rank becomes every rank's share of it (spatial.layout)."""
+    the same on every rank becomes every rank's share of it (spatial.record)."""
 
     @staticmethod
     def forward(ctx, t, size):  # type: ignore[override]
@@ -198,7 +198,7 @@ class OnWholeSamples(nn.Module):
         self.module, self.comm, self.grid = module, comm, grid
 
     def forward(self, x_blk: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        x = gather(x_blk, self.comm, self.grid) if layout.is_split(x_blk) else x_blk
+        x = gather(x_blk, self.comm, self.grid) if record.is_split(x_blk) else x_blk
         return self.module(x, *args, **kwargs)
 
     def to_dense(self) -> nn.Module:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from parallelkit.geometry import blocks, starts, tensor_split_sizes
-from parallelkit.spatial import layout
+from parallelkit.spatial import record
 from parallelkit.spatial.rules.forms import cut_whole
 from parallelkit.spatial.rules.registry import (
     Call,
@@ -190,7 +190,7 @@ def _prefix_index(g: Guard, x: Tensor, index: Any) -> Tensor | None:
             shape = (*x.shape[:t], len(kept), *x.shape[t + 1 :])
             mine = torch.cat([x.narrow(t, 0, 0), x.new_zeros(shape)], t)
         entries[at] = 0 if isinstance(e, int) else slice(None)
-        return layout.summed(mine, g.comm)[tuple(entries)]
+        return record.summed(mine, g.comm)[tuple(entries)]
     if kept.start > p or kept.stop != n or isinstance(e, int):
         return None
     y = x.narrow(t, kept.start, x.shape[t] - kept.start) if first else x.view_as(x)
@@ -224,7 +224,7 @@ def _token_take(g: Guard, x: Tensor, index: Any) -> Tensor | None:
     ids = ids.to(x.device)
     entries[at] = where[torch.where(ids < 0, ids + n, ids)]  # past the whole end: IndexError
     zero = x.new_zeros((*x.shape[:t], 1, *x.shape[t + 1 :]))
-    return layout.summed(torch.cat([x, zero], t)[tuple(entries)], g.comm)
+    return record.summed(torch.cat([x, zero], t)[tuple(entries)], g.comm)
 
 
 def _indexed(

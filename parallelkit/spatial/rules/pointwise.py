@@ -3,7 +3,7 @@
 A whole tensor may meet a block here (an SE gate, a layer scale, a parameter used directly) if
 it is constant over the spatial dimensions (size 1 there), or of the whole samples' size there
 (it is then cut to the block); its gradient is then each rank's share of the dense one, summed
-where it meets the blocks (``layout.replicated``).
+where it meets the blocks (``record.replicated``).
 """
 
 from __future__ import annotations

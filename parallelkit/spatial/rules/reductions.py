@@ -4,7 +4,7 @@ all-reduce.
 A reduction that leaves the spatial dimensions (H and W; D, H and W; L) alone runs on the
 block as it is. One over all of them (and maybe more) is a sum of per-block parts,
 all-reduced over the spatial group: the result is whole, the same on every rank. Its
-backward follows the region's gradient convention (``layout.summed``: a replicated loss needs
+backward follows the region's gradient convention (``record.summed``: a replicated loss needs
 no communication; a consumer split again, an SE gate, gets the sum). Extremes route their
 gradient, as torch's do, in equal parts to every place that holds the extreme, on whichever
 rank. A reduction over only some of the spatial
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import parallelkit.functional as pkf
-from parallelkit.spatial import layout
+from parallelkit.spatial import record
 from parallelkit.spatial.rules.pointwise import pointwise
 from parallelkit.spatial.rules.registry import Call, Guard, fold_index, ops, rule, whole_shape
 from parallelkit.spatial.rules.tokens import own_tokens
@@ -85,7 +85,7 @@ def _whole(x: Tensor, dims: list[int], y: Tensor, keepdim: bool) -> Tensor:
 def sum_spatial(g: Guard, x: Tensor) -> Tensor:
     """The whole samples' sums over the spatial dimensions (size 1 there), the same on every
     rank."""
-    return layout.summed(x.sum(_spatial(g, x), keepdim=True), g.comm)
+    return record.summed(x.sum(_spatial(g, x), keepdim=True), g.comm)
 
 
 def mean_spatial(g: Guard, x: Tensor) -> Tensor:
@@ -94,7 +94,7 @@ def mean_spatial(g: Guard, x: Tensor) -> Tensor:
     spatial = _spatial(g, x)
     local = x.sum(spatial, keepdim=True)
     count = x.new_full((1,), float(math.prod(x.shape[d] for d in spatial)))
-    total = layout.summed(torch.cat([local.flatten(), count]), g.comm)
+    total = record.summed(torch.cat([local.flatten(), count]), g.comm)
     return (total[:-1] / total[-1]).view(local.shape)
 
 
@@ -114,7 +114,7 @@ def extreme(g: Guard, x: Tensor, dims: list[int], largest: bool) -> Tensor:
     if not x.is_floating_point():  # no gradient to route
         return whole
     at = x == whole
-    total = layout.summed(
+    total = record.summed(
         torch.cat([torch.where(at, x, 0).sum(dims).flatten(), at.sum(dims).flatten().to(x)]),
         g.comm,
     )
@@ -227,7 +227,7 @@ def _winner(g: Guard, x: Tensor, d: int, keepdim: bool, largest: bool) -> Any:
         reached = torch.where(ends[1] > 0, nan, value == extreme) & (index >= 0)
         first = g.comm.all_reduce(torch.where(reached, index, torch.iinfo(torch.long).max), "min")
     mine = index == first
-    values = layout.summed(torch.where(mine, value, 0), g.comm)
+    values = record.summed(torch.where(mine, value, 0), g.comm)
     if not keepdim:
         values, first = values.squeeze(d), first.squeeze(d)
     return torch.return_types.max((values, first)) if largest else torch.return_types.min(
@@ -410,11 +410,11 @@ def scan(g: Guard, call: Call) -> Tensor:
     x, d = call["input"], call["dim"] % call["input"].dim() - call["input"].dim()
     if call["out"] is not None:
         raise g.refuse(call.name, "it writes into out=")
-    record = g.places(x)
+    places = g.places(x)
     y = call.run()
-    if d not in record:
-        return g.marked(y, record)
-    comm, parts, coord = g.grid.axes(len(record))[record.index(d)]
+    if d not in places:
+        return g.marked(y, places)
+    comm, parts, coord = g.grid.axes(len(places))[places.index(d)]
     product = call.func.__name__ == "cumprod"
     if y.shape[d]:
         last = y.narrow(d, y.shape[d] - 1, 1)
@@ -423,4 +423,4 @@ def scan(g: Guard, call: Call) -> Tensor:
                           float(product))  # fmt: skip
     before = pkf.all_gather(last, comm, d, [1] * parts).narrow(d, 0, coord)
     y = y * before.prod(d, keepdim=True) if product else y + before.sum(d, keepdim=True)
-    return g.marked(y, record)
+    return g.marked(y, places)

@@ -97,7 +97,7 @@ def _whole_to_block(g: Guard, call: Call) -> Tensor:
         return call.run()
     whole = F.interpolate(**{**call.named, "size": whole_size})
     # Cut with scatter, whose backward gives the whole input its gradient in the region's
-    # convention (spatial.layout).
+    # convention (spatial.record).
     return g.marked(scatter(whole, g.comm, g.grid), size=tuple(whole.shape[2:]))
 
 

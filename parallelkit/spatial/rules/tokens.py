@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from parallelkit.spatial import layout, token_comm
+from parallelkit.spatial import record, token_comm
 from parallelkit.spatial.ring_attention import ring_attention
 from parallelkit.spatial.rules.registry import Call, Guard, rule, whole_size
 
@@ -96,7 +96,7 @@ def whole_tokens(g: Guard, t: Tensor, whole_out: bool = False) -> Tensor:
     """Block ``t`` with every rank's tokens, in the whole order (a whole tensor, not marked).
     ``whole_out``: what it feeds is whole (not a block), so under the "full" convention its
     gradient is every rank's in full."""
-    return gathered_tokens(g, t, whole_out and not layout.shares())
+    return gathered_tokens(g, t, whole_out and not record.shares())
 
 
 def gathered_tokens(g: Guard, t: Tensor, full: bool) -> Tensor:
@@ -205,15 +205,15 @@ def matmul(g: Guard, x: Any, w: Any) -> Tensor | None:
     if tx == -2 and not g.is_split(w):  # q @ (k^T v), whole matrices by batch: rows local
         return _like(g, x @ g.summed(w), x)
     if tx == -1 and tw == -2 and _same_tokens(g, x, w):  # k^T @ v: a sum over tokens
-        return layout.summed(x @ w, g.comm)
+        return record.summed(x @ w, g.comm)
     if tx is None and not g.is_split(x) and tw == -1:  # whole queries @ k^T: columns local
         return _like(g, g.summed(x) @ w, w)
     if tx is None and not g.is_split(x) and tw == -2:  # whole (.., M, L) @ v: a sum
         if x.shape[-1] != count(g, w):
             return None
-        return layout.summed(g.summed(x).index_select(-1, own_tokens(g, w)) @ w, g.comm)
+        return record.summed(g.summed(x).index_select(-1, own_tokens(g, w)) @ w, g.comm)
     if tx == -1 and not g.is_split(w) and w.shape[-2] == count(g, x):  # over the token axis
-        return layout.summed(x @ g.summed(w).index_select(-2, own_tokens(g, x)), g.comm)
+        return record.summed(x @ g.summed(w).index_select(-2, own_tokens(g, x)), g.comm)
     return None
 
 
@@ -238,7 +238,7 @@ def linear(g: Guard, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor |
     if token_dim(g, x) != -1 or weight.dim() != 2 or weight.shape[1] != count(g, x):
         return None
     columns = g.summed(weight).index_select(1, own_tokens(g, x))
-    y = layout.summed(F.linear(x, columns), g.comm)
+    y = record.summed(F.linear(x, columns), g.comm)
     return y if bias is None else y + bias
 
 
@@ -266,7 +266,7 @@ def einsum(g: Guard, subscripts: list[str], output: str, operands: tuple) -> Ten
         if not all(kept):
             return None
         summed = [t if g.is_split(t) else g.summed(t) for t in operands]
-        return layout.summed(torch.einsum(",".join(subscripts) + "->" + output, *summed), g.comm)
+        return record.summed(torch.einsum(",".join(subscripts) + "->" + output, *summed), g.comm)
     args, i = [], 0
     for sub, t in zip(subscripts, operands, strict=True):
         if not g.is_split(t):
