@@ -26,7 +26,7 @@ LAYERS = [
     {"spatial"},
     {"nn"},
     {"parallel", "xla"},
-    {"models", "data", "inference", "testing"},
+    {"models", "data", "inference", "local_ranks", "testing"},
     {"train"},
     {"plan"},  # reads the training configuration it plans for
     {"cli", "parallelkit"},

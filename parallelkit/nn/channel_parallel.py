@@ -96,7 +96,9 @@ from parallelkit.nn.channel_checks import (  # noqa: F401 (importable from here,
     ChannelConvChecks,
 )
 
-Size = int | tuple[int, ...]
+PerDim = int | tuple[int, ...]
+"""An int for every spatial dimension, or one each, as ``nn.Conv*d`` takes its kernel size,
+stride, padding and dilation (not a sample's size: that is a tuple everywhere else)."""
 
 
 class ChannelParallelConvNd(ChannelConvChecks, nn.Module):
@@ -128,10 +130,10 @@ class ChannelParallelConvNd(ChannelConvChecks, nn.Module):
         self,
         in_channels: int,
         out_channels: int,
-        kernel_size: Size,
-        stride: Size = 1,
-        padding: str | Size = 0,
-        dilation: Size = 1,
+        kernel_size: PerDim,
+        stride: PerDim = 1,
+        padding: str | PerDim = 0,
+        dilation: PerDim = 1,
         groups: int = 1,
         bias: bool = True,
         padding_mode: str = "zeros",

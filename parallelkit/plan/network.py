@@ -114,7 +114,7 @@ def probe(small: int = SMALL, large: int = LARGE, repeats: int = REPEATS) -> Net
     A 2-rank ring all-reduce is 2 steps of half the tensor each: ``t = 2 a + S / b``. The small
     tensor gives ``a``, the large one ``b`` once ``2 a`` is taken off.
     """
-    from parallelkit.testing import Ranks
+    from parallelkit.local_ranks import Ranks
 
     with Ranks(2, "gloo") as ranks:
         results = ranks.run(_probe_ranks, small, large, repeats, timeout=120)

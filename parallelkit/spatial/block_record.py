@@ -18,11 +18,9 @@ from typing import Any
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
-from parallelkit.spatial.rules.registry import Fold, Places, standard
+from parallelkit.spatial.rules.registry import Fold, Places, Size, standard
 from parallelkit.spatial.rules.tokens import count, own_tokens, token_dim
 from parallelkit.spatial.token_comm import prefixed
-
-Size = tuple[int, ...]
 
 
 class BlockRecord:

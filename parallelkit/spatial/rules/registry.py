@@ -34,6 +34,7 @@ from parallelkit.spatial.grid import SpatialGrid
 from parallelkit.spatial.token_comm import box, box_index, fold_count
 
 Size = tuple[int, ...]
+"""A whole sample's spatial size, ``(L,)``, ``(H, W)`` or ``(D, H, W)``."""
 Places = tuple[int, ...]
 """Where a block's spatial dimensions (L; H, W; or D, H, W) are, counted from the end:
 (-2, -1) for (N, C, H, W), (-3, -2) for a channels-last (N, H, W, C), (-3, -2, -1) for a

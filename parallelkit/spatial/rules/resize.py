@@ -30,13 +30,12 @@ from parallelkit.spatial.pool import upsample_blocks, upsample_factor
 from parallelkit.spatial.rules.registry import (
     Call,
     Guard,
+    Size,
     channels_first,
     rule,
     standard,
     whole_size,
 )
-
-Size = tuple[int, ...]
 
 
 @rule(F.interpolate,
