@@ -23,7 +23,7 @@ from torch import nn
 from parallelkit.comm import Communicator
 from parallelkit.nn.channel_parallel import ChannelParallelConv2d
 from parallelkit.nn.spatial_parallel import SpatialParallelConv2d
-from parallelkit.spatial.grid import gather, scatter
+from parallelkit.spatial.grid import GridSpec, gather, scatter
 
 MODES = ("channel", "spatial")
 
@@ -48,7 +48,7 @@ class ParallelConv2d(nn.Module):
         *,
         comm: Communicator,
         mode: str = "channel",
-        grid: Sequence[int] | None = None,
+        grid: GridSpec = None,
         input_is_split: bool = False,
         gather_output: bool = True,
     ) -> None:
@@ -86,7 +86,7 @@ class ParallelConv2d(nn.Module):
         conv: nn.Conv2d,
         comm: Communicator,
         mode: str = "channel",
-        grid: Sequence[int] | None = None,
+        grid: GridSpec = None,
         input_is_split: bool = False,
         gather_output: bool = True,
     ) -> ParallelConv2d:

@@ -146,7 +146,7 @@ class _SpatialConv(SpatialLayer):
         return tuple(w.out_size(n) for w, n in zip(self.windows, size, strict=True))
 
     @classmethod
-    def from_dense(cls, conv: nn.Module, comm: Communicator, grid: Sequence[int] | None = None):
+    def from_dense(cls, conv: nn.Module, comm: Communicator, grid: GridSpec = None):
         """A spatial layer holding ``conv``'s parameters (the same tensors)."""
         layer = cls(
             conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
@@ -254,7 +254,7 @@ class _SpatialConvTranspose(SpatialLayer):
                                    self.output_padding, self.dilation)  # fmt: skip
 
     @classmethod
-    def from_dense(cls, conv: nn.Module, comm: Communicator, grid: Sequence[int] | None = None):
+    def from_dense(cls, conv: nn.Module, comm: Communicator, grid: GridSpec = None):
         if conv.padding_mode != "zeros":
             raise ValueError(f"{cls.__name__}: only padding_mode='zeros'")
         layer = cls(
