@@ -72,7 +72,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     keep, drop = [], []
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        slow = _module(item) in SLOW_MODULES or _module(item).split("/")[0] in TIERS
+        module = _module(item)
+        slow = module in SLOW_MODULES or module.split("/")[0] in TIERS
         sizes = [params[k] for k in ("size", "ranks") if isinstance(params.get(k), int)]
         (drop if slow or any(n not in FAST_SIZES for n in sizes) else keep).append(item)
     config.hook.pytest_deselected(items=drop)

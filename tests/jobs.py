@@ -36,7 +36,7 @@ TINY = [
     "train.log_every=1",
     "train.progress=false",
     "train.tensorboard=false",
-    "train.plot=false",  # curves.png: test_train.py's bf16 run and test_plot.py
+    "train.plot=false",  # curves.png: test_trainer.py's bf16 run, test_plot.py
     "optim.lr=0.4",
 ]
 CLI = [sys.executable, "-m", "parallelkit.cli", "train"]

@@ -1,4 +1,4 @@
-"""Rank side of test_spatial_outputs: outputs that are not (N, C, *spatial) come back whole.
+"""Rank side of spatial/test_outputs.py: outputs that are not (N, C, *spatial) come back whole.
 
 A segmentation network's output need not be (N, C, D, H, W): deep supervision stacks its heads
 (MONAI's DynUNet: (N, heads, C, D, H, W)), and a channels-last head puts C after the spatial

@@ -29,7 +29,7 @@ TINY = [
     "train.log_every=1",
     "train.progress=false",
     "train.tensorboard=false",
-    "train.plot=false",  # curves.png: drawn by test_train.py's bf16 run
+    "train.plot=false",  # curves.png: drawn by test_trainer.py's bf16 run
     "parallel.timeout=120",
     "optim.lr=0.4",
 ]

@@ -115,8 +115,8 @@ def test_predict_takes_imagests_and_writes_the_dice_of_the_files(task, tmp_path)
     for k, values in per_class.items():
         assert summary["mean"][k]["Dice"] == pytest.approx(np.mean(values))
     # summary.json is predict's: recorded, a foreign one refused. Predict's own is accepted
-    # by the same check on overwrite in test_predict_cli.py's resume test and on resume in
-    # test_predict_outputs_owned.py (labelled samples there too): not repeated here.
+    # by the same check on overwrite in train/predict/test_command.py's resume test and on resume in
+    # train/predict/test_folder.py (labelled samples there too): not repeated here.
     owner = json.loads((out / ".parallelkit-predict" / "owner.json").read_text())
     assert "summary.json" in owner
     (out / "summary.json").unlink()

@@ -1,4 +1,4 @@
-"""Run by test_launchers.py under torchrun: pk.init() with no arguments, as a user writes it."""
+"""Run by comm/test_launcher.py under torchrun: pk.init() with no arguments, as a user writes it."""
 
 import torch
 

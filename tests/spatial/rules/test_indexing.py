@@ -10,11 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spatial.rules.rows import (
-    is_refused,
-    keeps_a_block,
-    makes_a_whole_tensor,
-)
+from spatial.rules.rows import is_refused, keeps_a_block, makes_a_whole_tensor
 
 BLOCKS = {
     "channel slice": lambda x: x[:, 1:3],

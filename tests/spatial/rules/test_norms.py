@@ -14,12 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spatial.rules.rows import (
-    X,
-    guarded,
-    is_refused,
-    keeps_a_block,
-)
+from spatial.rules.rows import X, guarded, is_refused, keeps_a_block
 
 BLOCKS = {
     # ConvNeXt: channels last, LayerNorm and Linear over the channels, layer scale, and back.

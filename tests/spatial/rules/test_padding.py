@@ -10,11 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from spatial.rules.rows import (
-    guarded,
-    is_refused,
-    keeps_a_block,
-)
+from spatial.rules.rows import guarded, is_refused, keeps_a_block
 
 BLOCKS = {
     "F.pad of H and W by a constant": lambda x: F.pad(x, (1, 2, 3, 0), value=0.5),

@@ -11,10 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from spatial.rules.rows import (
-    is_refused,
-    keeps_a_block,
-)
+from spatial.rules.rows import is_refused, keeps_a_block
 
 BLOCKS = {
     "activation": lambda x: F.silu(x).relu_(),

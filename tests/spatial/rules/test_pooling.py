@@ -11,11 +11,7 @@ import pytest
 import torch.nn.functional as F
 from torch import nn
 
-from spatial.rules.rows import (
-    is_refused,
-    keeps_a_block,
-    makes_a_whole_tensor,
-)
+from spatial.rules.rows import is_refused, keeps_a_block, makes_a_whole_tensor
 
 BLOCKS = {
     "F.max_pool2d": lambda x: F.max_pool2d(x, 3, 2, 1),

@@ -10,12 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from spatial.rules.rows import (
-    X,
-    guarded,
-    is_refused,
-    keeps_a_block,
-)
+from spatial.rules.rows import X, guarded, is_refused, keeps_a_block
 
 BLOCKS = {
     "eval dropout": lambda x: F.dropout(x, 0.5, training=False),

@@ -11,11 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from spatial.rules.rows import (
-    is_refused,
-    keeps_a_block,
-    makes_a_whole_tensor,
-)
+from spatial.rules.rows import is_refused, keeps_a_block, makes_a_whole_tensor
 
 BLOCKS = {
     "stack, then a sum over the new dimension": lambda x: torch.stack([x, x * 2]).sum(0),

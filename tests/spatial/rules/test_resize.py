@@ -9,10 +9,7 @@ from __future__ import annotations
 import pytest
 import torch.nn.functional as F
 
-from spatial.rules.rows import (
-    keeps_a_block,
-    resamples_a_block,
-)
+from spatial.rules.rows import keeps_a_block, resamples_a_block
 
 BLOCKS = {
     "F.interpolate x2, nearest": lambda x: F.interpolate(x, scale_factor=2),

@@ -15,10 +15,7 @@ from torch import nn
 
 from parallelkit.comm.local import LocalCommunicator
 from parallelkit.spatial.guard import SpatialGuard
-from spatial.rules.rows import (
-    is_refused,
-    keeps_a_block,
-)
+from spatial.rules.rows import is_refused, keeps_a_block
 
 
 def _flag_unset(x: torch.Tensor) -> torch.Tensor:

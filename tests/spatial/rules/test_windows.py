@@ -11,10 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spatial.rules.rows import (
-    is_refused,
-    keeps_a_block,
-)
+from spatial.rules.rows import is_refused, keeps_a_block
 
 BLOCKS = {
     "1x1 F.conv2d": lambda x: F.conv2d(x, torch.ones(3, 4, 1, 1)),

@@ -91,7 +91,7 @@ def test_masks_from_shards_on_spatial_ranks(tmp_path):
     its block of every mask."""
     shards = tmp_path / "shards"
     # In this process: the command only hands its arguments to shard_main, and
-    # test_train.py's webdataset test runs it as a command.
+    # test_trainer.py's webdataset test runs it as a command.
     assert shard_main(["shapes", str(shards), "--samples-per-shard", "10", "--image-size", "16",
                        "--train-samples", "32", "--test-samples", "12"]) == 0  # fmt: skip
     data = ["data.name=webdataset", f"data.root={shards}"]
